@@ -1,0 +1,89 @@
+"""A fixed pool of refcounted KV blocks.
+
+One block id indexes the same page in every layer's K and V tensors, so all bookkeeping here is per block,
+never per layer. Besides refcounts the pool keeps, per block, how many of its slots have been written
+(``fill``): slots of a block are written in position order, so the written slots are always ``[0, fill)``.
+That is what makes copy-on-write decisions O(1) (DESIGN §3, invariant 2): a holder whose next position in
+the block is ``offset`` may write in place iff ``fill == offset`` (nobody wrote there yet: it *claims* the
+slot) or it is the block's only holder; otherwise it must copy the block first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class OutOfBlocks(RuntimeError):
+    """Raised by `BlockPool.allocate` when fewer blocks are free than asked for; nothing was allocated."""
+
+
+class BlockPool:
+    """Refcounts, fill counters and a free list over ``num_blocks`` block ids.
+
+    Invariants (checked by `check_integrity`): a block is free iff its refcount is 0; the free list holds
+    each free block exactly once; a free block has ``fill == 0``.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.refcount: list[int] = [0] * num_blocks
+        self.fill: list[int] = [0] * num_blocks
+        # A stack: the most recently freed block is handed out first (it is likeliest to be warm in L2).
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        """Hand out ``n`` fresh blocks (refcount 1, fill 0), all or nothing."""
+        free = self._free
+        if n > len(free):
+            raise OutOfBlocks(f"asked for {n} KV blocks, {len(free)} of {self.num_blocks} free")
+        if n == 0:
+            return []
+        blocks = free[-n:]
+        del free[-n:]
+        refcount = self.refcount
+        for b in blocks:
+            refcount[b] = 1
+        return blocks
+
+    def incref(self, blocks: Iterable[int]) -> None:
+        refcount = self.refcount
+        for b in blocks:
+            refcount[b] += 1
+
+    def decref(self, blocks: Iterable[int]) -> int:
+        """Drop one reference to each block; returns how many became free."""
+        refcount, fill, free = self.refcount, self.fill, self._free
+        freed = 0
+        for b in blocks:
+            r = refcount[b] - 1
+            refcount[b] = r
+            if r == 0:
+                fill[b] = 0
+                free.append(b)
+                freed += 1
+        return freed
+
+    def check_integrity(self, expected_refcounts: dict[int, int] | None = None) -> None:
+        """Assert the pool's invariants; with ``expected_refcounts`` (block -> holders, as counted by the
+        caller from the tree and live sequences) also assert every refcount equals its holder count."""
+        assert len(self._free) == len(set(self._free)), "a block is on the free list twice"
+        free = set(self._free)
+        for b in range(self.num_blocks):
+            r = self.refcount[b]
+            assert r >= 0, f"block {b} has negative refcount {r}"
+            assert (r == 0) == (b in free), f"block {b}: refcount {r} but on free list: {b in free}"
+            if r == 0:
+                assert self.fill[b] == 0, f"free block {b} has fill {self.fill[b]}"
+            assert 0 <= self.fill[b] <= self.block_size
+            if expected_refcounts is not None:
+                want = expected_refcounts.get(b, 0)
+                assert r == want, f"block {b}: refcount {r}, but {want} holders"

@@ -1,0 +1,245 @@
+"""The sequence side of the prefix cache: what the engine drives to give each request its KV blocks.
+
+A live sequence owns a block table (one reference per entry) and, while the prefix cache is on, a lock on
+the deepest tree node of its cached path. The lifecycle (DESIGN §4)::
+
+    seq = admit(tokens, salt)          match + lock; table = matched blocks (num_kv = match length)
+    plan = reserve([seq], [n])         slots for positions num_kv..n-1 (+ copy-on-write of the boundary block)
+    publish(seq, tokens[:seq.num_kv])  insert the path, remap duplicates onto the tree's blocks, move the lock
+    plan = reserve(seqs, [s.num_kv + 1 for s in seqs])   a decode step: one slot per sequence, batched COWs
+    release(seq)                       unlock, drop every reference
+
+The boundary block. A sequence whose next position ``p`` falls inside its last block ``B`` at ``offset =
+p % block_size`` may write in place only if nobody wrote that slot yet (``fill[B] == offset``: it claims
+it) or it holds ``B`` alone; otherwise it copies ``B`` to a fresh block first (copy-on-write)::
+
+    tree:  [a b c d | e f g .]   B (fill 3)       seq with path "a b c d e f x":
+    seq:   [a b c d | e f x .]   B' = copy(B), then write "x" at offset 2 of B'
+
+Copies are returned to the caller, who performs all of a step's copies in one batched launch *before*
+the step's K/V writes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from radixinfer.cache.block_pool import BlockPool
+from radixinfer.cache.radix_tree import Node, RadixTree, TokenArray, as_token_array
+
+
+@dataclass(eq=False)
+class SeqKV:
+    """A live sequence's cache state. ``table[i]`` holds positions ``i*block_size ..``; positions
+    ``[0, num_kv)`` have KV stored (or scheduled to be stored by the current step) in the table's slots."""
+
+    salt: Hashable
+    table: list[int]
+    num_kv: int
+    num_cached: int  # prompt tokens found in the cache at admission
+    payload: Any  # the cached final hidden state when the whole prompt was an exact repeat, else None
+    node: Node | None  # the locked tree node, or None
+    released: bool = False
+
+
+@dataclass(frozen=True)
+class ReservePlan:
+    """Slots to write, in order (per sequence, its positions ``old num_kv .. new num_kv - 1``), and the
+    block copies ``(src, dst)`` to perform before those writes."""
+
+    slots: list[int]
+    copies: list[tuple[int, int]]
+
+
+@dataclass
+class CacheCounters:
+    """Monotonic counters of the sequence side."""
+
+    cow_copies: int = 0
+
+
+@dataclass
+class KVCacheManager:
+    """Owns the block pool and the radix tree; hands out, shares and reclaims KV blocks for sequences.
+
+    With ``enable_prefix_cache=False`` nothing is matched or published: every sequence computes and owns
+    all of its blocks.
+    """
+
+    num_blocks: int
+    block_size: int
+    enable_prefix_cache: bool = True
+    pool: BlockPool = field(init=False)
+    tree: RadixTree = field(init=False)
+    counters: CacheCounters = field(init=False, default_factory=CacheCounters)
+    # Blocks touched since the last forward was issued -> their fill before that (slots below it are written).
+    _written_fill: dict[int, int] = field(init=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.pool = BlockPool(self.num_blocks, self.block_size)
+        self.tree = RadixTree(self.pool)
+
+    # ------------------------------------------------------------------ admission
+    def admit(self, tokens: Sequence[int] | TokenArray, salt: Hashable = None) -> SeqKV:
+        """Match ``tokens`` and lock the matched path; the sequence starts with the matched blocks (no
+        allocation yet, so admission itself never fails). The caller then `reserve`s the positions to compute."""
+        if not self.enable_prefix_cache:
+            return SeqKV(salt, [], 0, 0, None, None)
+        match = self.tree.match(as_token_array(tokens), salt)
+        self.tree.lock(match.node)
+        self.pool.incref(match.blocks)
+        return SeqKV(salt, list(match.blocks), match.length, match.length, match.payload, match.node)
+
+    def blocks_needed(self, seq: SeqKV, new_len: int) -> int:
+        """Fresh blocks `reserve` would take to grow ``seq`` to ``new_len`` positions (copy included)."""
+        return -(-new_len // self.block_size) - len(seq.table) + int(self._needs_copy(seq, new_len))
+
+    def needs_copy_of_unwritten(self, seq: SeqKV, new_len: int) -> bool:
+        """Whether growing ``seq`` would copy a block whose K/V the current forward has not written yet.
+        Such a sequence must wait for the next pass (the copy runs before the forward)."""
+        if not self._needs_copy(seq, new_len):
+            return False
+        return seq.num_kv % self.block_size > self._written_fill.get(seq.table[-1], self.block_size)
+
+    def _needs_copy(self, seq: SeqKV, new_len: int) -> bool:
+        offset = seq.num_kv % self.block_size
+        if offset == 0 or new_len <= seq.num_kv:
+            return False
+        last = seq.table[-1]
+        return self.pool.fill[last] != offset and self.pool.refcount[last] > 1
+
+    # ------------------------------------------------------------------ growth
+    def reserve(self, seqs: Sequence[SeqKV], new_lens: Sequence[int]) -> ReservePlan | None:
+        """Give each sequence slots for positions ``num_kv .. new_len - 1``, all or nothing.
+
+        Evicts unlocked LRU leaves if the pool is short. Returns None and changes nothing but the eviction
+        when memory is still short (the caller preempts or waits). Copy-on-write of the boundary block is
+        planned here and batched for all sequences of the call.
+        """
+        bs = self.block_size
+        pool = self.pool
+        fill, refcount = pool.fill, pool.refcount
+        need = 0
+        for seq, new_len in zip(seqs, new_lens):
+            need += -(-new_len // bs) - len(seq.table)
+            offset = seq.num_kv % bs
+            if offset and new_len > seq.num_kv:
+                last = seq.table[-1]
+                need += fill[last] != offset and refcount[last] > 1
+        if not self.ensure_free(need):
+            return None
+
+        slots: list[int] = []
+        copies: list[tuple[int, int]] = []
+        written_fill = self._written_fill
+        for seq, new_len in zip(seqs, new_lens):
+            start = seq.num_kv
+            if new_len <= start:
+                continue
+            table = seq.table
+            offset = start % bs
+            if offset:
+                last = table[-1]
+                if fill[last] != offset and refcount[last] > 1:
+                    (copy,) = pool.allocate(1)
+                    copies.append((last, copy))
+                    pool.decref((last,))
+                    table[-1] = last = copy
+                written_fill.setdefault(last, fill[last])
+                fill[last] = min(bs, offset + new_len - start)
+            first_new = len(table)
+            fresh = pool.allocate(-(-new_len // bs) - first_new)
+            table.extend(fresh)
+            for i, b in enumerate(fresh):
+                fill[b] = min(bs, new_len - (first_new + i) * bs)
+                written_fill[b] = 0
+            if new_len - start == 1:
+                slots.append(table[start // bs] * bs + offset)
+            else:
+                positions = np.arange(start, new_len)
+                slots.extend((np.asarray(table)[positions // bs] * bs + positions % bs).tolist())
+            seq.num_kv = new_len
+        self.counters.cow_copies += len(copies)
+        return ReservePlan(slots, copies)
+
+    def mark_written(self) -> None:
+        """The forward that writes every slot reserved so far has been issued: later copies may read them."""
+        self._written_fill.clear()
+
+    def ensure_free(self, num_blocks: int) -> bool:
+        """Make at least ``num_blocks`` blocks free, evicting LRU tree leaves if needed."""
+        short = num_blocks - self.pool.num_free
+        if short > 0 and self.enable_prefix_cache:
+            self.tree.evict(short)
+        return self.pool.num_free >= num_blocks
+
+    # ------------------------------------------------------------------ publishing
+    def publish(self, seq: SeqKV, tokens: Sequence[int] | TokenArray, *, prompt_end: bool = False) -> int:
+        """Insert ``tokens`` (the sequence's first ``len(tokens) <= num_kv`` tokens) into the tree so others
+        reuse them, point the table at blocks the tree already held (then release the duplicates), and move
+        the sequence's lock to the deepest node of its path. With ``prompt_end`` a node ends exactly at
+        ``len(tokens)`` so `attach_payload` can store the prompt's final hidden state there.
+        Returns the number of tokens that were new to the tree."""
+        if not self.enable_prefix_cache or len(tokens) == 0:
+            return 0
+        assert len(tokens) <= seq.num_kv, "publishing positions whose KV is not stored"
+        result = self.tree.insert(as_token_array(tokens), seq.table, seq.salt, end_node=prompt_end)
+        if result.remap:
+            indices = [k for k, _ in result.remap]
+            tree_blocks = [b for _, b in result.remap]
+            old = [seq.table[k] for k in indices]
+            self.pool.incref(tree_blocks)
+            for k, b in result.remap:
+                seq.table[k] = b
+            self.pool.decref(old)  # remap first, then free (invariant 7)
+        self.tree.lock(result.node)
+        if seq.node is not None:
+            self.tree.unlock(seq.node)
+        seq.node = result.node
+        return result.new_tokens
+
+    def attach_payload(self, seq: SeqKV, payload: Any) -> None:
+        """Store the final hidden state of the prompt's last position on the node ending there (published
+        with ``prompt_end=True``), so an exact repeat computes no attention or MLP."""
+        if seq.node is not None and seq.node.end == seq.num_kv:
+            seq.node.payload = payload
+
+    # ------------------------------------------------------------------ release
+    def release(self, seq: SeqKV) -> None:
+        """Unlock and drop every block reference (finish, abort, preemption). Idempotent."""
+        if seq.released:
+            return
+        seq.released = True
+        if seq.node is not None:
+            self.tree.unlock(seq.node)
+            seq.node = None
+        self.pool.decref(seq.table)
+        seq.table = []
+
+    def reset(self) -> None:
+        """Empty the prefix cache. Only valid when no sequence is live."""
+        self.tree.reset()
+        self._written_fill.clear()
+
+    # ------------------------------------------------------------------ inspection
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    def check_integrity(self, live: Sequence[SeqKV]) -> None:
+        """Assert DESIGN §3 invariant 1 (refcount = holders), the pool's and the tree's own invariants, and
+        that every live sequence's lock is on a node still in the tree."""
+        holders = self.tree.block_holders()
+        for seq in live:
+            assert not seq.released
+            assert len(seq.table) == -(-seq.num_kv // self.block_size), f"table/num_kv mismatch {seq}"
+            for b in seq.table:
+                holders[b] = holders.get(b, 0) + 1
+            if seq.node is not None:
+                assert seq.node.lock_count > 0
+        self.pool.check_integrity(holders)
+        self.tree.check_integrity()

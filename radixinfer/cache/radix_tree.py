@@ -1,0 +1,333 @@
+"""A token-level radix tree whose nodes hold references to paged KV blocks.
+
+Edges are labelled by runs of token ids; a node's path from its root is a token prefix. Matching is
+token-granular: a match may end mid-edge and mid-block. A node covering positions ``[start, end)`` holds the
+blocks with indices ``start // block_size .. (end - 1) // block_size``, so when ``start`` is not block-aligned
+the node and its parent both hold a block at index ``start // block_size`` (the *boundary block*)::
+
+    block_size = 4        positions  0 1 2 3 | 4 5 6 7 | 8 9
+    parent  [0, 6)  "a b c d | e f"        blocks [B0, B1]
+    child   [6, 10)           "g h | i j"  blocks      [B1', B2]
+
+``B1`` and ``B1'`` agree on positions 4..5 (the KV at a position depends only on the tokens before it,
+DESIGN §3 invariant 3) and differ after: a reader that descends into the child uses the deepest node's
+version of each block (``B1'``). Each node holds one reference per block it lists.
+
+Each ``cache_salt`` has its own root, so requests with different salts never share a node (invariant 8).
+Unlocked leaves are kept in an ordered set by last access, so eviction takes the least recently used ones
+without scanning the tree.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from sortedcontainers import SortedKeyList
+
+from radixinfer.cache.block_pool import BlockPool
+
+TokenArray = np.ndarray  # 1-D int64 token ids
+
+
+def as_token_array(tokens: Sequence[int] | np.ndarray) -> TokenArray:
+    return np.asarray(tokens, dtype=np.int64)
+
+
+def common_prefix_len(a: TokenArray, b: TokenArray) -> int:
+    """Length of the longest common prefix, compared at C speed (no Python loop per token)."""
+    n = min(len(a), len(b))
+    mismatch = np.flatnonzero(a[:n] != b[:n])
+    return int(mismatch[0]) if len(mismatch) else n
+
+
+class Node:
+    """One edge of the tree and the node at its lower end. Kept deliberately small: policy state (the LRU
+    set) lives in the tree, not here."""
+
+    __slots__ = ("key", "start", "blocks", "children", "parent", "lock_count", "last_access", "payload", "id")
+
+    def __init__(self, key: TokenArray, start: int, blocks: list[int], parent: Node | None, node_id: int) -> None:
+        self.key = key  # tokens at positions [start, start + len(key))
+        self.start = start
+        self.blocks = blocks  # block ids for indices start // bs .. (end - 1) // bs
+        self.children: dict[int, Node] = {}  # first token of the child's key -> child
+        self.parent = parent
+        self.lock_count = 0  # live sequences whose locked path runs through this node
+        self.last_access = 0
+        self.payload: Any = None  # final hidden state at position end - 1, set for prompt ends
+        self.id = node_id
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.key)
+
+    def __repr__(self) -> str:
+        return f"Node(id={self.id}, [{self.start}, {self.end}), blocks={self.blocks}, locks={self.lock_count})"
+
+
+@dataclass(frozen=True)
+class MatchResult:
+    """The longest cached prefix of a query. ``blocks`` cover positions ``[0, length)``; they are valid only
+    while ``node`` (the deepest node the match reaches, possibly partially) is locked."""
+
+    length: int
+    blocks: list[int]
+    node: Node
+    payload: Any  # the stored final hidden state when the match ends exactly at a prompt end, else None
+
+
+@dataclass(frozen=True)
+class InsertResult:
+    """``node`` is the deepest node of the inserted path (ends at or after the path's end). ``remap`` lists
+    ``(block_index, tree_block)`` pairs the caller must point its table at before releasing its own
+    duplicates (DESIGN §3 invariant 7). ``new_tokens`` counts tokens the tree did not hold before."""
+
+    node: Node
+    remap: list[tuple[int, int]]
+    new_tokens: int
+
+
+@dataclass
+class TreeCounters:
+    """Monotonic counters (never decrease, survive `reset`)."""
+
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+    evicted_blocks: int = 0
+
+
+class RadixTree:
+    def __init__(self, pool: BlockPool) -> None:
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.counters = TreeCounters()
+        self._ids = itertools.count()
+        self._clock = itertools.count(1)
+        self._roots: dict[Hashable, Node] = {}
+        self._evictable = SortedKeyList(key=lambda n: (n.last_access, n.id))
+
+    # ------------------------------------------------------------------ queries
+    def match(self, tokens: TokenArray, salt: Hashable = None) -> MatchResult:
+        """Longest cached prefix of ``tokens`` under ``salt``. Does not change the tree; the caller locks
+        ``result.node`` before anything can evict it. Counts the query in the counters."""
+        node, length, blocks = self._walk(tokens, self._root(salt))
+        payload = node.payload if length == len(tokens) and node.end == length else None
+        self.counters.queried_tokens += len(tokens)
+        self.counters.hit_tokens += length
+        return MatchResult(length, blocks, node, payload)
+
+    def _walk(self, tokens: TokenArray, root: Node) -> tuple[Node, int, list[int]]:
+        """Follow ``tokens`` from ``root``: (deepest node reached, matched length, blocks covering it)."""
+        bs = self.block_size
+        node, pos, blocks = root, 0, []
+        n = len(tokens)
+        while pos < n:
+            child = node.children.get(int(tokens[pos]))
+            if child is None:
+                break
+            key = child.key
+            if pos + len(key) <= n and np.array_equal(tokens[pos : pos + len(key)], key):
+                matched = len(key)
+            else:
+                matched = common_prefix_len(key, tokens[pos:])
+            del blocks[pos // bs :]  # the child's version of the boundary block replaces the parent's
+            blocks.extend(child.blocks)
+            node, pos = child, pos + matched
+            if matched < len(key):
+                break
+        del blocks[-(-pos // bs) :]
+        return node, pos, blocks
+
+    def _root(self, salt: Hashable) -> Node:
+        root = self._roots.get(salt)
+        if root is None:
+            root = self._roots[salt] = Node(as_token_array(()), 0, [], None, next(self._ids))
+        return root
+
+    # ------------------------------------------------------------------ locking
+    def lock(self, node: Node) -> None:
+        """Protect ``node`` and its ancestors from eviction (counts, so nested locks compose)."""
+        clock = next(self._clock)
+        evictable = self._evictable
+        while node.parent is not None:
+            if node.lock_count == 0 and not node.children:
+                evictable.discard(node)
+            node.lock_count += 1
+            node.last_access = clock
+            node = node.parent
+
+    def unlock(self, node: Node) -> None:
+        clock = next(self._clock)
+        while node.parent is not None:
+            assert node.lock_count > 0, f"unlock of an unlocked node {node}"
+            node.lock_count -= 1
+            node.last_access = clock
+            if node.lock_count == 0 and not node.children:
+                self._evictable.add(node)
+            node = node.parent
+
+    # ------------------------------------------------------------------ insertion
+    def insert(
+        self, tokens: TokenArray, blocks: Sequence[int], salt: Hashable = None, *, end_node: bool = False
+    ) -> InsertResult:
+        """Insert the path ``tokens`` whose KV lives in ``blocks`` (a sequence's block table covering at least
+        ``len(tokens)`` positions). New nodes take a reference on the blocks they list.
+
+        Full blocks the tree already holds for this path come back in ``remap``; the boundary block where
+        the path leaves the tree is never remapped (the caller may still write past the shared part).
+        With ``end_node`` a node is split so one ends exactly at ``len(tokens)`` (to carry a payload).
+        """
+        bs = self.block_size
+        n = len(tokens)
+        node, pos, tree_blocks = self._walk(tokens, self._root(salt))
+        if pos < n or end_node:
+            node = self._split_for(node, pos)
+        remap = [(k, tb) for k, tb in enumerate(tree_blocks[: pos // bs]) if blocks[k] != tb]
+        new_tokens = n - pos
+        if new_tokens:
+            leaf_blocks = list(blocks[pos // bs : -(-n // bs)])
+            self.pool.incref(leaf_blocks)
+            leaf = Node(tokens[pos:n].copy(), pos, leaf_blocks, node, next(self._ids))
+            if node.parent is not None and node.lock_count == 0 and not node.children:
+                self._evictable.discard(node)
+            node.children[int(tokens[pos])] = leaf
+            node = leaf
+            self._evictable.add(leaf)  # unlocked leaf until the caller locks it
+        self._touch(node)
+        return InsertResult(node, remap, new_tokens)
+
+    def _split_for(self, node: Node, pos: int) -> Node:
+        """Return a node ending exactly at ``pos`` on ``node``'s path, splitting ``node`` if ``pos`` is inside its
+        edge. The existing object stays the lower half (handles to it stay valid); a new upper node is made."""
+        if pos == node.end:
+            return node
+        bs = self.block_size
+        split = pos - node.start
+        first_index = node.start // bs
+        upper_blocks = node.blocks[: -(-pos // bs) - first_index]
+        upper = Node(node.key[:split], node.start, upper_blocks, node.parent, next(self._ids))
+        self.pool.incref(upper_blocks)
+        lower_dropped = pos // bs - first_index
+        self.pool.decref(node.blocks[:lower_dropped])  # never frees: the upper node holds them now
+        node.blocks = node.blocks[lower_dropped:]
+        upper.lock_count = node.lock_count
+        upper.last_access = node.last_access
+        upper.children[int(node.key[split])] = node
+        node.parent.children[int(node.key[0])] = upper
+        node.key = node.key[split:].copy()
+        node.start = pos
+        node.parent = upper
+        return upper
+
+    def _touch(self, node: Node) -> None:
+        """Mark ``node``'s path as just used (LRU order)."""
+        clock = next(self._clock)
+        evictable = self._evictable
+        while node.parent is not None:
+            if node.lock_count == 0 and not node.children:
+                evictable.discard(node)
+                node.last_access = clock
+                evictable.add(node)
+            else:
+                node.last_access = clock
+            node = node.parent
+
+    # ------------------------------------------------------------------ eviction
+    def evict(self, num_blocks: int) -> int:
+        """Remove unlocked leaves, least recently used first, until ``num_blocks`` blocks became free or
+        nothing is evictable. A parent left as an unlocked leaf becomes evictable in turn. Returns blocks freed
+        (a removed node's blocks are freed only when no other holder remains)."""
+        freed = 0
+        evictable = self._evictable
+        while freed < num_blocks and evictable:
+            leaf = evictable.pop(0)
+            freed += self.pool.decref(leaf.blocks)
+            parent = leaf.parent
+            del parent.children[int(leaf.key[0])]
+            leaf.parent = None
+            leaf.payload = None
+            if parent.parent is not None and not parent.children and parent.lock_count == 0:
+                evictable.add(parent)
+        self.counters.evicted_blocks += freed
+        return freed
+
+    @property
+    def num_evictable_leaves(self) -> int:
+        return len(self._evictable)
+
+    def reset(self) -> None:
+        """Drop every node. The caller guarantees no live sequence holds a lock."""
+        for root in self._roots.values():
+            for node in self._nodes_below(root):
+                assert node.lock_count == 0, f"reset with a locked node {node}"
+                self.pool.decref(node.blocks)
+                node.payload = None
+        self._roots.clear()
+        self._evictable.clear()
+
+    # ------------------------------------------------------------------ inspection
+    def _nodes_below(self, root: Node) -> list[Node]:
+        out, stack = [], list(root.children.values())
+        while stack:
+            node = stack.pop()
+            out.append(node)
+            stack.extend(node.children.values())
+        return out
+
+    def nodes(self) -> list[tuple[Hashable, Node]]:
+        """Every non-root node with its salt (for tests and integrity checks; walks the whole tree)."""
+        return [(salt, node) for salt, root in self._roots.items() for node in self._nodes_below(root)]
+
+    def path_tokens(self, node: Node) -> TokenArray:
+        """Tokens from the root to the end of ``node``."""
+        parts = []
+        while node.parent is not None:
+            parts.append(node.key)
+            node = node.parent
+        return np.concatenate(parts[::-1]) if parts else as_token_array(())
+
+    def path_blocks(self, node: Node) -> list[int]:
+        """The block table a reader of ``node``'s whole path uses (deepest version of each block)."""
+        chain = []
+        while node.parent is not None:
+            chain.append(node)
+            node = node.parent
+        blocks: list[int] = []
+        for n in reversed(chain):
+            del blocks[n.start // self.block_size :]
+            blocks.extend(n.blocks)
+        return blocks
+
+    def block_holders(self) -> dict[int, int]:
+        """Block id -> number of tree nodes that hold it."""
+        holders: dict[int, int] = {}
+        for _, node in self.nodes():
+            for b in node.blocks:
+                holders[b] = holders.get(b, 0) + 1
+        return holders
+
+    def check_integrity(self) -> None:
+        """Assert the tree's structural invariants (DESIGN §3: 5, 8 and the block coverage rule)."""
+        bs = self.block_size
+        expected_evictable = set()
+        for _, root in self._roots.items():
+            assert root.parent is None and len(root.key) == 0
+            for node in self._nodes_below(root):
+                parent = node.parent
+                assert parent is not None and parent.children.get(int(node.key[0])) is node
+                assert len(node.key) > 0, f"empty edge {node}"
+                assert node.start == parent.end, f"{node} does not start where its parent ends"
+                want = -(-node.end // bs) - node.start // bs
+                assert len(node.blocks) == want, f"{node} holds {len(node.blocks)} blocks, covers {want}"
+                child_locks = sum(c.lock_count for c in node.children.values())
+                assert node.lock_count >= child_locks, f"{node} has fewer locks than its children"
+                for b in node.blocks:
+                    assert self.pool.refcount[b] > 0, f"{node} holds free block {b}"
+                if not node.children and node.lock_count == 0:
+                    expected_evictable.add(node.id)
+        actual = {n.id for n in self._evictable}
+        assert actual == expected_evictable, f"evictable set {actual} != unlocked leaves {expected_evictable}"
