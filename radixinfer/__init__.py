@@ -1,0 +1,8 @@
+"""radixinfer: LLM inference around a token-level radix-tree prefix cache over refcounted paged KV blocks."""
+
+from radixinfer.api import LLM
+from radixinfer.outputs import RequestOutput, StreamDelta
+from radixinfer.sampling_params import SamplingParams
+
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "StreamDelta"]
+__version__ = "0.1.0"

@@ -94,6 +94,12 @@ class KVCacheManager:
         self.pool.incref(match.blocks)
         return SeqKV(salt, list(match.blocks), match.length, match.length, match.payload, match.node)
 
+    def cached_prefix_len(self, tokens: Sequence[int] | TokenArray, salt: Hashable = None) -> int:
+        """How many leading tokens `admit` would find cached right now (changes nothing, counts nothing)."""
+        if not self.enable_prefix_cache:
+            return 0
+        return self.tree.peek(as_token_array(tokens), salt).length
+
     def blocks_needed(self, seq: SeqKV, new_len: int) -> int:
         """Fresh blocks `reserve` would take to grow ``seq`` to ``new_len`` positions (copy included)."""
         return -(-new_len // self.block_size) - len(seq.table) + int(self._needs_copy(seq, new_len))

@@ -114,10 +114,15 @@ class RadixTree:
     def match(self, tokens: TokenArray, salt: Hashable = None) -> MatchResult:
         """Longest cached prefix of ``tokens`` under ``salt``. Does not change the tree; the caller locks
         ``result.node`` before anything can evict it. Counts the query in the counters."""
+        result = self.peek(tokens, salt)
+        self.counters.queried_tokens += len(tokens)
+        self.counters.hit_tokens += result.length
+        return result
+
+    def peek(self, tokens: TokenArray, salt: Hashable = None) -> MatchResult:
+        """`match` without counting: for schedulers estimating a request's cost."""
         node, length, blocks = self._walk(tokens, self._root(salt))
         payload = node.payload if length == len(tokens) and node.end == length else None
-        self.counters.queried_tokens += len(tokens)
-        self.counters.hit_tokens += length
         return MatchResult(length, blocks, node, payload)
 
     def _walk(self, tokens: TokenArray, root: Node) -> tuple[Node, int, list[int]]:

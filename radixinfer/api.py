@@ -1,0 +1,164 @@
+"""The public API (DESIGN §8): `LLM` with `generate`, `stream`, `cache_stats` and `reset_prefix_cache`."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Hashable, Iterator, Sequence
+
+import torch
+from transformers import PretrainedConfig
+
+from radixinfer.attention import get_backend
+from radixinfer.cache.kv_manager import KVCacheManager
+from radixinfer.cache.kv_store import KVStore
+from radixinfer.engine.admission import AdmissionConfig
+from radixinfer.engine.engine import EngineConfig, LLMEngine
+from radixinfer.engine.model_runner import ModelRunner
+from radixinfer.models import load_model
+from radixinfer.outputs import RequestOutput, StreamDelta
+from radixinfer.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+# Without a number of blocks, the CPU gets this much KV memory (CUDA takes a fraction of what is free).
+_CPU_KV_BYTES = 256 * 2**20
+
+
+def _num_blocks(
+    num_blocks: int | None, kv_memory_fraction: float, bytes_per_block: int, device: torch.device
+) -> int:
+    if num_blocks is not None:
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be a positive integer or None, got {num_blocks!r}")
+        return num_blocks
+    if not 0.0 < kv_memory_fraction < 1.0:
+        raise ValueError(f"kv_memory_fraction must be in (0, 1), got {kv_memory_fraction}")
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return max(1, int(free * kv_memory_fraction) // bytes_per_block)
+    return max(1, _CPU_KV_BYTES // bytes_per_block)
+
+
+class LLM:
+    """An inference engine over one model, with a token-level radix-tree prefix cache.
+
+    ``model`` is a preset name (``"tiny"``, ``"qwen2.5-0.5b"``, ...), a local HF checkpoint dir, or a
+    transformers ``PretrainedConfig`` (random weights). Engine options beyond the fixed signature
+    (``prefill_max_batch_size``, ``prefill_max_tokens``, ``prefill_admission_policy``,
+    ``prefill_admission_lookahead``, ``prefill_force_fifo_every``, ``chunked_prefill``, ``decode_first``,
+    ``kv_memory_fraction``) are keyword-only.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike | PretrainedConfig = "tiny",
+        device: str = "cpu",
+        dtype: str | torch.dtype = "auto",
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        max_batch_size: int = 64,
+        enable_prefix_cache: bool = True,
+        seed: int = 0,
+        *,
+        prefill_max_batch_size: int | None = None,
+        prefill_max_tokens: int = 8192,
+        prefill_admission_policy: str = "fifo",
+        prefill_admission_lookahead: int = 64,
+        prefill_force_fifo_every: int = 0,
+        chunked_prefill: bool = True,
+        decode_first: bool = False,
+        kv_memory_fraction: float = 0.85,
+    ) -> None:
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        admission = AdmissionConfig(
+            policy=prefill_admission_policy,
+            max_requests=prefill_max_batch_size or max_batch_size,
+            max_tokens=prefill_max_tokens,
+            chunked_prefill=chunked_prefill,
+            lookahead=prefill_admission_lookahead,
+            force_fifo_every=prefill_force_fifo_every,
+        )
+        config = EngineConfig(max_batch_size=max_batch_size, admission=admission, decode_first=decode_first, seed=seed)
+        torch_device = torch.device(device)
+        loaded = load_model(model, torch_device, dtype, seed)
+        m = loaded.model
+        bytes_per_block = KVStore.bytes_per_block(m.num_layers, block_size, m.num_kv_heads, m.head_dim, loaded.dtype)
+        blocks = _num_blocks(num_blocks, kv_memory_fraction, bytes_per_block, torch_device)
+        kv = KVStore(m.num_layers, blocks, block_size, m.num_kv_heads, m.head_dim, loaded.dtype, torch_device)
+        runner = ModelRunner(m, kv, get_backend(str(torch_device)), torch_device)
+        cache = KVCacheManager(blocks, block_size, enable_prefix_cache)
+        self.tokenizer = loaded.tokenizer
+        self.engine = LLMEngine(runner, cache, loaded.tokenizer, loaded.eos_token_ids, config)
+
+    def _add_all(
+        self, prompts: Sequence[Prompt], params: Sequence[SamplingParams], cache_salt: Hashable
+    ) -> list[str]:
+        """Enqueue every prompt or none: a bad one aborts those already added, then re-raises."""
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                ids.append(self.engine.add_request(prompt, p, cache_salt))
+        except ValueError:
+            for request_id in ids:
+                self.engine.abort(request_id)
+                self.engine.pop_finished(request_id)
+            raise
+        return ids
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        cache_salt: Hashable = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion (batched) and return one output per prompt, in input order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}")
+        params = params if params is not None else SamplingParams()
+        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"params: got {len(per_prompt)} SamplingParams for {len(prompts)} prompts")
+        ids = self._add_all(prompts, per_prompt, cache_salt)
+        engine = self.engine
+        while any(engine.requests[i].finish_reason is None for i in ids):
+            engine.step()
+        return [self._output(engine.pop_finished(i)) for i in ids]
+
+    def stream(
+        self, prompt: Prompt, params: SamplingParams | None = None, cache_salt: Hashable = None
+    ) -> Iterator[StreamDelta]:
+        """Yield this prompt's new tokens as they are produced (the engine keeps serving other requests).
+        Closing the iterator early aborts the request."""
+        (request_id,) = self._add_all([prompt], [params or SamplingParams()], cache_salt)
+        engine = self.engine
+        finished = False
+        try:
+            while not finished:
+                for delta in engine.step():
+                    if delta.request_id == request_id:
+                        finished = delta.finished
+                        yield delta
+        finally:
+            if not finished:
+                engine.abort(request_id)
+            engine.pop_finished(request_id)
+
+    @staticmethod
+    def _output(req) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_ids,
+            token_ids=req.output_ids,
+            text=req.text,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            finish_reason=req.finish_reason,
+        )
+
+    def cache_stats(self) -> dict[str, float | int]:
+        return self.engine.cache_stats()
+
+    def reset_prefix_cache(self) -> None:
+        self.engine.reset_prefix_cache()

@@ -1,0 +1,441 @@
+"""The online engine: continuous batching over the prefix cache (DESIGN §4).
+
+``add_request`` / ``abort`` / ``step`` are meant to be driven by one thread (the `LLM` API or the streaming
+loop). Each ``step`` runs one prefill round (admission + one ragged forward, plus at most one more pass for
+requests that must copy a block the first pass is writing) and one batched decode step, in the order
+``decode_first`` asks for.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from radixinfer.cache.kv_manager import KVCacheManager
+from radixinfer.engine.admission import AdmissionConfig, Grant, plan_admission
+from radixinfer.engine.model_runner import ModelRunner
+from radixinfer.engine.request import Request, Status
+from radixinfer.engine.sampler import SamplingBatch, sample
+from radixinfer.outputs import StreamDelta
+from radixinfer.sampling_params import SamplingParams
+from radixinfer.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_batch_size: int = 64  # requests holding KV at once (prefilling + decoding)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    decode_first: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+
+
+@dataclass
+class EngineCounters:
+    prompt_tokens: int = 0  # prompt tokens of admitted requests (counted once per request)
+    cached_tokens: int = 0  # of those, found in the prefix cache at first admission
+    computed_prompt_tokens: int = 0  # token rows run through prefill forwards (recomputes included)
+    prefill_forwards: int = 0
+    decode_forwards: int = 0
+    preemptions: int = 0
+
+
+@dataclass
+class _PrefillItem:
+    """One request's share of a prefill pass: positions ``[start, end)`` computed (``slots`` per position,
+    -1 = already stored), or nothing computed when the first token comes from ``payload`` / ``leader``."""
+
+    req: Request
+    start: int
+    end: int
+    slots: list[int]
+    payload: Any = None
+    leader: _PrefillItem | None = None
+    row: int = -1  # row of this item's last computed position in the pass's hidden states
+
+
+@dataclass
+class _Pass:
+    """One prefill forward being planned: its items, the block copies to run before it, and the first item
+    computing each full prompt (identical prompts of the pass take their first token from its row)."""
+
+    items: list[_PrefillItem] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    leaders: dict[tuple, _PrefillItem] = field(default_factory=dict)
+
+
+_DEFER = object()  # `_plan_item`: must wait for the current pass's K/V writes
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        cache: KVCacheManager,
+        tokenizer: Tokenizer,
+        eos_token_ids: tuple[int, ...],
+        config: EngineConfig,
+    ) -> None:
+        self.runner = runner
+        self.cache = cache
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.config = config
+        self.vocab_size = runner.model.vocab_size
+        self.max_context_len = runner.model.max_context_len
+        self.counters = EngineCounters()
+        self.waiting: deque[Request] = deque()
+        self.active: list[Request] = []  # PREFILLING + RUNNING, in admission order
+        self.requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+        self._round = itertools.count()
+        self._seeds = torch.Generator().manual_seed(config.seed)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        cache_salt: Hashable = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Validate and enqueue. Raises ``ValueError`` naming the bad field; nothing is allocated then."""
+        prompt_ids = self._validate_prompt(prompt)
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        total = min(len(prompt_ids) + params.max_tokens, self.max_context_len)
+        blocks = -(-total // self.cache.block_size) + 1  # +1: a copy-on-write of the boundary block
+        if blocks > self.cache.num_blocks:
+            raise ValueError(
+                f"max_tokens: prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) needs "
+                f"{blocks} KV blocks, more than the whole pool ({self.cache.num_blocks})"
+            )
+        arrival = next(self._arrivals)
+        if request_id is None:
+            request_id = str(arrival)
+        elif request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        seed = params.seed if params.seed is not None else int(torch.randint(2**31, (1,), generator=self._seeds))
+        stop_ids = frozenset(params.stop_token_ids or ()) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        req = Request(
+            request_id=request_id,
+            prompt_ids=prompt_ids,
+            params=params,
+            salt=cache_salt,
+            seed=seed,
+            arrival_index=arrival,
+            detokenizer=IncrementalDetokenizer(self.tokenizer),
+            arrival_time=time.perf_counter(),
+            stop_ids=stop_ids,
+        )
+        self.requests[request_id] = req
+        self.waiting.append(req)
+        return request_id
+
+    def _validate_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                raise ValueError("prompt: token ids must be integers")
+            ids = list(prompt)
+        else:
+            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if len(ids) > self.max_context_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens, longer than the model's context of {self.max_context_len}"
+            )
+        return ids
+
+    def abort(self, request_id: str) -> StreamDelta | None:
+        """Stop a request wherever it is; its blocks are released at once. Returns its final delta."""
+        req = self.requests.get(request_id)
+        if req is None or req.status is Status.FINISHED:
+            return None
+        if req.status is Status.WAITING:
+            self.waiting.remove(req)
+        else:
+            self.active.remove(req)
+            self._release(req)
+        return self._finish(req, "abort", [])
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.active)
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[StreamDelta]:
+        deltas: list[StreamDelta] = []
+        if self.config.decode_first:
+            self._decode(deltas)
+            self._prefill_round(deltas)
+        else:
+            self._prefill_round(deltas)
+            self._decode(deltas)
+        return deltas
+
+    # ------------------------------------------------------------------ prefill
+    def _prefill_round(self, deltas: list[StreamDelta]) -> None:
+        """Admit what the policy grants and run it as one ragged forward. Requests that would copy a block
+        this forward is still writing (they extend a prefix another request of the round computes) run in
+        a second pass right after it."""
+        admission = self.config.admission
+        first = _Pass()
+        # Chunked prompts in progress continue first: they hold blocks and a locked path.
+        budget = admission.max_tokens
+        for req in [r for r in self.active if r.status is Status.PREFILLING]:
+            if budget <= 0 or not self._plan_item(first, req, budget, fresh=False):
+                break
+            budget -= first.items[-1].end - first.items[-1].start
+        deferred: list[Grant[Request]] = []
+        free_slots = self.config.max_batch_size - len(self.active)
+        if self.waiting and free_slots > 0 and budget > 0:
+            candidates = list(itertools.islice(self.waiting, max(admission.lookahead, admission.max_requests)))
+            for grant in plan_admission(
+                candidates, admission, next(self._round), cost_of=self._uncached_cost,
+                cached_of=self._cached_len, max_requests=free_slots, max_tokens=budget,
+            ):
+                outcome = self._plan_item(first, grant.item, grant.num_tokens, fresh=True, may_defer=True)
+                if outcome is _DEFER:
+                    deferred.append(grant)
+                elif not outcome:
+                    break  # KV memory is short: the rest waits
+        self._run_prefill_pass(first, deltas)
+        if deferred:
+            second = _Pass()
+            for grant in deferred:
+                if not self._plan_item(second, grant.item, grant.num_tokens, fresh=True):
+                    break
+            self._run_prefill_pass(second, deltas)
+
+    def _uncached_cost(self, req: Request) -> int:
+        return len(req.prompt_ids) + len(req.output_ids) - self._cached_len(req)
+
+    def _cached_len(self, req: Request) -> int:
+        return self.cache.cached_prefix_len(req.all_ids, req.salt)
+
+    def _plan_item(
+        self, pass_: _Pass, req: Request, num_tokens: int, fresh: bool, may_defer: bool = False
+    ) -> bool | object:
+        """Admit (when ``fresh``), reserve and publish up to ``num_tokens`` prompt positions of ``req`` into
+        ``pass_``. Returns False, leaving the request where it was, when KV memory is short, and `_DEFER` when
+        it must wait for this pass's writes (``may_defer``)."""
+        tokens = req.all_ids
+        n = len(tokens)
+        if fresh:
+            seq = self.cache.admit(tokens, req.salt)
+            end = min(n, seq.num_kv + max(num_tokens, 1))
+            if may_defer and self.cache.needs_copy_of_unwritten(seq, end):
+                self.cache.release(seq)
+                return _DEFER
+            req.seq = seq
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = seq.num_cached
+                self.counters.prompt_tokens += len(req.prompt_ids)
+                self.counters.cached_tokens += seq.num_cached
+        seq = req.seq
+        start = seq.num_kv
+        if start >= n:  # the whole prompt is cached
+            leader = None if seq.payload is not None else pass_.leaders.get((req.salt, tuple(tokens)))
+            if seq.payload is not None or leader is not None:  # nothing to compute
+                item = _PrefillItem(req, n, n, [], payload=seq.payload, leader=leader)
+            else:  # recompute the last position for fresh logits; its K/V is already stored
+                item = _PrefillItem(req, n - 1, n, [-1])
+        else:
+            end = min(n, start + max(num_tokens, 1))
+            plan = self.cache.reserve([seq], [end])
+            if plan is None:
+                if fresh:
+                    self.cache.release(seq)
+                    req.seq = None
+                return False
+            pass_.copies.extend(plan.copies)
+            self.cache.publish(seq, tokens[:end], prompt_end=end == n)
+            item = _PrefillItem(req, start, end, plan.slots)
+            if end == n:
+                pass_.leaders.setdefault((req.salt, tuple(tokens)), item)
+        pass_.items.append(item)
+        if fresh:
+            self.waiting.remove(req)
+            self.active.append(req)
+            req.status = Status.PREFILLING
+        return True
+
+    def _run_prefill_pass(self, pass_: _Pass, deltas: list[StreamDelta]) -> None:
+        items = pass_.items
+        if not items:
+            return
+        self.runner.kv.copy_blocks(pass_.copies)
+        computed = [it for it in items if it.end > it.start]
+        hidden = None
+        if computed:
+            input_ids: list[int] = []
+            positions: list[int] = []
+            slots: list[int] = []
+            for it in computed:
+                input_ids.extend(it.req.all_ids[it.start : it.end])
+                positions.extend(range(it.start, it.end))
+                slots.extend(it.slots)
+                it.row = len(input_ids) - 1
+            hidden = self.runner.forward(
+                input_ids,
+                positions,
+                slots,
+                [it.req.seq.table for it in computed],
+                [it.end for it in computed],
+                [it.end - it.start for it in computed],
+            )
+            self.cache.mark_written()
+            self.counters.prefill_forwards += 1
+            self.counters.computed_prompt_tokens += len(input_ids)
+        finishing = [it for it in items if it.end == len(it.req.all_ids)]
+        for it in items:
+            it.req.prompt_done = it.end
+        if not finishing:
+            return
+        rows = []
+        for it in finishing:
+            if it.payload is not None:
+                rows.append(it.payload[None])
+            else:
+                source = it.leader if it.leader is not None else it
+                rows.append(hidden[source.row : source.row + 1])
+        last_hidden = torch.cat(rows)  # [len(finishing), hidden]
+        if self.cache.enable_prefix_cache:
+            for i, it in enumerate(finishing):
+                if it.payload is None and it.leader is None:
+                    self.cache.attach_payload(it.req.seq, last_hidden[i])
+        self._sample_and_emit([it.req for it in finishing], last_hidden, deltas)
+
+    # ------------------------------------------------------------------ decode
+    def _decode(self, deltas: list[StreamDelta]) -> None:
+        batch = [r for r in self.active if r.status is Status.RUNNING]
+        if not batch:
+            return
+        seqs = [r.seq for r in batch]
+        plan = self.cache.reserve(seqs, [s.num_kv + 1 for s in seqs])
+        while plan is None:
+            victim = max(self.active, key=lambda r: r.arrival_index)
+            self._preempt(victim)
+            if victim in batch:
+                batch.remove(victim)
+            if not batch:
+                return
+            seqs = [r.seq for r in batch]
+            plan = self.cache.reserve(seqs, [s.num_kv + 1 for s in seqs])
+        self.runner.kv.copy_blocks(plan.copies)
+        hidden = self.runner.forward(
+            [r.output_ids[-1] for r in batch],
+            [s.num_kv - 1 for s in seqs],
+            plan.slots,
+            [s.table for s in seqs],
+            [s.num_kv for s in seqs],
+            [1] * len(batch),
+        )
+        self.cache.mark_written()
+        self.counters.decode_forwards += 1
+        self._sample_and_emit(batch, hidden, deltas)
+
+    def _preempt(self, req: Request) -> None:
+        """Free a request's blocks under memory pressure; its computed prefix stays in the tree, so its
+        recompute is a cache hit. It resumes from the front of the queue with its output so far."""
+        self.active.remove(req)
+        self._release(req)
+        req.status = Status.WAITING
+        req.prompt_done = 0
+        self.waiting.appendleft(req)
+        self.counters.preemptions += 1
+
+    # ------------------------------------------------------------------ sampling and output
+    def _sample_and_emit(self, reqs: list[Request], hidden: torch.Tensor, deltas: list[StreamDelta]) -> None:
+        logits = self.runner.logits(hidden)
+        params = [r.params for r in reqs]
+        batch = SamplingBatch.build(
+            [p.temperature for p in params],
+            [p.top_p for p in params],
+            [p.top_k for p in params],
+            [r.seed for r in reqs],
+            [len(r.output_ids) for r in reqs],
+            logits.device,
+        )
+        tokens = sample(logits, batch).tolist()
+        now = time.perf_counter()
+        for req, token in zip(reqs, tokens):
+            req.output_ids.append(token)
+            req.status = Status.RUNNING
+            reason = None
+            if token in req.stop_ids:
+                reason = "stop"
+            elif len(req.output_ids) >= req.params.max_tokens or len(req.prompt_ids) + len(req.output_ids) >= self.max_context_len:
+                reason = "length"
+            text = req.detokenizer.add(token)
+            if reason is None:
+                req.text += text
+                deltas.append(StreamDelta(req.request_id, [token], text, False, None, req.num_cached_tokens, now))
+            else:
+                self.active.remove(req)
+                self._release(req)
+                deltas.append(self._finish(req, reason, [token], text, now))
+
+    def _finish(
+        self, req: Request, reason: str, token_ids: list[int], text: str = "", now: float | None = None
+    ) -> StreamDelta:
+        text += req.detokenizer.flush()
+        req.text += text
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        return StreamDelta(
+            req.request_id, token_ids, text, True, reason, max(req.num_cached_tokens, 0),
+            time.perf_counter() if now is None else now,
+        )
+
+    def _release(self, req: Request) -> None:
+        """Publish what the request computed (prompt and generated tokens) and drop its blocks."""
+        seq = req.seq
+        if seq is None:
+            return
+        self.cache.publish(seq, req.all_ids[: seq.num_kv])
+        self.cache.release(seq)
+        req.seq = None
+
+    def pop_finished(self, request_id: str) -> Request:
+        """Forget a finished request (the caller has read its output)."""
+        req = self.requests.pop(request_id)
+        assert req.status is Status.FINISHED
+        return req
+
+    # ------------------------------------------------------------------ cache control and stats
+    def reset_prefix_cache(self) -> None:
+        """Empty the prefix cache. Refused while requests hold KV (their blocks would stay in use)."""
+        if self.active:
+            raise RuntimeError("reset_prefix_cache while requests are running")
+        self.cache.reset()
+
+    def cache_stats(self) -> dict[str, float | int]:
+        c = self.counters
+        return {
+            "prompt_tokens": c.prompt_tokens,
+            "cached_tokens": c.cached_tokens,
+            "hit_rate": c.cached_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
+            "computed_prompt_tokens": c.computed_prompt_tokens,
+            "cow_copies": self.cache.counters.cow_copies,
+            "evicted_blocks": self.cache.tree.counters.evicted_blocks,
+            "free_blocks": self.cache.num_free_blocks,
+            "total_blocks": self.cache.num_blocks,
+            "preemptions": c.preemptions,
+            "prefill_forwards": c.prefill_forwards,
+            "decode_forwards": c.decode_forwards,
+        }

@@ -1,0 +1,52 @@
+"""A request's state inside the engine."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+from radixinfer.cache.kv_manager import SeqKV
+from radixinfer.sampling_params import SamplingParams
+from radixinfer.tokenizer import IncrementalDetokenizer
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # not admitted, or preempted (holds no blocks)
+    PREFILLING = "prefilling"  # admitted, prompt partly computed (chunked prefill)
+    RUNNING = "running"  # first token sampled, decoding
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """Owned by the engine. ``seq`` is set while the request holds KV blocks (PREFILLING / RUNNING).
+
+    ``prompt_done`` counts prompt positions computed or found cached so far; the prompt is complete when it
+    equals ``len(prompt_ids)``.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    salt: Hashable
+    seed: int  # the sampling seed: params.seed, or one drawn from the engine's seed
+    arrival_index: int
+    detokenizer: IncrementalDetokenizer
+    arrival_time: float
+    status: Status = Status.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    seq: SeqKV | None = None
+    prompt_done: int = 0
+    num_cached_tokens: int = -1  # set at first admission
+    finish_reason: str | None = None
+    stop_ids: frozenset[int] = frozenset()
+    text: str = ""
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids

@@ -1,0 +1,94 @@
+"""Batched sampling on the device: greedy, temperature, top-k, top-p, with per-request seeds.
+
+Randomness is counter-based: the noise for request ``r`` at its ``step``-th sampled token is a hash of
+``(seed_r, step, vocab id)``, so a seeded request draws the same tokens whatever else shares its batch and
+whatever order the batch is in. Sampling from the filtered softmax uses the Gumbel-max trick
+(``argmax(logits / T + Gumbel noise)``), which is exact and needs no per-row loop or generator object.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+_MIX = 0x45D9F3B  # products of values < 2**32 with it stay below 2**63: no int64 overflow
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mixer (avalanches every input bit) on int64 tensors holding values < 2**32."""
+    x = (((x >> 16) ^ x) * _MIX) & _MASK32
+    x = (((x >> 16) ^ x) * _MIX) & _MASK32
+    return (x >> 16) ^ x
+
+
+def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``[num_rows, vocab_size]`` uniforms in (0, 1), a pure function of (seed, step, column)."""
+    row_key = _hash32((seeds & _MASK32) ^ _hash32(steps & _MASK32))  # [num_rows]
+    cols = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
+    bits = _hash32(row_key[:, None] ^ cols[None, :])  # [num_rows, vocab]
+    return (bits.to(torch.float64) + 0.5).div_(2.0**32).to(torch.float32)
+
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    """Per-row sampling parameters as device tensors, built once per step. ``steps`` counts the tokens each
+    request has sampled so far (the noise counter)."""
+
+    temperature: torch.Tensor  # [num_rows] float32; 0 = greedy
+    top_p: torch.Tensor  # [num_rows] float32
+    top_k: torch.Tensor  # [num_rows] int64; 0 = off
+    seeds: torch.Tensor  # [num_rows] int64
+    steps: torch.Tensor  # [num_rows] int64
+    all_greedy: bool
+    any_filter: bool  # some row uses top-k or top-p
+
+    @classmethod
+    def build(
+        cls,
+        temperature: list[float],
+        top_p: list[float],
+        top_k: list[int],
+        seeds: list[int],
+        steps: list[int],
+        device: torch.device,
+    ) -> SamplingBatch:
+        all_greedy = not any(temperature)
+        any_filter = any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p)
+        return cls(
+            torch.tensor(temperature, dtype=torch.float32, device=device),
+            torch.tensor(top_p, dtype=torch.float32, device=device),
+            torch.tensor(top_k, dtype=torch.int64, device=device),
+            torch.tensor(seeds, dtype=torch.int64, device=device),
+            torch.tensor(steps, dtype=torch.int64, device=device),
+            all_greedy,
+            any_filter,
+        )
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Set logits outside each row's top-k / nucleus to -inf (rows with k=0, p=1 are unchanged)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [rows, vocab]
+    ranks = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+    k = torch.where(top_k > 0, top_k, logits.shape[-1])[:, None]
+    drop = ranks >= k
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # probability of strictly better tokens
+    drop |= mass_before >= top_p[:, None]  # keeps at least the best token
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """``logits [num_rows, vocab]`` float32 -> sampled token ids ``[num_rows]`` int64 (on the device)."""
+    greedy_ids = logits.argmax(dim=-1)
+    if batch.all_greedy:
+        return greedy_ids
+    temperature = batch.temperature.clamp(min=1e-5)[:, None]
+    scaled = logits / temperature
+    if batch.any_filter:
+        scaled = _filter_top_k_top_p(scaled, batch.top_k, batch.top_p)
+    gumbel = -torch.log(-torch.log(uniform_noise(batch.seeds, batch.steps, logits.shape[-1])))
+    sampled_ids = (scaled + gumbel).argmax(dim=-1)
+    return torch.where(batch.temperature > 0, sampled_ids, greedy_ids)
