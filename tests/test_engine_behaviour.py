@@ -1,0 +1,180 @@
+"""Engine behaviour through the public API on the tiny preset: forward counts and computed tokens (one
+ragged prefill per burst, in-burst dedup, exact repeats compute nothing), salts, bad input, no leaks."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from radixinfer import LLM, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=4, ignore_eos=True)
+
+
+@pytest.fixture
+def llm():
+    return LLM("tiny", block_size=4, num_blocks=512)
+
+
+def unique_prefix_count(prompts: list[list[int]]) -> int:
+    """Distinct (prefix) positions over a set of prompts: what a perfect prefix cache computes."""
+    return len({tuple(p[: i + 1]) for p in prompts for i in range(len(p))})
+
+
+def shared_burst() -> list[list[int]]:
+    rng = random.Random(0)
+    system = [rng.randrange(256) for _ in range(30)]
+    prompts = [system + [rng.randrange(256) for _ in range(rng.randrange(1, 12))] for _ in range(6)]
+    return prompts + [list(prompts[0]), list(prompts[3]), [rng.randrange(256) for _ in range(9)]]
+
+
+def test_burst_runs_one_prefill_and_computes_unique_prefixes_once(llm):
+    prompts = shared_burst()
+    llm.generate(prompts, GREEDY)
+    stats = llm.cache_stats()
+    # One ragged forward, plus at most one more pass for suffixes that copy a block the first pass writes.
+    assert 1 <= stats["prefill_forwards"] <= 2
+    distinct = len({tuple(p) for p in prompts})
+    assert unique_prefix_count(prompts) <= stats["computed_prompt_tokens"] <= unique_prefix_count(prompts) + distinct
+    assert stats["prompt_tokens"] == sum(map(len, prompts))
+
+
+def test_exact_repeats_compute_no_prompt_tokens(llm):
+    prompts = shared_burst()
+    first = llm.generate(prompts, GREEDY)
+    before = llm.cache_stats()
+    again = llm.generate(prompts, GREEDY)
+    after = llm.cache_stats()
+    assert after["computed_prompt_tokens"] == before["computed_prompt_tokens"]
+    assert [o.num_cached_tokens for o in again] == [len(p) for p in prompts]
+    assert [o.token_ids for o in again] == [o.token_ids for o in first]
+
+
+def test_hit_computes_its_suffix_in_one_extend(llm):
+    prompt = list(range(40))
+    llm.generate([prompt], GREEDY)
+    before = llm.cache_stats()
+    out = llm.generate([prompt + list(range(100, 125))], GREEDY)[0]
+    after = llm.cache_stats()
+    assert out.num_cached_tokens == 40
+    assert after["computed_prompt_tokens"] - before["computed_prompt_tokens"] == 25
+    assert after["prefill_forwards"] - before["prefill_forwards"] == 1
+
+
+def test_prefix_of_a_cached_prompt_recomputes_one_token(llm):
+    llm.generate([list(range(50))], GREEDY)
+    before = llm.cache_stats()
+    out = llm.generate([list(range(37))], GREEDY)[0]
+    assert out.num_cached_tokens == 37
+    assert llm.cache_stats()["computed_prompt_tokens"] - before["computed_prompt_tokens"] == 1
+
+
+def test_generated_tokens_are_published_for_the_next_turn(llm):
+    prompt = list(range(20))
+    out = llm.generate([prompt], SamplingParams(max_tokens=9, ignore_eos=True))[0]
+    follow_up = prompt + out.token_ids + [5, 6, 7]
+    second = llm.generate([follow_up], GREEDY)[0]
+    # everything but the last generated token (whose KV is never computed) comes from the cache
+    assert second.num_cached_tokens == len(prompt) + len(out.token_ids) - 1
+
+
+def test_salts_never_share(llm):
+    prompt = list(range(60))
+    llm.generate([prompt], GREEDY, cache_salt="tenant-a")
+    other = llm.generate([prompt], GREEDY, cache_salt="tenant-b")[0]
+    same = llm.generate([prompt], GREEDY, cache_salt="tenant-a")[0]
+    assert other.num_cached_tokens == 0
+    assert same.num_cached_tokens == 60
+    assert other.token_ids == same.token_ids
+
+
+def test_cache_off_computes_everything():
+    llm = LLM("tiny", block_size=4, num_blocks=512, enable_prefix_cache=False)
+    prompts = shared_burst()
+    llm.generate(prompts, GREEDY)
+    llm.generate(prompts, GREEDY)
+    stats = llm.cache_stats()
+    assert stats["cached_tokens"] == 0 and stats["hit_rate"] == 0.0
+    assert stats["computed_prompt_tokens"] == 2 * sum(map(len, prompts))
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "field"),
+    [
+        ("", GREEDY, "prompt"),
+        ([], GREEDY, "prompt"),
+        ([1, 2, 100000], GREEDY, "prompt"),
+        ([1, -1], GREEDY, "prompt"),
+        ([1] * 5000, GREEDY, "prompt"),
+        ("hi", None, "max_tokens"),
+    ],
+)
+def test_bad_input_raises_naming_the_field_and_leaks_nothing(llm, prompt, params, field):
+    with pytest.raises(ValueError, match=field):
+        llm.generate(["fine prompt", prompt], params or SamplingParams(max_tokens=10**6))
+    out = llm.generate(["still serving"], GREEDY)[0]
+    assert len(out.token_ids) == 4
+    llm.reset_prefix_cache()
+    assert llm.cache_stats()["free_blocks"] == llm.cache_stats()["total_blocks"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(temperature=-0.5), "temperature"),
+        (dict(temperature=math.nan), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-1), "top_k"),
+    ],
+)
+def test_bad_sampling_params_raise_naming_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_random_workload_with_aborts_and_preemption_leaks_nothing():
+    llm = LLM("tiny", block_size=2, num_blocks=36, max_batch_size=6)
+    engine = llm.engine
+    rng = random.Random(1)
+    base = [rng.randrange(256) for _ in range(10)]
+    ids = []
+    for i in range(24):
+        prompt = base[: rng.randrange(1, 10)] + [rng.randrange(256) for _ in range(rng.randrange(1, 12))]
+        ids.append(engine.add_request(prompt, SamplingParams(max_tokens=rng.randrange(1, 24), ignore_eos=True)))
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+        if steps % 3 == 0:
+            engine.abort(rng.choice(ids))
+        engine.cache.check_integrity([r.seq for r in engine.active])
+    assert engine.cache_stats()["preemptions"] > 0
+    llm.reset_prefix_cache()
+    assert llm.cache_stats()["free_blocks"] == 36
+
+
+def test_seeded_sampling_is_independent_of_batch_composition(llm):
+    params = SamplingParams(max_tokens=8, temperature=0.9, top_k=50, top_p=0.9, seed=1234, ignore_eos=True)
+    alone = llm.generate(["the same prompt"], params)[0].token_ids
+    crowd = llm.generate(["other", "the same prompt", "more text here"], [GREEDY, params, GREEDY])[1].token_ids
+    assert alone == crowd
+
+
+def test_stop_token_ends_the_request(llm):
+    greedy = llm.generate(["stop here"], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
+    stop = greedy[3]
+    out = llm.generate(["stop here"], SamplingParams(max_tokens=8, ignore_eos=True, stop_token_ids=[stop]))[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids == greedy[: greedy.index(stop) + 1]
+
+
+def test_stream_yields_the_same_tokens_as_generate(llm):
+    expected = llm.generate(["stream me"], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+    deltas = list(llm.stream("stream me", SamplingParams(max_tokens=6, ignore_eos=True)))
+    assert [t for d in deltas for t in d.token_ids] == expected.token_ids
+    assert "".join(d.text for d in deltas) == expected.text
+    assert deltas[-1].finished and not any(d.finished for d in deltas[:-1])
