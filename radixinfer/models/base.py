@@ -1,0 +1,88 @@
+"""The model interface the engine depends on: a causal LM whose attention reads and writes the paged KV cache."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from radixinfer.attention import ForwardContext
+
+
+def attention_window(config: PretrainedConfig) -> int | None:
+    """The sliding window a config's attention uses, or None for full attention everywhere.
+
+    Mistral applies ``sliding_window`` whenever it is set; Qwen2/3 only on layers whose ``layer_types`` entry is
+    ``sliding_attention`` (transformers 5) or when ``use_sliding_window`` is on (older configs).
+    """
+    window = getattr(config, "sliding_window", None)
+    if not getattr(config, "use_sliding_window", True):
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return window
+
+
+class PagedCausalLM(nn.Module):
+    """A decoder-only LM over a ragged batch (all sequences' new tokens concatenated, no padding).
+
+    Attention layers call ``ctx.attention(layer_idx, q, k, v, scale)``, which stores the new K/V in the paged
+    cache and attends over each sequence's cached prefix plus its new tokens; the model itself never sees
+    block tables. The KV pool the engine allocates is
+    ``[num_layers, num_blocks, block_size, num_kv_heads, head_dim]`` for K and for V.
+
+    Subclasses build their modules with the same names as the transformers checkpoint, except where fused
+    (``stacked_params``) or renamed in an override of ``map_checkpoint_weight``.
+    """
+
+    # checkpoint module name -> (fused module name, shard id), e.g. "q_proj" -> ("qkv_proj", "q")
+    stacked_params: ClassVar[dict[str, tuple[str, str]]] = {}
+    lm_head: nn.Linear  # set by subclasses through `make_lm_head`
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.num_layers: int = config.num_hidden_layers
+        self.num_heads: int = config.num_attention_heads
+        self.num_kv_heads: int = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.hidden_size: int = config.hidden_size
+        self.head_dim: int = getattr(config, "head_dim", None) or self.hidden_size // self.num_heads
+        self.vocab_size: int = config.vocab_size
+        # only full attention is implemented: a sliding-window model is exact up to its window, so cap there
+        window = attention_window(config)
+        self.max_context_len: int = min(config.max_position_embeddings, window or config.max_position_embeddings)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """``input_ids``, ``positions``: ``[num_tokens]`` int64. Returns the final hidden states after the
+        final norm, ``[num_tokens, hidden_size]`` in the model dtype."""
+        raise NotImplementedError
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The output projection alone: ``[n, hidden_size]`` -> ``[n, vocab_size]`` float32."""
+        return self.lm_head(hidden).float()
+
+    def make_lm_head(self, embedding: nn.Embedding) -> nn.Linear:
+        """The output projection; shares the embedding's weight (no allocation) when the config ties them."""
+        if not self.config.tie_word_embeddings:
+            return nn.Linear(self.hidden_size, self.vocab_size, bias=False)
+        lm_head = nn.Linear(self.hidden_size, self.vocab_size, bias=False, device="meta")
+        lm_head.weight = embedding.weight
+        return lm_head
+
+    def map_checkpoint_weight(
+        self, name: str, tensor: torch.Tensor
+    ) -> tuple[str, torch.Tensor, str | None] | None:
+        """Translate one checkpoint tensor into ``(parameter name, tensor, shard id)``; None skips it.
+
+        Skipped: rotary ``inv_freq`` buffers some checkpoints carry, and ``lm_head.weight`` of a tied model
+        (it is the embedding). Fused parameters get the shard id their weight loader expects.
+        """
+        if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.config.tie_word_embeddings):
+            return None
+        for part, (fused, shard_id) in self.stacked_params.items():
+            if f".{part}." in name:
+                return name.replace(f".{part}.", f".{fused}."), tensor, shard_id
+        return name, tensor, None

@@ -1,0 +1,87 @@
+"""GPT-2 over the paged KV cache: learned positions, pre-LayerNorm blocks, GELU MLP, tied output projection.
+
+Module names are the checkpoint's without the ``transformer.`` prefix. The checkpoint stores its projections
+as ``Conv1D`` weights ``[in, out]``; they are transposed once at load into ``nn.Linear``'s ``[out, in]``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.activations import ACT2FN
+
+from radixinfer.attention import ForwardContext
+from radixinfer.models.base import PagedCausalLM
+
+_CONV1D_MODULES = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+
+
+class GPT2Attention(nn.Module):
+    def __init__(self, config: PretrainedConfig, layer_idx: int) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.layer_idx = layer_idx
+        self.num_heads, self.head_dim = config.num_attention_heads, hidden // config.num_attention_heads
+        self.scale = self.head_dim**-0.5 if config.scale_attn_weights else 1.0
+        if config.scale_attn_by_inverse_layer_idx:
+            self.scale /= layer_idx + 1
+        self.c_attn = nn.Linear(hidden, 3 * hidden)  # q, k, v concatenated (already fused in the checkpoint)
+        self.c_proj = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        q, k, v = self.c_attn(x).view(-1, 3, self.num_heads, self.head_dim).unbind(1)  # 3 x [T, H, D]
+        out = ctx.attention(self.layer_idx, q, k, v, self.scale)  # [T, H, D]
+        return self.c_proj(out.flatten(1))
+
+
+class GPT2MLP(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        inner = config.n_inner or 4 * config.hidden_size
+        self.c_fc = nn.Linear(config.hidden_size, inner)
+        self.c_proj = nn.Linear(inner, config.hidden_size)
+        self.act = ACT2FN[config.activation_function]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        return self.c_proj(self.act(self.c_fc(x)))
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, config: PretrainedConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+        self.attn = GPT2Attention(config, layer_idx)
+        self.ln_2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+        self.mlp = GPT2MLP(config)
+
+    def forward(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        h = h + self.attn(self.ln_1(h), ctx)
+        return h + self.mlp(self.ln_2(h))
+
+
+class GPT2LMHeadModel(PagedCausalLM):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__(config)
+        self.wte = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.h = nn.ModuleList(GPT2Block(config, i) for i in range(config.num_hidden_layers))
+        self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+        self.lm_head = self.make_lm_head(self.wte)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        h = self.wte(input_ids) + self.wpe(positions)  # [T, hidden]
+        for block in self.h:
+            h = block(h, ctx)
+        return self.ln_f(h)
+
+    def map_checkpoint_weight(
+        self, name: str, tensor: torch.Tensor
+    ) -> tuple[str, torch.Tensor, str | None] | None:
+        """Strip ``transformer.``, drop the causal-mask buffers old checkpoints carry, transpose Conv1D weights."""
+        name = name.removeprefix("transformer.")
+        if name.endswith((".attn.bias", ".attn.masked_bias")):
+            return None
+        if name.endswith(".weight") and name.removesuffix(".weight").endswith(_CONV1D_MODULES):
+            tensor = tensor.t()
+        return super().map_checkpoint_weight(name, tensor)

@@ -1,0 +1,120 @@
+"""The Llama family over the paged KV cache: Llama 2/3, Mistral, Qwen2/2.5 and Qwen3.
+
+They differ only in a few switches, read from the config:
+
+    model_type   q/k/v bias            o_proj bias       q/k RMSNorm per head (before RoPE)
+    llama        attention_bias        attention_bias    -
+    mistral      -                     -                 -
+    qwen2        always                -                 -
+    qwen3        attention_bias        attention_bias    yes
+
+Everything else is shared: GQA, RoPE, RMSNorm, SwiGLU MLP, optional tied embeddings.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.activations import ACT2FN
+
+from radixinfer.attention import ForwardContext
+from radixinfer.models.base import PagedCausalLM
+from radixinfer.models.layers import FusedLinear, RMSNorm
+from radixinfer.models.rotary import RotaryEmbedding, apply_rotary
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: PretrainedConfig, layer_idx: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, num_kv_heads, head_dim
+        self.scale = head_dim**-0.5
+        attention_bias = getattr(config, "attention_bias", False)
+        q_size, kv_size = self.num_heads * head_dim, num_kv_heads * head_dim
+        self.qkv_proj = FusedLinear(
+            config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size},
+            bias=attention_bias or config.model_type == "qwen2",
+        )
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=attention_bias)
+        has_qk_norm = config.model_type == "qwen3"
+        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps) if has_qk_norm else None
+        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps) if has_qk_norm else None
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = q.view(-1, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = ctx.attention(self.layer_idx, q, k, v, self.scale)  # [T, H, D]
+        return self.o_proj(out.flatten(1))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU: ``down(act(gate(x)) * up(x))`` with gate and up as one matmul."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        bias = getattr(config, "mlp_bias", False)
+        size = config.intermediate_size
+        self.gate_up_proj = FusedLinear(config.hidden_size, {"gate": size, "up": size}, bias=bias)
+        self.down_proj = nn.Linear(size, config.hidden_size, bias=bias)
+        self.act = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        return self.down_proj(self.act(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, layer_idx: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, layer_idx, num_kv_heads, head_dim)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, ctx)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: PretrainedConfig, num_kv_heads: int, head_dim: int, max_positions: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary_emb = RotaryEmbedding(config, head_dim, max_positions)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, num_kv_heads, head_dim) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self.rotary_emb(positions)  # [T, head_dim // 2], gathered once for all layers
+        for layer in self.layers:
+            h = layer(h, cos, sin, ctx)
+        return self.norm(h)
+
+
+class LlamaForCausalLM(PagedCausalLM):
+    stacked_params = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", "gate"),
+        "up_proj": ("gate_up_proj", "up"),
+    }
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__(config)
+        self.model = LlamaModel(config, self.num_kv_heads, self.head_dim, self.max_context_len)
+        self.lm_head = self.make_lm_head(self.model.embed_tokens)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return self.model(input_ids, positions, ctx)
