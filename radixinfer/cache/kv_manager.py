@@ -92,7 +92,8 @@ class KVCacheManager:
         match = self.tree.match(as_token_array(tokens), salt)
         self.tree.lock(match.node)
         self.pool.incref(match.blocks)
-        return SeqKV(salt, list(match.blocks), match.length, match.length, match.payload, match.node)
+        node = match.node if match.length else None  # an empty match reaches only the root: nothing to lock
+        return SeqKV(salt, list(match.blocks), match.length, match.length, match.payload, node)
 
     def cached_prefix_len(self, tokens: Sequence[int] | TokenArray, salt: Hashable = None) -> int:
         """How many leading tokens `admit` would find cached right now (changes nothing, counts nothing)."""

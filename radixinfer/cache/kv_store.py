@@ -44,5 +44,7 @@ class KVStore:
         """Perform every (src, dst) copy of a step, all layers, K and V, in one launch."""
         if not copies:
             return
-        pairs = torch.tensor(copies, dtype=torch.int64).to(self.device, non_blocking=True)  # [n, 2]
+        pairs = torch.tensor(copies, dtype=torch.int64)  # [n, 2]
+        if self.device.type == "cuda":
+            pairs = pairs.pin_memory().to(self.device, non_blocking=True)
         self._copy(self.k, self.v, pairs[:, 0], pairs[:, 1])

@@ -15,6 +15,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from radixinfer.cache.kv_manager import KVCacheManager
@@ -145,16 +146,17 @@ class LLMEngine:
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)):
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-                raise ValueError("prompt: token ids must be integers")
             ids = list(prompt)
+            array = np.asarray(ids)
+            if ids and (array.ndim != 1 or array.dtype.kind not in "iu" or any(isinstance(t, bool) for t in ids[:1])):
+                raise ValueError("prompt: token ids must be integers")
+            if ids and not (0 <= array.min() and array.max() < self.vocab_size):
+                bad = int(array[(array < 0) | (array >= self.vocab_size)][0])
+                raise ValueError(f"prompt: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         else:
             raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         if not ids:
             raise ValueError("prompt must not be empty")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         if len(ids) > self.max_context_len:
             raise ValueError(
                 f"prompt has {len(ids)} tokens, longer than the model's context of {self.max_context_len}"
@@ -215,9 +217,10 @@ class LLMEngine:
                     break  # KV memory is short: the rest waits
         self._run_prefill_pass(first, deltas)
         if deferred:
+            # A request that would now copy a block the second pass itself writes waits for the next round.
             second = _Pass()
             for grant in deferred:
-                if not self._plan_item(second, grant.item, grant.num_tokens, fresh=True):
+                if not self._plan_item(second, grant.item, grant.num_tokens, fresh=True, may_defer=True):
                     break
             self._run_prefill_pass(second, deltas)
 
@@ -290,7 +293,7 @@ class LLMEngine:
                 positions.extend(range(it.start, it.end))
                 slots.extend(it.slots)
                 it.row = len(input_ids) - 1
-            hidden = self.runner.forward(
+            hidden = self.runner.prefill(
                 input_ids,
                 positions,
                 slots,
@@ -318,7 +321,7 @@ class LLMEngine:
             for i, it in enumerate(finishing):
                 if it.payload is None and it.leader is None:
                     self.cache.attach_payload(it.req.seq, last_hidden[i])
-        self._sample_and_emit([it.req for it in finishing], last_hidden, deltas)
+        self._sample_and_emit([it.req for it in finishing], self.runner.logits(last_hidden), deltas)
 
     # ------------------------------------------------------------------ decode
     def _decode(self, deltas: list[StreamDelta]) -> None:
@@ -337,17 +340,16 @@ class LLMEngine:
             seqs = [r.seq for r in batch]
             plan = self.cache.reserve(seqs, [s.num_kv + 1 for s in seqs])
         self.runner.kv.copy_blocks(plan.copies)
-        hidden = self.runner.forward(
+        logits = self.runner.decode(
             [r.output_ids[-1] for r in batch],
             [s.num_kv - 1 for s in seqs],
             plan.slots,
             [s.table for s in seqs],
             [s.num_kv for s in seqs],
-            [1] * len(batch),
         )
         self.cache.mark_written()
         self.counters.decode_forwards += 1
-        self._sample_and_emit(batch, hidden, deltas)
+        self._sample_and_emit(batch, logits, deltas)
 
     def _preempt(self, req: Request) -> None:
         """Free a request's blocks under memory pressure; its computed prefix stays in the tree, so its
@@ -360,8 +362,7 @@ class LLMEngine:
         self.counters.preemptions += 1
 
     # ------------------------------------------------------------------ sampling and output
-    def _sample_and_emit(self, reqs: list[Request], hidden: torch.Tensor, deltas: list[StreamDelta]) -> None:
-        logits = self.runner.logits(hidden)
+    def _sample_and_emit(self, reqs: list[Request], logits: torch.Tensor, deltas: list[StreamDelta]) -> None:
         params = [r.params for r in reqs]
         batch = SamplingBatch.build(
             [p.temperature for p in params],

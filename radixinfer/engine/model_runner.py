@@ -1,9 +1,17 @@
-"""Turns a planned batch (token ids, positions, slots, block tables) into one forward of the model."""
+"""Turns a planned batch (token ids, positions, slots, block tables) into one forward of the model.
+
+Host data goes to the device in two copies per forward (one int64 buffer: token ids, positions, slots;
+one int32 buffer: block tables, context lengths, query starts), never one small copy per field or request.
+On CUDA, decode steps replay CUDA graphs captured per batch-size bucket: a small model's decode step is
+hundreds of kernel launches, and launching them from Python costs far more than running them.
+"""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from radixinfer.attention import AttentionBackend, AttentionMetadata, ForwardContext
@@ -11,26 +19,86 @@ from radixinfer.cache.kv_store import KVStore
 from radixinfer.models.base import PagedCausalLM
 
 
-class ModelRunner:
-    """Owns the model, the KV tensors and the attention backend. Host lists are turned into device tensors
-    here, once per forward."""
+def pack_block_tables(tables: Sequence[Sequence[int]], out: np.ndarray) -> None:
+    """Write ragged block tables into the rows of ``out`` ``[>= len(tables), width]`` (vectorised: one
+    boolean-mask assignment, row-major, so the concatenation lands row by row). Padding entries are 0."""
+    lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+    flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=out.dtype, count=int(lens.sum()))
+    rows = out[: len(tables)]
+    rows[...] = 0
+    rows[np.arange(out.shape[1])[None, :] < lens[:, None]] = flat
 
-    def __init__(self, model: PagedCausalLM, kv: KVStore, backend: AttentionBackend, device: torch.device) -> None:
+
+def graph_batch_sizes(max_batch_size: int) -> list[int]:
+    """Buckets a decode batch is padded up to: fine-grained where small batches are common."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_batch_size]
+    sizes += list(range(16, max_batch_size, 16))
+    return sizes + [max_batch_size]
+
+
+class _StepBuffers:
+    """Host (pinned on CUDA) and device buffers for up to ``max_tokens`` tokens / ``max_seqs`` sequences.
+    The device tensors double as a CUDA graph's static inputs."""
+
+    def __init__(self, max_tokens: int, max_seqs: int, width: int, device: torch.device) -> None:
+        pin = device.type == "cuda"
+        self.host64 = torch.zeros(3, max_tokens, dtype=torch.int64, pin_memory=pin)  # ids, positions, slots
+        self.host32 = torch.zeros(max_seqs * width + 2 * max_seqs + 1, dtype=torch.int32, pin_memory=pin)
+        self.dev64 = torch.zeros_like(self.host64, device=device)
+        self.dev32 = torch.zeros_like(self.host32, device=device)
+        self.width, self.max_seqs = width, max_seqs
+        h64, h32 = self.host64.numpy(), self.host32.numpy()
+        self.ids, self.positions, self.slots = h64[0], h64[1], h64[2]
+        self.tables = h32[: max_seqs * width].reshape(max_seqs, width)
+        self.context_lens = h32[max_seqs * width : max_seqs * (width + 1)]
+        self.query_start = h32[max_seqs * (width + 1) :]
+
+    def upload(self) -> None:
+        self.dev64.copy_(self.host64, non_blocking=True)
+        self.dev32.copy_(self.host32, non_blocking=True)
+
+    def metadata(self, num_tokens: int, num_seqs: int, max_query_len: int, max_context_len: int) -> AttentionMetadata:
+        width, n = self.width, self.max_seqs
+        return AttentionMetadata(
+            slot_mapping=self.dev64[2, :num_tokens],
+            block_tables=self.dev32[: n * width].view(n, width)[:num_seqs],
+            context_lens=self.dev32[n * width : n * width + num_seqs],
+            query_start_loc=self.dev32[n * (width + 1) : n * (width + 1) + num_seqs + 1],
+            max_query_len=max_query_len,
+            max_context_len=max_context_len,
+        )
+
+
+class ModelRunner:
+    """Owns the model, the KV tensors and the attention backend."""
+
+    def __init__(
+        self,
+        model: PagedCausalLM,
+        kv: KVStore,
+        backend: AttentionBackend,
+        device: torch.device,
+        max_batch_size: int,
+        use_cuda_graphs: bool | None = None,
+    ) -> None:
         self.model = model
         self.kv = kv
         self.backend = backend
         self.device = device
-        self.num_forwards = 0
-        self.num_forward_tokens = 0
+        self.block_size = kv.k.shape[2]
+        self.table_width = -(-model.max_context_len // self.block_size)
+        self.max_batch_size = max_batch_size
+        self._decode_buffers = _StepBuffers(max_batch_size, max_batch_size, self.table_width, device)
+        self._decode_buffers.query_start[:] = np.arange(max_batch_size + 1)  # one token per sequence
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        if use_cuda_graphs is None:
+            use_cuda_graphs = device.type == "cuda"
+        if use_cuda_graphs:
+            self._capture_decode_graphs()
 
-    def _tensor(self, values: Sequence[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        t = torch.tensor(values, dtype=dtype)
-        if self.device.type == "cuda":
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t
-
+    # ------------------------------------------------------------------ prefill
     @torch.inference_mode()
-    def forward(
+    def prefill(
         self,
         input_ids: Sequence[int],
         positions: Sequence[int],
@@ -42,25 +110,81 @@ class ModelRunner:
         """One ragged forward. Sequence ``b`` contributes ``query_lens[b]`` consecutive tokens ending at
         position ``context_lens[b] - 1``; ``slots`` has one entry per token (-1 = already stored).
         Returns the final hidden states ``[num_tokens, hidden_size]``."""
-        width = max(len(t) for t in tables)
-        padded = [list(t) + [0] * (width - len(t)) for t in tables]
-        query_start = [0]
-        for q in query_lens:
-            query_start.append(query_start[-1] + q)
-        meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots),
-            block_tables=self._tensor(padded, torch.int32),
-            context_lens=self._tensor(context_lens, torch.int32),
-            query_start_loc=self._tensor(query_start, torch.int32),
-            max_query_len=max(query_lens),
-            max_context_len=max(context_lens),
-        )
-        ctx = ForwardContext(meta, self.kv.k, self.kv.v, self.backend)
-        self.num_forwards += 1
-        self.num_forward_tokens += len(input_ids)
-        return self.model(self._tensor(input_ids), self._tensor(positions), ctx)
+        num_tokens, num_seqs = len(input_ids), len(tables)
+        width = max(map(len, tables))
+        buf = _StepBuffers(num_tokens, num_seqs, width, self.device)
+        buf.ids[:] = input_ids
+        buf.positions[:] = positions
+        buf.slots[:] = slots
+        pack_block_tables(tables, buf.tables)
+        buf.context_lens[:] = context_lens
+        buf.query_start[0] = 0
+        np.cumsum(query_lens, out=buf.query_start[1:])
+        buf.upload()
+        meta = buf.metadata(num_tokens, num_seqs, max(query_lens), max(context_lens))
+        return self.model(buf.dev64[0], buf.dev64[1], ForwardContext(meta, self.kv.k, self.kv.v, self.backend))
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[n, hidden]`` -> ``[n, vocab]`` float32: the output projection only."""
         return self.model.compute_logits(hidden)
+
+    # ------------------------------------------------------------------ decode
+    @torch.inference_mode()
+    def decode(
+        self,
+        input_ids: Sequence[int],
+        positions: Sequence[int],
+        slots: Sequence[int],
+        tables: Sequence[Sequence[int]],
+        context_lens: Sequence[int],
+    ) -> torch.Tensor:
+        """One token per sequence; returns logits ``[num_seqs, vocab]`` float32."""
+        n = len(input_ids)
+        if n > self.max_batch_size:
+            raise ValueError(f"decode batch of {n} exceeds max_batch_size {self.max_batch_size}")
+        bucket = next((b for b in self._graphs if b >= n), n)
+        buf = self._decode_buffers
+        buf.ids[:n] = input_ids
+        buf.positions[:n] = positions
+        buf.slots[:n] = slots
+        buf.slots[n:bucket] = -1  # padding rows store nothing ...
+        pack_block_tables(tables, buf.tables)
+        buf.context_lens[:n] = context_lens
+        buf.context_lens[n:bucket] = 0  # ... and attend to nothing
+        buf.upload()
+        graph = self._graphs.get(bucket)
+        if graph is not None:
+            graph[0].replay()
+            return graph[1][:n]
+        return self._decode_forward(n, max(context_lens))
+
+    def _decode_forward(self, num_seqs: int, max_context_len: int) -> torch.Tensor:
+        buf = self._decode_buffers
+        meta = buf.metadata(num_seqs, num_seqs, 1, max_context_len)
+        ctx = ForwardContext(meta, self.kv.k, self.kv.v, self.backend)
+        hidden = self.model(buf.dev64[0, :num_seqs], buf.dev64[1, :num_seqs], ctx)
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def _capture_decode_graphs(self) -> None:
+        """Capture one graph per batch bucket, largest first, sharing one memory pool. Captured with the
+        model's whole context as ``max_context_len`` (it only sizes the decode kernel's split count)."""
+        buf = self._decode_buffers
+        buf.slots[:] = -1
+        buf.context_lens[:] = 0
+        buf.upload()
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        graphs = {}
+        with torch.cuda.stream(stream):
+            for size in sorted(graph_batch_sizes(self.max_batch_size), reverse=True):
+                self._decode_forward(size, self.model.max_context_len)  # warm up: compile, autotune
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    logits = self._decode_forward(size, self.model.max_context_len)
+                graphs[size] = (graph, logits)
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        self._graphs = dict(sorted(graphs.items()))

@@ -54,16 +54,19 @@ class SamplingBatch:
         steps: list[int],
         device: torch.device,
     ) -> SamplingBatch:
+        """Five per-row columns in one host tensor and one copy to the device (none for all-greedy)."""
         all_greedy = not any(temperature)
         any_filter = any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p)
+        if all_greedy:
+            empty = torch.empty(0, device=device)
+            return cls(empty, empty, empty, empty, empty, True, False)
+        host = torch.tensor([temperature, top_p, top_k, [s & _MASK32 for s in seeds], steps], dtype=torch.float64)
+        if device.type == "cuda":
+            host = host.pin_memory()
+        columns = host.to(device, non_blocking=True)  # [5, rows]; float64 holds every int < 2**53 exactly
         return cls(
-            torch.tensor(temperature, dtype=torch.float32, device=device),
-            torch.tensor(top_p, dtype=torch.float32, device=device),
-            torch.tensor(top_k, dtype=torch.int64, device=device),
-            torch.tensor(seeds, dtype=torch.int64, device=device),
-            torch.tensor(steps, dtype=torch.int64, device=device),
-            all_greedy,
-            any_filter,
+            columns[0].float(), columns[1].float(), columns[2].long(), columns[3].long(), columns[4].long(),
+            all_greedy, any_filter,
         )
 
 
