@@ -2,12 +2,43 @@
 
 Sequence ``b`` has ``query_len`` new tokens (rows ``query_start_loc[b]:query_start_loc[b+1]`` of ``q``) at
 positions ``context_len - query_len ..``; token ``i`` attends to positions ``0 .. prefix_len + i``.
+
+`paged_attention_ref` is the PyTorch reference. `paged_attention_triton` computes the same function with
+one of two Triton kernels sharing one inner loop (`_attend_kv_range`, online softmax over KV tiles gathered
+through the block table, one position at a time, so any ``block_size >= 1`` and prefixes ending mid-block
+work):
+
+- **decode** (every ``query_len == 1``): program (seq, kv_head, split) runs the ``num_heads // num_kv_heads``
+  query heads of one KV head together as the rows of one tile, so each K/V tile is loaded once per group.
+  Each sequence's context is cut into ``num_splits`` equal ranges (flash-decoding); a second launch merges
+  the partial results by log-sum-exp. The grid depends only on host ints, never on ``context_lens``::
+
+      positions  0 ........ chunk ........ 2*chunk ...... context_len
+      split      |    0     |      1       |      2       |  3.. empty (lse = -inf)
+                 chunk = ceil(context_len / num_splits) rounded up to BLOCK_N, per sequence, on device
+
+- **extend** (prefill, hits and misses together): program (query tile, head, seq); KV positions below the
+  tile's first query position need no causal mask (first pass), the rest are masked (second pass)::
+
+      KV positions  0 ............ prefix_len ...... context_len
+      query tile    rows at prefix_len + m_start .. prefix_len + m_start + BLOCK_M - 1
+      pass 1        [0, full_end)   unmasked, full_end = BLOCK_N-aligned floor of prefix_len + m_start + 1
+      pass 2        [full_end, min(context_len, prefix_len + m_start + BLOCK_M))   kv_pos <= q_pos
+
+Scores are kept in log2 units (``scale * log2(e)`` folded in) so the softmax uses ``exp2``. Float32 inputs
+use exact (``ieee``) dots; fp16/bf16 use the tensor cores with float32 accumulation. Any ``head_dim`` works
+(tiles are padded to a power of 2 and masked).
 """
 
 from __future__ import annotations
 
+import functools
+import math
+
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 
 def paged_attention_ref(
@@ -58,3 +89,323 @@ def paged_attention_ref(
     result = torch.empty_like(q)
     result[rows[row_valid]] = out[row_valid].to(q.dtype)
     return result
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Triton
+
+
+@triton.jit
+def _attend_kv_range(
+    acc, row_max, row_sum,  # running state: [M, BLOCK_D] f32, [M] f32 (log2 units), [M] f32
+    q,  # [M, BLOCK_D] query rows (unscaled)
+    row_limit,  # [M] int32; last KV position each row may see (inclusive), read only when MASKED
+    k_head_ptr, v_head_ptr,  # cache pointers already offset to this KV head
+    table_ptr,  # this sequence's block-table row
+    lo, hi,  # KV positions [lo, hi) to visit; lo is BLOCK_N-aligned relative to the range start
+    qk_scale,  # softmax scale * log2(e)
+    stride_cb, stride_cs,
+    MASKED: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Online-softmax update of (acc, row_max, row_sum) with the KV positions ``[lo, hi)``.
+
+    Invariant: when MASKED is False every row may see every position of the range; when MASKED is True
+    each row's first visited tile holds at least one position it may see (so row_max never stays -inf
+    for a real row and no NaN appears).
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + offs_n  # [N]
+        in_range = pos < hi
+        block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
+        rows = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs  # [N] element offsets of the K/V rows
+        kv_mask = in_range[:, None] & (offs_d[None, :] < HEAD_DIM)
+        k = tl.load(k_head_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [N, D]
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, N]
+        if MASKED:
+            s = tl.where(pos[None, :] <= row_limit[:, None], s, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(s, 1))
+        p = tl.exp2(s - new_max[:, None])
+        alpha = tl.exp2(row_max - new_max)
+        row_sum = row_sum * alpha + tl.sum(p, 1)
+        v = tl.load(v_head_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [N, D]
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        row_max = new_max
+    return acc, row_max, row_sum
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+    part_out_ptr,  # [num_seqs, num_heads, num_splits, head_dim]; f32 workspace, or the output if 1 split
+    part_lse_ptr,  # [num_seqs, num_heads, num_splits] f32, contiguous
+    qk_scale, num_splits,
+    stride_qt, stride_qh,
+    stride_cb, stride_cs, stride_ch,
+    stride_bt,
+    stride_pt, stride_ph, stride_ps,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    context_len = tl.load(context_lens_ptr + seq)
+    chunk = tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, context_len)
+    full_end = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + offs_g  # [G]
+    q_mask = (offs_g[:, None] < GROUP) & (offs_d[None, :] < HEAD_DIM)
+    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=q_mask, other=0.0)
+
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    row_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    row_sum = tl.zeros([BLOCK_G], tl.float32)
+    row_limit = tl.zeros([BLOCK_G], tl.int32) + hi - 1  # the only mask decode needs: the range's tail
+    k_head_ptr = k_cache_ptr + kv_head * stride_ch
+    v_head_ptr = v_cache_ptr + kv_head * stride_ch
+    table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    acc, row_max, row_sum = _attend_kv_range(
+        acc, row_max, row_sum, q, row_limit, k_head_ptr, v_head_ptr, table_ptr, lo, full_end, qk_scale,
+        stride_cb, stride_cs, False, BLOCK_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION,
+    )
+    acc, row_max, row_sum = _attend_kv_range(
+        acc, row_max, row_sum, q, row_limit, k_head_ptr, v_head_ptr, table_ptr, full_end, hi, qk_scale,
+        stride_cb, stride_cs, True, BLOCK_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION,
+    )
+
+    seen = row_sum > 0  # False only for an empty split (or a padded sequence with context_len 0)
+    row_sum = tl.where(seen, row_sum, 1.0)
+    out = acc / row_sum[:, None]
+    lse = tl.where(seen, row_max + tl.log2(row_sum), float("-inf"))
+    part = seq * stride_pt + heads[:, None] * stride_ph + split * stride_ps + offs_d[None, :]
+    tl.store(part_out_ptr + part, out, mask=q_mask)
+    lse_offs = (seq * tl.num_programs(1) * GROUP + heads) * num_splits + split
+    tl.store(part_lse_ptr + lse_offs, lse, mask=offs_g < GROUP)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    part_out_ptr,  # [num_seqs, num_heads, num_splits, head_dim] f32, contiguous
+    part_lse_ptr,  # [num_seqs, num_heads, num_splits] f32, contiguous
+    out_ptr,  # [num_seqs, num_heads, head_dim]
+    num_splits, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """Program (seq, head): out = sum_s 2^(lse_s - max) * out_s / sum_s 2^(lse_s - max)."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    row = seq * tl.num_programs(1) + head
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    lse = tl.load(part_lse_ptr + row * num_splits + offs_s, mask=offs_s < num_splits, other=float("-inf"))
+    top = tl.max(lse, 0)
+    weight = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))  # [S]; all 0 for context_len 0
+    mask = (offs_s[:, None] < num_splits) & (offs_d[None, :] < HEAD_DIM)
+    parts = tl.load(part_out_ptr + (row * num_splits + offs_s[:, None]) * HEAD_DIM + offs_d[None, :], mask=mask,
+                    other=0.0)  # [S, D]
+    total = tl.sum(weight, 0)
+    out = tl.sum(parts * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + seq * stride_ot + head * stride_oh + offs_d, out, mask=offs_d < HEAD_DIM)
+
+
+@triton.jit
+def _extend_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, context_lens_ptr, query_start_loc_ptr,
+    qk_scale,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_cb, stride_cs, stride_ch,
+    stride_bt,
+    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)  # causal: the last tiles do the most work, start them first
+    head = tl.program_id(1)
+    seq = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    query_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    m_start = tile * BLOCK_M
+    if m_start >= query_len:  # the grid covers max_query_len; shorter sequences have fewer tiles
+        return
+    context_len = tl.load(context_lens_ptr + seq)
+    prefix_len = context_len - query_len
+
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    rows = (q_start + offs_m).to(tl.int64)
+    row_mask = (offs_m[:, None] < query_len) & (offs_d[None, :] < HEAD_DIM)
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :], mask=row_mask, other=0.0)
+
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    row_sum = tl.zeros([BLOCK_M], tl.float32)
+    row_limit = prefix_len + offs_m  # causal: query m sits at position prefix_len + m
+    full_end = (prefix_len + m_start + 1) // BLOCK_N * BLOCK_N
+    hi = tl.minimum(context_len, prefix_len + m_start + BLOCK_M)
+    kv_head = head // GROUP
+    k_head_ptr = k_cache_ptr + kv_head * stride_ch
+    v_head_ptr = v_cache_ptr + kv_head * stride_ch
+    table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    acc, row_max, row_sum = _attend_kv_range(
+        acc, row_max, row_sum, q, row_limit, k_head_ptr, v_head_ptr, table_ptr, 0, full_end, qk_scale,
+        stride_cb, stride_cs, False, BLOCK_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION,
+    )
+    acc, row_max, row_sum = _attend_kv_range(
+        acc, row_max, row_sum, q, row_limit, k_head_ptr, v_head_ptr, table_ptr, full_end, hi, qk_scale,
+        stride_cb, stride_cs, True, BLOCK_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION,
+    )
+    out = acc / row_sum[:, None]  # padded rows (not stored) may divide by 0
+    tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :], out, mask=row_mask)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Launchers
+
+MIN_TOKENS_PER_SPLIT = 256  # below this a split's fixed cost (q load, partial write, merge) dominates
+MAX_SPLITS = 128  # bounds the workspace: [num_seqs, num_heads, num_splits, head_dim] f32
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the interpreter: fewer programs run faster
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, device: torch.device) -> int:
+    """How many programs share one sequence's context: enough that ``num_seqs * num_kv_heads * splits`` is
+    about four programs per SM, no more than one per ``MIN_TOKENS_PER_SPLIT`` positions of the longest
+    context. A function of host ints only: the same batch size and length bound give the same grid."""
+    by_occupancy = triton.cdiv(4 * _num_sms(device), num_seqs * num_kv_heads)
+    by_length = triton.cdiv(max_context_len, MIN_TOKENS_PER_SPLIT)
+    return max(1, min(by_occupancy, by_length, MAX_SPLITS))
+
+
+def _check_layouts(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor):
+    assert q.stride(2) == 1 and k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
+    assert block_tables.stride(1) == 1
+    assert q.shape[1] % k_cache.shape[2] == 0, "num_heads must be a multiple of num_kv_heads"
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # ignored by Triton for 16-bit inputs
+
+
+def _decode_config(block_d: int, dtype: torch.dtype) -> dict:
+    """Tile and launch shape of the decode kernel (measured on an H100; see benchmarks/RESULTS.md)."""
+    if dtype == torch.float32:  # exact fp32 dots run on CUDA cores: small tiles avoid register spills
+        return dict(BLOCK_N=32, num_warps=4, num_stages=2)
+    return dict(BLOCK_N=64 if block_d > 64 else 128, num_warps=4, num_stages=3)
+
+
+def _extend_config(block_d: int, dtype: torch.dtype) -> dict:
+    """Tile and launch shape of the extend kernel; fp32 (a correctness path) gets small tiles, as in decode."""
+    if dtype == torch.float32:
+        return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2)
+    return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8 if block_d > 64 else 4, num_stages=3)
+
+
+def paged_decode_attention_triton(
+    q: torch.Tensor,  # [num_seqs, num_heads, head_dim]: one new token per sequence
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    context_lens: torch.Tensor,  # [num_seqs] int32; 0 is allowed (CUDA-graph padding) and gives zeros
+    max_context_len: int,  # an upper bound of context_lens; only picks num_splits
+    scale: float,
+    num_splits: int | None = None,  # None: decode_num_splits(...)
+    out: torch.Tensor | None = None,  # [num_seqs, num_heads, head_dim]; allocated when None
+) -> torch.Tensor:
+    """Flash-decoding over the paged cache. No host sync and a grid fixed by (num_seqs, num_kv_heads,
+    num_splits), so it is CUDA-graph capturable; results do not depend on num_splits beyond rounding."""
+    _check_layouts(q, k_cache, v_cache, block_tables)
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_splits is None:
+        num_splits = decode_num_splits(num_seqs, num_kv_heads, max_context_len, q.device)
+    group = num_heads // num_kv_heads
+    block_d = triton.next_power_of_2(head_dim)
+
+    # One split's partial is already the answer: write it straight to `out` and skip the merge.
+    parts = out.unsqueeze(2) if num_splits == 1 else torch.empty(
+        (num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+    lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, parts, lse,
+        scale * math.log2(math.e), num_splits,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        parts.stride(0), parts.stride(1), parts.stride(2),
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, DOT_PRECISION=_dot_precision(q.dtype),
+        **_decode_config(block_d, q.dtype),
+    )
+    if num_splits > 1:
+        _decode_merge_kernel[(num_seqs, num_heads)](
+            parts, lse, out, num_splits, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits),
+        )
+    return out
+
+
+def extend_attention_triton(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    context_lens: torch.Tensor,  # [num_seqs] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    max_query_len: int,
+    scale: float,
+    out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]; allocated when None
+) -> torch.Tensor:
+    """Ragged prefill over a cached paged prefix, one launch for the whole batch (any query lengths,
+    prefix lengths 0 included). The grid covers ``max_query_len``; programs past a sequence's end exit."""
+    _check_layouts(q, k_cache, v_cache, block_tables)
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    block_d = triton.next_power_of_2(head_dim)
+    config = _extend_config(block_d, q.dtype)
+    grid = (triton.cdiv(max_query_len, config["BLOCK_M"]), num_heads, context_lens.numel())
+    _extend_kernel[grid](
+        q, k_cache, v_cache, out, block_tables, context_lens, query_start_loc,
+        scale * math.log2(math.e),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=num_heads // num_kv_heads, BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, DOT_PRECISION=_dot_precision(q.dtype), **config,
+    )
+    return out
+
+
+def paged_attention_triton(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    context_lens: torch.Tensor,  # [num_seqs] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    max_query_len: int,
+    max_context_len: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Same function as `paged_attention_ref`: the decode kernel when every sequence has one new token
+    (then row b of ``q`` is sequence b), the extend kernel otherwise."""
+    if max_query_len == 1:
+        return paged_decode_attention_triton(
+            q, k_cache, v_cache, block_tables, context_lens, max_context_len, scale, out=out)
+    return extend_attention_triton(
+        q, k_cache, v_cache, block_tables, context_lens, query_start_loc, max_query_len, scale, out=out)

@@ -44,7 +44,7 @@ class KVStore:
         """Perform every (src, dst) copy of a step, all layers, K and V, in one launch."""
         if not copies:
             return
-        pairs = torch.tensor(copies, dtype=torch.int64)  # [n, 2]
+        src_dst = torch.tensor(list(zip(*copies)), dtype=torch.int64)  # [2, n]: each row contiguous
         if self.device.type == "cuda":
-            pairs = pairs.pin_memory().to(self.device, non_blocking=True)
-        self._copy(self.k, self.v, pairs[:, 0], pairs[:, 1])
+            src_dst = src_dst.pin_memory().to(self.device, non_blocking=True)
+        self._copy(self.k, self.v, src_dst[0], src_dst[1])
