@@ -1,0 +1,68 @@
+"""The batched sampler: greedy rows, filters, seeded determinism, and that samples follow the softmax."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from radixinfer.engine.model_runner import graph_batch_sizes, pack_block_tables
+from radixinfer.engine.sampler import SamplingBatch, sample, uniform_noise
+
+
+def batch(rows: int, temperature=1.0, top_p=1.0, top_k=0, seeds=None, steps=None) -> SamplingBatch:
+    return SamplingBatch.build(
+        [temperature] * rows, [top_p] * rows, [top_k] * rows,
+        seeds if seeds is not None else list(range(rows)), steps if steps is not None else [0] * rows,
+        torch.device("cpu"),
+    )
+
+
+def test_noise_is_a_pure_function_of_seed_step_and_column():
+    a = uniform_noise(torch.tensor([5, 6]), torch.tensor([0, 3]), 50)
+    b = uniform_noise(torch.tensor([6, 5]), torch.tensor([3, 0]), 50)
+    assert torch.equal(a, b.flip(0))
+    assert 0.0 < a.min() and a.max() < 1.0
+    assert not torch.equal(a[0], uniform_noise(torch.tensor([5]), torch.tensor([1]), 50)[0])
+
+
+def test_greedy_rows_take_the_argmax():
+    logits = torch.randn(6, 40)
+    out = sample(logits, batch(6, temperature=0.0))
+    assert torch.equal(out, logits.argmax(-1))
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy():
+    logits = torch.randn(8, 30)
+    assert torch.equal(sample(logits, batch(8, temperature=1.5, top_k=1)), logits.argmax(-1))
+    assert torch.equal(sample(logits, batch(8, temperature=1.5, top_p=1e-6)), logits.argmax(-1))
+
+
+def test_top_k_never_samples_outside_the_k_best():
+    logits = torch.randn(1, 20).expand(400, 20).contiguous()
+    out = sample(logits, batch(400, temperature=5.0, top_k=3))
+    allowed = set(logits[0].topk(3).indices.tolist())
+    assert set(out.tolist()) <= allowed and len(set(out.tolist())) == 3
+
+
+def test_samples_follow_the_softmax():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    n = 20000
+    logits = probs.log().expand(n, 4).contiguous()
+    counts = torch.bincount(sample(logits, batch(n, seeds=list(range(n)))), minlength=4).double()
+    expected = probs.double() * n
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 16.3  # 3 degrees of freedom, p = 0.001
+
+
+def test_pack_block_tables_pads_ragged_rows():
+    out = np.full((4, 5), 7, dtype=np.int32)
+    pack_block_tables([[3, 1], [], [9, 8, 7, 6, 5]], out)
+    assert out[:3].tolist() == [[3, 1, 0, 0, 0], [0, 0, 0, 0, 0], [9, 8, 7, 6, 5]]
+    assert out[3].tolist() == [7] * 5  # rows past the batch are left alone
+
+
+def test_graph_batch_sizes_cover_every_batch():
+    for max_batch in (1, 3, 16, 17, 64, 256):
+        sizes = graph_batch_sizes(max_batch)
+        assert sizes == sorted(set(sizes)) and sizes[-1] == max_batch
+        assert all(any(s >= b for s in sizes) for b in range(1, max_batch + 1))
