@@ -27,8 +27,8 @@ def _copy_blocks_kernel(
     """Program (pair, layer) copies one block of one layer, K and V, in CHUNK-element pieces."""
     pair = tl.program_id(0)
     layer = tl.program_id(1).to(tl.int64)
-    src = layer * stride_layer + tl.load(src_ptr + pair) * stride_block
-    dst = layer * stride_layer + tl.load(dst_ptr + pair) * stride_block
+    src = layer * stride_layer + tl.load(src_ptr + pair).to(tl.int64) * stride_block
+    dst = layer * stride_layer + tl.load(dst_ptr + pair).to(tl.int64) * stride_block
     for start in range(0, block_numel, CHUNK):
         offs = start + tl.arange(0, CHUNK)
         mask = offs < block_numel
@@ -39,8 +39,8 @@ def _copy_blocks_kernel(
 def copy_blocks_triton(
     k_cache: torch.Tensor,  # [num_layers, num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,
-    src: torch.Tensor,  # [num_copies] int64, on the pool's device
-    dst: torch.Tensor,  # [num_copies] int64; distinct, and disjoint from src
+    src: torch.Tensor,  # [num_copies] int32/int64, on the pool's device, any stride
+    dst: torch.Tensor,  # [num_copies]; distinct, and disjoint from src
 ) -> None:
     """Same function as `copy_blocks_ref` in one launch of ``num_copies x num_layers`` programs, no host sync.
 
@@ -53,6 +53,6 @@ def copy_blocks_triton(
     assert k_cache.stride() == v_cache.stride() and k_cache[0, 0].is_contiguous()
     block_numel = k_cache[0, 0].numel()
     _copy_blocks_kernel[(num_copies, k_cache.shape[0])](
-        k_cache, v_cache, src, dst, k_cache.stride(0), k_cache.stride(1), block_numel,
+        k_cache, v_cache, src.contiguous(), dst.contiguous(), k_cache.stride(0), k_cache.stride(1), block_numel,
         CHUNK=min(triton.next_power_of_2(block_numel), 4096),
     )

@@ -267,7 +267,7 @@ def _extend_kernel(
 # ----------------------------------------------------------------------------------------------------------
 # Launchers
 
-MIN_TOKENS_PER_SPLIT = 256  # below this a split's fixed cost (q load, partial write, merge) dominates
+MIN_TOKENS_PER_SPLIT = 64  # one or two KV tiles: below this a split's fixed cost (q load, partial write) dominates
 MAX_SPLITS = 128  # bounds the workspace: [num_seqs, num_heads, num_splits, head_dim] f32
 
 
@@ -279,10 +279,12 @@ def _num_sms(device: torch.device) -> int:
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, device: torch.device) -> int:
-    """How many programs share one sequence's context: enough that ``num_seqs * num_kv_heads * splits`` is
-    about four programs per SM, no more than one per ``MIN_TOKENS_PER_SPLIT`` positions of the longest
-    context. A function of host ints only: the same batch size and length bound give the same grid."""
-    by_occupancy = triton.cdiv(4 * _num_sms(device), num_seqs * num_kv_heads)
+    """How many programs share one sequence's context: up to four programs per SM in all, no more than one
+    per ``MIN_TOKENS_PER_SPLIT`` positions of the longest context. Rounding down matters: once
+    ``num_seqs * num_kv_heads`` alone gives about four programs per SM, a second split costs more (partials,
+    merge) than it brings (measured on an H200, benchmarks/RESULTS.md). A function of host ints only: the
+    same batch size and length bound give the same grid."""
+    by_occupancy = 4 * _num_sms(device) // (num_seqs * num_kv_heads)
     by_length = triton.cdiv(max_context_len, MIN_TOKENS_PER_SPLIT)
     return max(1, min(by_occupancy, by_length, MAX_SPLITS))
 
@@ -298,17 +300,18 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 def _decode_config(block_d: int, dtype: torch.dtype) -> dict:
-    """Tile and launch shape of the decode kernel (measured on an H100; see benchmarks/RESULTS.md)."""
+    """Tile and launch shape of the decode kernel (swept on an H200: alternatives within a few percent)."""
     if dtype == torch.float32:  # exact fp32 dots run on CUDA cores: small tiles avoid register spills
         return dict(BLOCK_N=32, num_warps=4, num_stages=2)
     return dict(BLOCK_N=64 if block_d > 64 else 128, num_warps=4, num_stages=3)
 
 
-def _extend_config(block_d: int, dtype: torch.dtype) -> dict:
-    """Tile and launch shape of the extend kernel; fp32 (a correctness path) gets small tiles, as in decode."""
+def _extend_config(dtype: torch.dtype) -> dict:
+    """Tile and launch shape of the extend kernel (swept on an H200 for head_dim 64 and 128: one warpgroup
+    on 64 query rows was best or within 3%); fp32 (a correctness path) gets small tiles, as in decode."""
     if dtype == torch.float32:
         return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2)
-    return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8 if block_d > 64 else 4, num_stages=3)
+    return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
 
 
 def paged_decode_attention_triton(
@@ -339,7 +342,7 @@ def paged_decode_attention_triton(
         (num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, parts, lse,
+        q, k_cache, v_cache, block_tables, context_lens.contiguous(), parts, lse,
         scale * math.log2(math.e), num_splits,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -376,10 +379,10 @@ def extend_attention_triton(
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     block_d = triton.next_power_of_2(head_dim)
-    config = _extend_config(block_d, q.dtype)
+    config = _extend_config(q.dtype)
     grid = (triton.cdiv(max_query_len, config["BLOCK_M"]), num_heads, context_lens.numel())
     _extend_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, context_lens, query_start_loc,
+        q, k_cache, v_cache, out, block_tables, context_lens.contiguous(), query_start_loc.contiguous(),
         scale * math.log2(math.e),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

@@ -58,7 +58,7 @@ def store_kv_triton(
     assert k.stride(2) == 1 and v.stride(2) == 1 and k_cache.stride() == v_cache.stride()
     assert k_cache.stride(3) == 1
     _store_kv_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping,
+        k, v, k_cache, v_cache, slot_mapping.contiguous(),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
