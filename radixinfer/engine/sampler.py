@@ -10,37 +10,51 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 _MASK32 = 0xFFFFFFFF
 _MIX = 0x45D9F3B  # products of values < 2**32 with it stay below 2**63: no int64 overflow
 
 
-def _hash32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer mixer (avalanches every input bit) on int64 tensors holding values < 2**32."""
+def _hash32(x: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
+    """A 32-bit integer mixer (avalanches every input bit) on int64 tensors or arrays holding values < 2**32."""
     x = (((x >> 16) ^ x) * _MIX) & _MASK32
     x = (((x >> 16) ^ x) * _MIX) & _MASK32
     return (x >> 16) ^ x
 
 
+def row_keys(seeds: torch.Tensor | np.ndarray, steps: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
+    """``[num_rows]`` int64: one key per (seed, step); the noise of a row is a function of its key alone.
+    Numpy arrays or tensors alike (the sampler computes them on the host, where they are a few µs)."""
+    return _hash32((seeds & _MASK32) ^ _hash32(steps & _MASK32))
+
+
+def noise_from_keys(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``[num_rows, vocab_size]`` uniforms in (0, 1) from ``keys [num_rows]`` int64 (see `row_keys`)."""
+    cols = torch.arange(vocab_size, device=keys.device, dtype=torch.int64)
+    bits = _hash32(keys[:, None] ^ cols[None, :])  # [num_rows, vocab]
+    return (bits.to(torch.float64) + 0.5).div_(2.0**32).to(torch.float32)
+
+
 def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """``[num_rows, vocab_size]`` uniforms in (0, 1), a pure function of (seed, step, column)."""
-    row_key = _hash32((seeds & _MASK32) ^ _hash32(steps & _MASK32))  # [num_rows]
-    cols = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
-    bits = _hash32(row_key[:, None] ^ cols[None, :])  # [num_rows, vocab]
-    return (bits.to(torch.float64) + 0.5).div_(2.0**32).to(torch.float32)
+    return noise_from_keys(row_keys(seeds, steps), vocab_size)
+
+
+_EMPTY: dict[torch.device, torch.Tensor] = {}
 
 
 @dataclass(frozen=True)
 class SamplingBatch:
-    """Per-row sampling parameters as device tensors, built once per step. ``steps`` counts the tokens each
-    request has sampled so far (the noise counter)."""
+    """Per-row sampling parameters as device tensors, built once per step (empty tensors when all rows are
+    greedy). The noise of row ``r`` depends on its request's seed and on how many tokens the request has
+    sampled so far (its step), through ``keys[r] = row_keys(seed, step)``."""
 
     temperature: torch.Tensor  # [num_rows] float32; 0 = greedy
     top_p: torch.Tensor  # [num_rows] float32
     top_k: torch.Tensor  # [num_rows] int64; 0 = off
-    seeds: torch.Tensor  # [num_rows] int64
-    steps: torch.Tensor  # [num_rows] int64
+    keys: torch.Tensor  # [num_rows] int64
     all_greedy: bool
     any_filter: bool  # some row uses top-k or top-p
 
@@ -54,20 +68,22 @@ class SamplingBatch:
         steps: list[int],
         device: torch.device,
     ) -> SamplingBatch:
-        """Five per-row columns in one host tensor and one copy to the device (none for all-greedy)."""
-        all_greedy = not any(temperature)
-        any_filter = any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p)
-        if all_greedy:
-            empty = torch.empty(0, device=device)
-            return cls(empty, empty, empty, empty, empty, True, False)
-        host = torch.tensor([temperature, top_p, top_k, [s & _MASK32 for s in seeds], steps], dtype=torch.float64)
+        """Four per-row columns in one host array and one copy to the device (none for all-greedy). The noise
+        keys are hashed here, on a few hundred ints, instead of in ~20 tiny device kernels."""
+        if not any(temperature):
+            empty = _EMPTY.get(device)
+            if empty is None:
+                empty = _EMPTY[device] = torch.empty(0, device=device)
+            return cls(empty, empty, empty, empty, True, False)
+        any_filter = any(top_k) or min(top_p) < 1.0  # top_k >= 0 and top_p <= 1 (SamplingParams validates)
+        keys = row_keys(np.array([s & _MASK32 for s in seeds], dtype=np.int64), np.asarray(steps, dtype=np.int64))
+        # [4, rows] float64: holds every int < 2**53 exactly, so keys (< 2**32) and top-k survive the trip
+        host = torch.from_numpy(np.array([temperature, top_p, top_k, keys], dtype=np.float64))
         if device.type == "cuda":
             host = host.pin_memory()
-        columns = host.to(device, non_blocking=True)  # [5, rows]; float64 holds every int < 2**53 exactly
-        return cls(
-            columns[0].float(), columns[1].float(), columns[2].long(), columns[3].long(), columns[4].long(),
-            all_greedy, any_filter,
-        )
+        columns = host.to(device, non_blocking=True)
+        floats, ints = columns[:2].float(), columns[2:].long()
+        return cls(floats[0], floats[1], ints[0], ints[1], False, any_filter)
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -92,6 +108,6 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     scaled = logits / temperature
     if batch.any_filter:
         scaled = _filter_top_k_top_p(scaled, batch.top_k, batch.top_p)
-    gumbel = -torch.log(-torch.log(uniform_noise(batch.seeds, batch.steps, logits.shape[-1])))
+    gumbel = -torch.log(-torch.log(noise_from_keys(batch.keys, logits.shape[-1])))
     sampled_ids = (scaled + gumbel).argmax(dim=-1)
     return torch.where(batch.temperature > 0, sampled_ids, greedy_ids)

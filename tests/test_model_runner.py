@@ -1,0 +1,159 @@
+"""ModelRunner: decode steps equal the prefill's logits for the same positions (eager on CPU, CUDA graphs on
+CUDA), whatever rows, padding and stale rows earlier batches left in the persistent decode buffers; the
+incremental block-table rows; the sampler's host-side noise keys."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from radixinfer.attention import get_backend
+from radixinfer.cache.kv_store import KVStore
+from radixinfer.engine.model_runner import BlockTableRows, ModelRunner, pack_block_tables
+from radixinfer.engine.sampler import SamplingBatch, row_keys, uniform_noise
+from radixinfer.models import load_model
+
+BLOCK_SIZE = 16
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]),
+]
+
+
+def make_runner(device: str, max_batch_size: int = 4, num_blocks: int = 64) -> ModelRunner:
+    model = load_model("tiny", device, dtype="float32", seed=0).model
+    kv = KVStore(model.num_layers, num_blocks, BLOCK_SIZE, model.num_kv_heads, model.head_dim, torch.float32,
+                 torch.device(device))
+    return ModelRunner(model, kv, get_backend(device), torch.device(device), max_batch_size)
+
+
+def slots(table: list[int], positions) -> list[int]:
+    return [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in positions]
+
+
+def prefill(runner: ModelRunner, seqs: list[tuple[list[int], list[int], int]]) -> torch.Tensor:
+    """One ragged prefill of positions ``0 .. end - 1`` of each ``(tokens, table, end)``; returns the logits of
+    every computed position, sequences concatenated."""
+    ids = [t for tokens, _, end in seqs for t in tokens[:end]]
+    positions = [p for _, _, end in seqs for p in range(end)]
+    slot_mapping = [s for _, table, end in seqs for s in slots(table, range(end))]
+    ends = [end for _, _, end in seqs]
+    hidden = runner.prefill(ids, positions, slot_mapping, [table for _, table, _ in seqs], ends, ends)
+    return runner.logits(hidden)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_steps_equal_prefill_logits_whatever_the_rows(device):
+    """Three sequences in shuffled blocks: a reference prefill of each whole prompt, then the same prompts
+    prefilled short of their last tokens and decoded in batches that change size and order (rows move,
+    shrink, leave stale rows behind, and on CUDA are padded up to a graph bucket)."""
+    runner = make_runner(device)
+    rng = random.Random(0)
+    blocks = list(range(64))
+    rng.shuffle(blocks)
+    lengths = [40, 23, 61]  # tables of 3, 2 and 4 blocks
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in lengths]
+    ref_tables = [[blocks.pop() for _ in range(-(-n // BLOCK_SIZE))] for n in lengths]
+    ref = prefill(runner, [(p, t, len(p)) for p, t in zip(prompts, ref_tables)])
+    starts = np.cumsum([0] + lengths)
+    expected = [ref[starts[i] : starts[i + 1]] for i in range(3)]  # [len, vocab] per sequence
+
+    tables = [[blocks.pop() for _ in range(-(-n // BLOCK_SIZE))] for n in lengths]
+    done = [n - 6 for n in lengths]  # positions already in the cache
+    prefill(runner, [(p, t, d) for p, t, d in zip(prompts, tables, done)])
+    # Pass a fresh list per step, as the engine hands its live tables: rows must follow contents, not identity.
+    for batch in ([0, 1, 2], [2, 0], [1], [1, 2, 0], [0, 2], [2, 1, 0]):
+        logits = runner.decode(
+            [prompts[i][done[i]] for i in batch],
+            [done[i] for i in batch],
+            [slots(tables[i], [done[i]])[0] for i in batch],
+            [list(tables[i]) for i in batch],
+            [done[i] + 1 for i in batch],
+        )
+        assert logits.shape == (len(batch), runner.model.vocab_size)
+        for row, i in enumerate(batch):
+            torch.testing.assert_close(logits[row], expected[i][done[i]], rtol=1e-4, atol=1e-4)
+            done[i] += 1
+
+
+def test_graph_decode_is_used_on_cuda_only():
+    assert not make_runner("cpu")._graphs
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_padded_rows_store_nothing(device):
+    """A decode batch of one, padded on CUDA up to its graph bucket, writes only its own slot."""
+    runner = make_runner(device, max_batch_size=8)
+    prompt = list(range(1, 20))
+    table = [5, 9]
+    prefill(runner, [(prompt, table, 18)])
+    k_before = runner.kv.k.clone()
+    runner.decode([prompt[18]], [18], slots(table, [18]), [table], [19])
+    changed = (runner.kv.k != k_before).any(dim=(0, 2, 3, 4)).nonzero().flatten().tolist()  # blocks written
+    assert changed == [9]
+
+
+def reference_rows(tables: list[list[int]], width: int) -> np.ndarray:
+    out = np.zeros((len(tables), width), dtype=np.int32)
+    pack_block_tables(tables, out)
+    return out
+
+
+def test_block_table_rows_follow_every_kind_of_change():
+    rows = BlockTableRows(np.zeros((5, 6), dtype=np.int32))
+    a, b, c = [3, 1], [9, 8, 7], [4]
+    assert rows.update([a, b, c]) == 3
+    assert rows.update([a, b, c]) == 0  # nothing changed: nothing rewritten
+    a.append(2)  # growth by a block
+    b[-1] = 11  # copy-on-write of the last block
+    b[0] = 12  # a remap in the middle
+    assert rows.update([a, b, c]) == 2
+    np.testing.assert_array_equal(rows.rows[:3], reference_rows([a, b, c], 6))
+    assert rows.update([c, [], a]) == 3  # rows move and shrink: stale entries past the end are zeroed
+    np.testing.assert_array_equal(rows.rows[:3], reference_rows([c, [], a], 6))
+    np.testing.assert_array_equal(rows.rows[3:], 0)  # rows past every batch were never written
+
+
+def test_block_table_rows_match_a_full_pack_under_random_edits():
+    rng = random.Random(1)
+    rows = BlockTableRows(np.zeros((8, 10), dtype=np.int32))
+    live = [[rng.randrange(100) for _ in range(rng.randrange(1, 10))] for _ in range(8)]
+    for _ in range(300):
+        table = rng.choice(live)
+        edit = rng.randrange(4)
+        if edit == 0 and len(table) < 10:
+            table.append(rng.randrange(100))
+        elif edit == 1:
+            table[rng.randrange(len(table))] = rng.randrange(100)
+        elif edit == 2:
+            rng.shuffle(live)
+        batch = live[: rng.randrange(1, 9)]
+        rows.update(batch)
+        np.testing.assert_array_equal(rows.rows[: len(batch)], reference_rows(batch, 10))
+
+
+def test_host_noise_keys_equal_the_device_hash():
+    seeds = [0, 1, 2**31, 2**32 - 1, 2**32 + 5, -1, -(2**40), 2**62]
+    steps = [0, 7, 3, 100000, 1, 2, 9, 5]
+    masked = [s & 0xFFFFFFFF for s in seeds]
+    host = row_keys(np.array(masked, dtype=np.int64), np.array(steps, dtype=np.int64))
+    device = row_keys(torch.tensor(masked), torch.tensor(steps))
+    assert host.tolist() == device.tolist()
+    batch = SamplingBatch.build([1.0] * 8, [1.0] * 8, [0] * 8, seeds, steps, torch.device("cpu"))
+    assert batch.keys.tolist() == host.tolist()
+    assert not batch.any_filter and not batch.all_greedy
+    noise = uniform_noise(torch.tensor(masked), torch.tensor(steps), 33)
+    assert noise.shape == (8, 33) and 0.0 < noise.min() and noise.max() < 1.0
+
+
+def test_filters_are_detected_per_row():
+    def build(top_p, top_k):
+        return SamplingBatch.build([0.5, 0.0], top_p, top_k, [1, 2], [0, 0], torch.device("cpu"))
+
+    assert not build([1.0, 1.0], [0, 0]).any_filter
+    assert build([1.0, 0.9], [0, 0]).any_filter
+    assert build([1.0, 1.0], [0, 3]).any_filter
+    assert SamplingBatch.build([0.0, 0.0], [0.5, 1.0], [0, 3], [1, 2], [0, 0], torch.device("cpu")).all_greedy
