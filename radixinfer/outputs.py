@@ -21,9 +21,10 @@ class RequestOutput:
     finish_reason: str | None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class StreamDelta:
-    """New tokens of one request since its previous delta; ``finished`` is set on the last one.
+    """New tokens of one request since its previous delta; ``finished`` is set on the last one. Treat it as
+    read-only (not frozen only because a frozen dataclass costs 7x more to build, once per token).
 
     ``timestamp`` is ``time.perf_counter()`` when the tokens left the engine step that produced them.
     """

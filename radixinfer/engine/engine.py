@@ -137,6 +137,7 @@ class LLMEngine:
             detokenizer=IncrementalDetokenizer(self.tokenizer),
             arrival_time=time.perf_counter(),
             stop_ids=stop_ids,
+            max_output_len=min(params.max_tokens, self.max_context_len - len(prompt_ids)),
         )
         self.requests[request_id] = req
         self.waiting.append(req)
@@ -198,7 +199,8 @@ class LLMEngine:
         first = _Pass()
         # Chunked prompts in progress continue first: they hold blocks and a locked path.
         budget = admission.max_tokens
-        for req in [r for r in self.active if r.status is Status.PREFILLING]:
+        prefilling = Status.PREFILLING
+        for req in [r for r in self.active if r.status is prefilling]:
             if budget <= 0 or not self._plan_item(first, req, budget, fresh=False):
                 break
             budget -= first.items[-1].end - first.items[-1].start
@@ -325,7 +327,8 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ decode
     def _decode(self, deltas: list[StreamDelta]) -> None:
-        batch = [r for r in self.active if r.status is Status.RUNNING]
+        running = Status.RUNNING
+        batch = [r for r in self.active if r.status is running]
         if not batch:
             return
         seqs = [r.seq for r in batch]
@@ -363,24 +366,29 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ sampling and output
     def _sample_and_emit(self, reqs: list[Request], logits: torch.Tensor, deltas: list[StreamDelta]) -> None:
-        params = [r.params for r in reqs]
-        batch = SamplingBatch.build(
-            [p.temperature for p in params],
-            [p.top_p for p in params],
-            [p.top_k for p in params],
-            [r.seed for r in reqs],
-            [len(r.output_ids) for r in reqs],
-            logits.device,
-        )
+        temperatures = [r.params.temperature for r in reqs]
+        if any(temperatures):
+            batch = SamplingBatch.build(
+                temperatures,
+                [r.params.top_p for r in reqs],
+                [r.params.top_k for r in reqs],
+                [r.seed for r in reqs],
+                [len(r.output_ids) for r in reqs],
+                logits.device,
+            )
+        else:
+            batch = SamplingBatch.greedy(logits.device)
         tokens = sample(logits, batch).tolist()
         now = time.perf_counter()
+        running = Status.RUNNING
         for req, token in zip(reqs, tokens):
-            req.output_ids.append(token)
-            req.status = Status.RUNNING
+            out = req.output_ids
+            out.append(token)
+            req.status = running
             reason = None
             if token in req.stop_ids:
                 reason = "stop"
-            elif len(req.output_ids) >= req.params.max_tokens or len(req.prompt_ids) + len(req.output_ids) >= self.max_context_len:
+            elif len(out) >= req.max_output_len:
                 reason = "length"
             text = req.detokenizer.add(token)
             if reason is None:

@@ -59,6 +59,14 @@ class SamplingBatch:
     any_filter: bool  # some row uses top-k or top-p
 
     @classmethod
+    def greedy(cls, device: torch.device) -> SamplingBatch:
+        """A batch whose every row is greedy: no per-row tensors at all."""
+        empty = _EMPTY.get(device)
+        if empty is None:
+            empty = _EMPTY[device] = torch.empty(0, device=device)
+        return cls(empty, empty, empty, empty, True, False)
+
+    @classmethod
     def build(
         cls,
         temperature: list[float],
@@ -71,10 +79,7 @@ class SamplingBatch:
         """Four per-row columns in one host array and one copy to the device (none for all-greedy). The noise
         keys are hashed here, on a few hundred ints, instead of in ~20 tiny device kernels."""
         if not any(temperature):
-            empty = _EMPTY.get(device)
-            if empty is None:
-                empty = _EMPTY[device] = torch.empty(0, device=device)
-            return cls(empty, empty, empty, empty, True, False)
+            return cls.greedy(device)
         any_filter = any(top_k) or min(top_p) < 1.0  # top_k >= 0 and top_p <= 1 (SamplingParams validates)
         keys = row_keys(np.array([s & _MASK32 for s in seeds], dtype=np.int64), np.asarray(steps, dtype=np.int64))
         # [4, rows] float64: holds every int < 2**53 exactly, so keys (< 2**32) and top-k survive the trip
