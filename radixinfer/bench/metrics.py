@@ -1,0 +1,108 @@
+"""Per-request timing records and the summary the benchmark reports.
+
+Definitions (DESIGN §9), all from token timestamps taken where tokens leave the engine step:
+
+- TTFT = first token - submit
+- TPOT = (last token - first token) / (n - 1), for requests with n >= 2 tokens
+- ITL  = every gap between consecutive tokens of a request (pooled over requests)
+- E2E  = last token - submit
+
+Latencies are reported in milliseconds as mean / p50 / p95 / p99. Throughput divides tokens by the wall
+time from the first submit to the last token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from radixinfer.outputs import StreamDelta
+
+PERCENTILES = (50, 95, 99)
+
+
+@dataclass
+class RequestRecord:
+    """What one request (one turn) did: when it was submitted and when each of its tokens arrived."""
+
+    submit_time: float
+    prompt_len: int
+    token_ids: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def add(self, delta: StreamDelta) -> None:
+        self.token_ids.extend(delta.token_ids)
+        self.token_times.extend([delta.timestamp] * len(delta.token_ids))
+        if delta.finished:
+            self.finish_reason = delta.finish_reason
+
+    @property
+    def ttft(self) -> float:
+        return self.token_times[0] - self.submit_time
+
+    @property
+    def e2e(self) -> float:
+        return self.token_times[-1] - self.submit_time
+
+    @property
+    def tpot(self) -> float | None:
+        n = len(self.token_times)
+        return (self.token_times[-1] - self.token_times[0]) / (n - 1) if n > 1 else None
+
+    @property
+    def itls(self) -> list[float]:
+        return np.diff(self.token_times).tolist()
+
+
+def latency_ms(seconds: Iterable[float]) -> dict[str, float | None]:
+    """mean and percentiles of ``seconds``, in milliseconds (None for an empty sample)."""
+    values = np.asarray(list(seconds), dtype=np.float64) * 1e3
+    if values.size == 0:
+        return {"mean": None, **{f"p{p}": None for p in PERCENTILES}}
+    return {"mean": float(values.mean()), **{f"p{p}": float(np.percentile(values, p)) for p in PERCENTILES}}
+
+
+def cache_delta(before: dict | None, after: dict | None) -> dict | None:
+    """Counters accumulated between two ``cache_stats()`` snapshots (None when the backend has none)."""
+    if before is None or after is None:
+        return None
+    keys = ("prompt_tokens", "cached_tokens", "computed_prompt_tokens", "cow_copies", "evicted_blocks", "preemptions")
+    return {k: after[k] - before[k] for k in keys}
+
+
+def add_cache_deltas(deltas: Sequence[dict | None]) -> dict | None:
+    if not deltas or any(d is None for d in deltas):
+        return None
+    return {k: sum(d[k] for d in deltas) for k in deltas[0]}
+
+
+def summarize(records: Sequence[RequestRecord], wall_s: float, cache: dict | None) -> dict:
+    """The reported metrics of one or more measured runs (records pooled, wall times summed).
+
+    ``cache`` holds the engine's counter deltas over those runs; without it (a backend with no prefix-cache
+    counters) cached / computed tokens and the hit rate are None.
+    """
+    prompt_tokens = sum(r.prompt_len for r in records)
+    completion_tokens = sum(len(r.token_ids) for r in records)
+    timed = [r for r in records if r.token_times]
+    cached = cache["cached_tokens"] if cache else None
+    return {
+        "requests": len(records),
+        "prompt_tokens": prompt_tokens,
+        "cached_tokens": cached,
+        "computed_prompt_tokens": cache["computed_prompt_tokens"] if cache else None,
+        "hit_rate": (cached / cache["prompt_tokens"] if cache["prompt_tokens"] else 0.0) if cache else None,
+        "completion_tokens": completion_tokens,
+        "preemptions": cache["preemptions"] if cache else None,
+        "ttft_ms": latency_ms(r.ttft for r in timed),
+        "tpot_ms": latency_ms(t for t in (r.tpot for r in timed) if t is not None),
+        "itl_ms": latency_ms(gap for r in timed for gap in r.itls),
+        "e2e_ms": latency_ms(r.e2e for r in timed),
+        "output_throughput": completion_tokens / wall_s if wall_s > 0 else None,
+        "total_throughput": (prompt_tokens + completion_tokens) / wall_s if wall_s > 0 else None,
+        "request_throughput": len(records) / wall_s if wall_s > 0 else None,
+        "wall_s": wall_s,
+    }

@@ -1,0 +1,119 @@
+"""Human-readable output: one column per variant, speedups of the first variant over the others, and a
+compact one-line-per-run table over many ``--json`` files (``python -m radixinfer.bench.report F...``).
+
+A speedup is > 1 when the first variant is better: ``other / first`` for latencies and wall time,
+``first / other`` for throughputs.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
+STATS = ("mean", "p50", "p95", "p99")
+THROUGHPUTS = ("output_throughput", "total_throughput", "request_throughput")
+# (metric path, True when higher is better) for the speedup columns
+SPEEDUP_KEYS: tuple[tuple[str, bool], ...] = (
+    ("output_throughput", True), ("total_throughput", True), ("ttft_ms.p50", False), ("ttft_ms.p99", False),
+    ("tpot_ms.p50", False), ("itl_ms.p50", False), ("e2e_ms.p50", False), ("e2e_ms.p99", False), ("wall_s", False),
+)
+
+
+def metric(metrics: dict, path: str) -> float | None:
+    """``metric(m, "ttft_ms.p50")`` -> ``m["ttft_ms"]["p50"]``."""
+    value = metrics
+    for key in path.split("."):
+        value = value[key]
+    return value
+
+
+def speedups(first: dict, other: dict) -> dict[str, float | None]:
+    out = {}
+    for path, higher_is_better in SPEEDUP_KEYS:
+        a, b = metric(first, path), metric(other, path)
+        if not a or not b:
+            out[path] = None
+        else:
+            out[path] = a / b if higher_is_better else b / a
+    return out
+
+
+def comparisons(runs: list[dict]) -> list[dict]:
+    """Speedups of the first run over each other run."""
+    return [
+        {"baseline": runs[0]["label"], "other": run["label"], "speedup": speedups(runs[0]["metrics"], run["metrics"])}
+        for run in runs[1:]
+    ]
+
+
+def _fmt(value: float | int | None, digits: int = 2) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return f"{value:,.{digits}f}"
+
+
+def _rows(metrics: dict) -> list[tuple[str, str]]:
+    rows = [(key, _fmt(metrics[key])) for key in
+            ("requests", "prompt_tokens", "cached_tokens", "computed_prompt_tokens")]
+    rows.append(("hit_rate", _fmt(metrics["hit_rate"], 3)))
+    rows += [(key, _fmt(metrics[key])) for key in ("completion_tokens", "preemptions")]
+    rows += [(f"{lat} {stat}", _fmt(metrics[lat][stat])) for lat in LATENCIES for stat in STATS]
+    rows += [(f"{key} (/s)", _fmt(metrics[key], 1)) for key in THROUGHPUTS]
+    rows.append(("wall_s", _fmt(metrics["wall_s"], 3)))
+    return rows
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+    def line(cells: list[str]) -> str:  # first column left-aligned, numbers right-aligned
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def format_report(result: dict) -> str:
+    """Every metric, one column per run, then the speedups of the first run over the others."""
+    runs = result["runs"]
+    columns = [dict(_rows(run["metrics"])) for run in runs]
+    names = [name for name, _ in _rows(runs[0]["metrics"])]
+    text = _table(["metric", *(r["label"] for r in runs)], [[n, *(c[n] for c in columns)] for n in names])
+    if result["comparisons"]:
+        header = ["speedup of " + runs[0]["label"], *(c["other"] for c in result["comparisons"])]
+        rows = [[path, *(_fmt(c["speedup"][path]) + "x" for c in result["comparisons"])] for path, _ in SPEEDUP_KEYS]
+        text += "\n\n" + _table(header, rows)
+    return text
+
+
+SUMMARY_COLUMNS = (
+    ("hit", "hit_rate", 3), ("prompt tok", "prompt_tokens", 0), ("out tok/s", "output_throughput", 0),
+    ("ttft p50", "ttft_ms.p50", 1), ("ttft p99", "ttft_ms.p99", 1), ("tpot p50", "tpot_ms.p50", 2),
+    ("e2e p50", "e2e_ms.p50", 1), ("e2e p99", "e2e_ms.p99", 1), ("wall s", "wall_s", 2),
+)
+
+
+def summary_table(results: dict[str, dict]) -> str:
+    """One line per run of each named result (latencies in ms), with the output-throughput speedup of
+    the first run of that result over it."""
+    rows = []
+    for name, result in results.items():
+        first = result["runs"][0]["metrics"]
+        for run in result["runs"]:
+            m = run["metrics"]
+            cells = [_fmt(metric(m, path), digits) for _, path, digits in SUMMARY_COLUMNS]
+            speed = speedups(first, m)["output_throughput"]
+            rows.append([f"{name}: {run['label']}", *cells, "" if run is result["runs"][0] else _fmt(speed) + "x"])
+    return _table(["run", *(title for title, _, _ in SUMMARY_COLUMNS), "first vs this"], rows)
+
+
+def main(paths: list[str]) -> int:
+    print(summary_table({Path(p).stem: json.loads(Path(p).read_text()) for p in paths}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

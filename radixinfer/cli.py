@@ -1,0 +1,43 @@
+"""The ``radixinfer`` command. Subcommands keep their flags and logic in their own packages; this file only
+dispatches.
+
+    radixinfer bench [flags]     streaming benchmark (radixinfer.bench); ``radixinfer bench -h`` for flags
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from radixinfer.bench.args import add_bench_arguments, check_bench_arguments
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="radixinfer", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    bench = commands.add_parser("bench", help="streaming benchmark of the engine")
+    add_bench_arguments(bench)
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse and cross-check; bad flags exit with a usage message (SystemExit 2)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "bench":
+        check_bench_arguments(parser, args)
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.command == "bench":
+        from radixinfer.bench.runner import main as bench_main
+
+        bench_main(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""The streaming front: one background thread owns an `LLMEngine`; any thread submits requests and reads
+their tokens back as they are produced.
+
+The engine is single-threaded by contract (DESIGN §4), so every engine call happens on the loop thread.
+Other threads only touch three small inboxes (submissions, aborts, calls) under one condition variable::
+
+    submit() / abort() / call()  --(inbox, notify)-->  loop thread: add / abort / run calls, engine.step()
+    handle / sink queue          <--(StreamDelta)---   route each delta to its request's queue
+
+The loop sleeps on the condition while the engine has nothing to do (no polling), and steps it back to
+back while it has. A delta's ``timestamp`` is taken inside the engine step that produced its tokens, so
+queueing between the loop and a consumer never shows up in measured latencies.
+
+Failures never leave a consumer waiting: a request the engine rejects (``ValueError``) gets a
+`StreamFailure` carrying that error; an exception inside the loop fails every open request with an
+`EngineLoopError` and makes later submissions raise it. `close` aborts what is still running (each
+consumer gets a final ``finish_reason="abort"`` delta) and joins the thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from collections.abc import Callable, Hashable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from radixinfer.engine.engine import LLMEngine
+from radixinfer.outputs import StreamDelta
+from radixinfer.sampling_params import SamplingParams
+
+T = TypeVar("T")
+
+
+class EngineLoopError(RuntimeError):
+    """The engine loop died; ``__cause__`` is the exception it died of."""
+
+
+@dataclass(frozen=True)
+class StreamFailure:
+    """Put on a request's queue instead of further deltas when the request cannot go on."""
+
+    request_id: str
+    error: BaseException
+
+
+StreamEvent = StreamDelta | StreamFailure
+
+
+class StreamHandle:
+    """One submitted request. Iterate it for its deltas (the last has ``finished`` set); iteration raises the
+    request's error instead when it fails. Only the thread that iterates should consume ``queue``."""
+
+    def __init__(self, server: EngineServer, request_id: str, events: queue.SimpleQueue[StreamEvent]) -> None:
+        self.request_id = request_id
+        self.queue = events
+        self._server = server
+
+    def __iter__(self) -> Iterator[StreamDelta]:
+        while True:
+            event = self.queue.get()
+            if isinstance(event, StreamFailure):
+                raise event.error
+            yield event
+            if event.finished:
+                return
+
+    def abort(self) -> None:
+        self._server.abort(self.request_id)
+
+
+@dataclass
+class _Submission:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    cache_salt: Hashable
+    sink: queue.SimpleQueue[StreamEvent]
+
+
+class EngineServer:
+    """Runs ``engine`` on a background thread until `close`. Thread-safe: `submit`, `abort` and `call` may be
+    used from any thread. Nothing else may drive the engine while the server owns it (no ``LLM.generate``).
+
+    Use as a context manager, or call `close` yourself: the loop thread is not a daemon, so a forgotten
+    server keeps the process alive.
+    """
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self._engine = engine
+        self._cond = threading.Condition()
+        self._submissions: list[_Submission] = []
+        self._aborts: list[str] = []
+        self._calls: list[tuple[Callable[[LLMEngine], Any], Future]] = []
+        self._sinks: dict[str, queue.SimpleQueue[StreamEvent]] = {}  # open requests (loop thread only)
+        self._ids = itertools.count()
+        self._closing = False
+        self._error: EngineLoopError | None = None
+        self._thread = threading.Thread(target=self._loop, name="radixinfer-engine", daemon=False)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ any thread
+    def submit(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        cache_salt: Hashable = None,
+        sink: queue.SimpleQueue[StreamEvent] | None = None,
+    ) -> StreamHandle:
+        """Queue a request and return its handle at once (the loop adds it before its next step).
+
+        ``sink``: a queue to receive this request's events instead of a private one, so one consumer can
+        wait on many requests (events carry ``request_id``). A prompt the engine rejects yields a
+        `StreamFailure` with the engine's ``ValueError``. Raises `EngineLoopError` if the loop has died and
+        ``RuntimeError`` after `close`.
+        """
+        events: queue.SimpleQueue[StreamEvent] = sink if sink is not None else queue.SimpleQueue()
+        with self._cond:
+            self._check_open()
+            request_id = f"srv-{next(self._ids)}"
+            self._submissions.append(_Submission(request_id, prompt, params or SamplingParams(), cache_salt, events))
+            self._cond.notify()
+        return StreamHandle(self, request_id, events)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request wherever it is; its consumer gets a final ``"abort"`` delta. A no-op for a request
+        that has already finished."""
+        with self._cond:
+            if self._closing or self._error is not None:
+                return
+            self._aborts.append(request_id)
+            self._cond.notify()
+
+    def call(self, fn: Callable[[LLMEngine], T]) -> Future[T]:
+        """Run ``fn(engine)`` on the loop thread between two steps (e.g. ``cache_stats``,
+        ``reset_prefix_cache`` when idle); the future holds its result or exception."""
+        future: Future[T] = Future()
+        with self._cond:
+            self._check_open()
+            self._calls.append((fn, future))
+            self._cond.notify()
+        return future
+
+    def close(self) -> None:
+        """Abort every open request, stop the loop and join it. Idempotent."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def __enter__(self) -> EngineServer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._error is not None:
+            raise self._error
+        if self._closing:
+            raise RuntimeError("EngineServer is closed")
+
+    # ------------------------------------------------------------------ loop thread
+    def _loop(self) -> None:
+        try:
+            while self._serve_once():
+                pass
+        except BaseException as exc:  # noqa: BLE001 - any failure must reach the consumers
+            self._fail_everyone(exc)
+
+    def _serve_once(self) -> bool:
+        """Take the inboxes (sleeping while there is nothing to do), apply them, run one engine step.
+        Returns False once the server is closing and every request has been aborted."""
+        engine = self._engine
+        with self._cond:
+            while not (self._submissions or self._aborts or self._calls or self._closing or engine.has_unfinished()):
+                self._cond.wait()
+            submissions, self._submissions = self._submissions, []
+            aborts, self._aborts = self._aborts, []
+            calls, self._calls = self._calls, []
+            closing = self._closing
+        self._sinks.update((sub.request_id, sub.sink) for sub in submissions)  # failed by the loop if it dies
+        for sub in submissions:
+            try:
+                engine.add_request(sub.prompt, sub.params, sub.cache_salt, request_id=sub.request_id)
+            except ValueError as exc:
+                del self._sinks[sub.request_id]
+                sub.sink.put(StreamFailure(sub.request_id, exc))
+        for fn, future in calls:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(engine))
+                except Exception as exc:  # noqa: BLE001 - handed to the caller through the future
+                    future.set_exception(exc)
+        for request_id in list(self._sinks) if closing else aborts:
+            delta = engine.abort(request_id) if request_id in self._sinks else None
+            if delta is not None:
+                self._deliver(delta)
+        if closing:
+            return False
+        if engine.has_unfinished():
+            for delta in engine.step():
+                self._deliver(delta)
+        return True
+
+    def _deliver(self, delta: StreamDelta) -> None:
+        sink = self._sinks[delta.request_id]
+        if delta.finished:
+            del self._sinks[delta.request_id]
+            self._engine.pop_finished(delta.request_id)
+        sink.put(delta)
+
+    def _fail_everyone(self, exc: BaseException) -> None:
+        error = EngineLoopError(f"the engine loop failed: {exc!r}")
+        error.__cause__ = exc
+        with self._cond:
+            self._error = error
+            pending = [(s.request_id, s.sink) for s in self._submissions] + list(self._sinks.items())
+            calls = self._calls
+            self._submissions, self._calls, self._aborts = [], [], []
+        self._sinks.clear()
+        for request_id, sink in pending:
+            sink.put(StreamFailure(request_id, error))
+        for _, future in calls:
+            future.set_exception(error)

@@ -1,0 +1,252 @@
+"""The benchmark's parts on plain data: metric definitions, arrivals, workloads (incl. the old benchmark's
+prompt lengths with the peer tokenizer), variants, speedups, and the run loop against a scripted backend
+(multi-turn chaining, context caps, failures)."""
+
+from __future__ import annotations
+
+import math
+import queue
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from radixinfer.bench.metrics import RequestRecord, cache_delta, latency_ms, summarize
+from radixinfer.bench.report import comparisons, format_report, speedups
+from radixinfer.bench.runner import Variant, plan_variants, run_workload
+from radixinfer.bench.workloads import (
+    arrival_offsets, build_workload, fit_to_context, fixed_prompt_texts, parse_repeats,
+)
+from radixinfer.cli import parse_args
+from radixinfer.outputs import StreamDelta
+from radixinfer.sampling_params import SamplingParams
+from radixinfer.serving import StreamFailure
+from radixinfer.tokenizer import ByteTokenizer, HFTokenizer
+
+PEER_CHECKPOINT = Path("/work/shared/peer-checkpoint")
+SHARED_PROMPT = "You are a helpful assistant. Answer the question concisely and cite your sources."
+
+
+def bench_args(*flags: str):
+    return parse_args(["bench", *flags])
+
+
+# ---------------------------------------------------------------------------------------------- metrics
+def record(submit: float, times: list[float], prompt_len: int = 10) -> RequestRecord:
+    r = RequestRecord(submit, prompt_len)
+    for t in times:
+        r.add(StreamDelta("r", [1], "", False, None, 0, t))
+    return r
+
+
+def test_metric_definitions():
+    r = record(1.0, [1.5, 1.7, 2.0, 2.6])
+    assert r.ttft == pytest.approx(0.5)
+    assert r.tpot == pytest.approx((2.6 - 1.5) / 3)
+    assert r.itls == pytest.approx([0.2, 0.3, 0.6])
+    assert r.e2e == pytest.approx(1.6)
+    assert record(0.0, [0.4]).tpot is None  # one token: no TPOT
+
+
+def test_a_delta_with_several_tokens_counts_each_at_its_timestamp():
+    r = RequestRecord(0.0, 3)
+    r.add(StreamDelta("r", [1, 2], "", False, None, 0, 0.5))
+    r.add(StreamDelta("r", [], "", True, "length", 0, 0.9))
+    assert r.token_times == [0.5, 0.5] and r.finish_reason == "length"
+
+
+def test_summary_percentiles_throughput_and_cache_counters():
+    records = [record(0.0, [0.1 * (i + 1), 0.1 * (i + 1) + 0.05]) for i in range(10)]
+    before = {"prompt_tokens": 5, "cached_tokens": 1, "computed_prompt_tokens": 4, "cow_copies": 0,
+              "evicted_blocks": 0, "preemptions": 0, "free_blocks": 9}
+    after = {**before, "prompt_tokens": 105, "cached_tokens": 81, "computed_prompt_tokens": 24}
+    s = summarize(records, wall_s=2.0, cache=cache_delta(before, after))
+    assert s["requests"] == 10 and s["prompt_tokens"] == 100 and s["completion_tokens"] == 20
+    assert s["cached_tokens"] == 80 and s["computed_prompt_tokens"] == 20 and s["hit_rate"] == pytest.approx(0.8)
+    assert s["ttft_ms"]["p50"] == pytest.approx(550.0) and s["ttft_ms"]["mean"] == pytest.approx(550.0)
+    assert s["ttft_ms"]["p99"] == pytest.approx(np.percentile([100 * (i + 1) for i in range(10)], 99))
+    assert s["itl_ms"]["p95"] == pytest.approx(50.0) and s["tpot_ms"]["mean"] == pytest.approx(50.0)
+    assert s["output_throughput"] == pytest.approx(10.0) and s["total_throughput"] == pytest.approx(60.0)
+    assert summarize(records, 2.0, cache=None)["hit_rate"] is None
+    assert latency_ms([]) == {"mean": None, "p50": None, "p95": None, "p99": None}
+
+
+def test_speedups_are_above_one_when_the_first_run_is_better():
+    first = {"output_throughput": 200.0, "total_throughput": 400.0, "wall_s": 1.0,
+             **{k: {"p50": 10.0, "p99": 20.0} for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")}}
+    other = {"output_throughput": 100.0, "total_throughput": 200.0, "wall_s": 2.0,
+             **{k: {"p50": 30.0, "p99": 60.0} for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")}}
+    s = speedups(first, other)
+    assert s["output_throughput"] == 2.0 and s["ttft_ms.p50"] == 3.0 and s["wall_s"] == 2.0
+
+
+# ---------------------------------------------------------------------------------------------- workloads
+def test_arrivals():
+    rng = np.random.default_rng(0)
+    assert arrival_offsets(3, math.inf, None, rng) == [0.0, 0.0, 0.0]
+    assert arrival_offsets(3, math.inf, 250.0, rng) == [0.0, 0.25, 0.5]
+    poisson = arrival_offsets(4000, 100.0, None, rng)
+    assert poisson[0] == 0.0 and poisson == sorted(poisson)
+    assert np.mean(np.diff(poisson)) == pytest.approx(0.01, rel=0.1)
+
+
+def test_fixed_prompts_cycle_repeats_and_append_a_unique_suffix():
+    assert parse_repeats("512,1,1,1") == [512, 1, 1, 1]
+    with pytest.raises(ValueError):
+        parse_repeats("3,0")
+    texts = fixed_prompt_texts("Hi", [3, 1], unique=True, num_requests=3)
+    assert texts == ["Hi Hi Hi [0]", "Hi [1]", "Hi Hi Hi [2]"]
+    assert fixed_prompt_texts("Hi", [2], unique=False, num_requests=2) == ["Hi Hi", "Hi Hi"]
+
+
+@pytest.mark.skipif(not PEER_CHECKPOINT.is_dir(), reason=f"peer tokenizer folder {PEER_CHECKPOINT} is absent")
+def test_old_benchmark_prompt_lengths_with_the_peer_tokenizer():
+    """The counts the peer README gives: repeats joined by a space, unique suffix " [i]", and the head-of-line
+    mix counted after --truncate-prompts cuts its 1,027-token prompts to GPT-2's 1,024-token context."""
+    tokenizer = HFTokenizer.from_pretrained(PEER_CHECKPOINT)
+
+    def lengths(prompt, repeats, unique, n, context=None):
+        ids = [tokenizer.encode(t) for t in fixed_prompt_texts(prompt, parse_repeats(repeats), unique, n)]
+        return [len(fit_to_context(p, context, truncate=True)) if context else len(p) for p in ids]
+
+    assert set(lengths("Hello", "65", False, 4)) == {130}
+    assert sum(lengths(SHARED_PROMPT, "20", True, 256)) == 139_420
+    untruncated = lengths("Hello", "512,1,1,1", True, 128)
+    assert untruncated[0] == 1027
+    assert sum(lengths("Hello", "512,1,1,1", True, 128, context=1024)) == 33_276
+
+
+def test_fit_to_context():
+    assert fit_to_context([1, 2, 3], 3, truncate=False) == [1, 2, 3]
+    assert fit_to_context([1, 2, 3, 4], 3, truncate=True) == [2, 3, 4]
+    with pytest.raises(ValueError, match="--truncate-prompts"):
+        fit_to_context([1, 2, 3, 4], 3, truncate=False)
+
+
+def test_workloads_shapes():
+    tok = ByteTokenizer()
+    random_ = build_workload(bench_args("--dataset", "random", "--num-requests", "50", "--input-len", "40",
+                                        "--output-len", "8", "--range-ratio", "0.5"), tok, 300)
+    assert len(random_) == 50 and all(20 <= len(s.prompt) <= 40 and 4 <= s.max_tokens <= 8 for s in random_)
+    assert all(0 <= t < 300 for s in random_ for t in s.prompt)
+    shared = build_workload(bench_args("--dataset", "shared-prefix", "--num-groups", "3", "--prompts-per-group", "4",
+                                       "--system-prompt-len", "20", "--question-len", "5"), tok, 300)
+    assert len(shared) == 12 and len({tuple(s.prompt[:20]) for s in shared}) == 3
+    assert all(len(s.prompt) == 25 for s in shared)
+    chats = build_workload(bench_args("--dataset", "multi-turn", "--num-conversations", "2", "--turns", "3"), tok, 300)
+    assert [s.num_turns for s in chats] == [3, 3]
+    again = build_workload(bench_args("--dataset", "random", "--num-requests", "50", "--input-len", "40",
+                                      "--output-len", "8", "--range-ratio", "0.5"), tok, 300)
+    assert [s.prompt for s in again] == [s.prompt for s in random_]  # seeded
+
+
+def test_variants_are_the_product_of_the_comparisons():
+    args = bench_args("--compare-backends", "--compare-no-cache", "--compare-policies", "fifo,lpm")
+    assert plan_variants(args) == [
+        Variant("radixinfer", True, "fifo"), Variant("radixinfer", True, "lpm"),
+        Variant("radixinfer", False, "fifo"), Variant("radixinfer", False, "lpm"),
+        Variant("hf", True, None), Variant("hf", False, None),
+    ]
+    assert plan_variants(bench_args("--no-prefix-cache")) == [Variant("radixinfer", False, "fifo")]
+
+
+@pytest.mark.parametrize("flags", [["--request-rate", "5", "--submit-interval-ms", "10"], ["--repeat-runs", "0"],
+                                   ["--compare-policies", "fifo,best"], ["--dataset", "nope"], ["--num-requests", "0"],
+                                   ["--range-ratio", "2"]])
+def test_bad_flag_combinations_exit_with_usage(flags):
+    with pytest.raises(SystemExit):
+        bench_args(*flags)
+
+
+def test_old_flag_names_parse():
+    args = bench_args("--model", "/some/dir", "--prompt", "Hello", "--prompt-repeats", "512,1,1,1", "--unique-prompts",
+                      "--num-requests", "128", "--max-new-tokens", "32", "--submit-interval-ms", "5",
+                      "--max-batch-size", "8", "--prefill-max-batch-size", "128", "--prefill-max-tokens", "256",
+                      "--prefill-admission-policy", "pack", "--prefill-admission-lookahead", "32",
+                      "--prefill-force-fifo-every", "8", "--no-stop-on-eos", "--no-prefix-cache", "--warmup-runs", "1",
+                      "--repeat-runs", "2")
+    assert args.ignore_eos and args.no_prefix_cache and args.max_new_tokens == 32 and args.repeat_runs == 2
+
+
+# ---------------------------------------------------------------------------------------------- run loop
+class ScriptedBackend:
+    """Answers every request at once with tokens 1..max_tokens, one delta each (or fails, when told)."""
+
+    tokenizer = ByteTokenizer()
+    vocab_size = 257
+    max_context_len = 64
+    info: dict = {}
+
+    def __init__(self, fail: bool = False) -> None:
+        self.requests: list[tuple[list[int], SamplingParams]] = []
+        self.fail = fail
+
+    def submit(self, prompt, params, sink: queue.SimpleQueue) -> str:
+        request_id = str(len(self.requests))
+        self.requests.append((prompt, params))
+        if self.fail:
+            sink.put(StreamFailure(request_id, ValueError("no")))
+        for i in range(params.max_tokens):
+            last = i == params.max_tokens - 1
+            sink.put(StreamDelta(request_id, [i + 1], "", last, "length" if last else None, 0, time.perf_counter()))
+        return request_id
+
+    def cache_stats(self):
+        return None
+
+    def reset_cache(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_multi_turn_prompts_extend_the_previous_prompt_and_answer():
+    args = bench_args("--dataset", "multi-turn", "--num-conversations", "2", "--turns", "3", "--input-len", "4",
+                      "--turn-len", "2", "--output-len", "3")
+    backend = ScriptedBackend()
+    sessions = build_workload(args, backend.tokenizer, backend.vocab_size)
+    records, wall = run_workload(backend, sessions, [0.0, 0.0], args, "test")
+    assert len(records) == 6 and wall >= 0
+    prompts = [p for p, _ in backend.requests]
+    for session in sessions:
+        turns = [p for p in prompts if p[:4] == session.prompt]
+        assert turns[0] == session.prompt
+        assert turns[1] == session.prompt + [1, 2, 3] + session.follow_ups[0]
+        assert turns[2] == turns[1] + [1, 2, 3] + session.follow_ups[1]
+
+
+def test_prompts_are_truncated_and_outputs_capped_to_the_context():
+    args = bench_args("--dataset", "random", "--num-requests", "1", "--input-len", "100", "--output-len", "16",
+                      "--truncate-prompts")
+    backend = ScriptedBackend()
+    sessions = build_workload(args, backend.tokenizer, backend.vocab_size)
+    records, _ = run_workload(backend, sessions, [0.0], args, "test")
+    (prompt, params), = backend.requests
+    assert prompt == sessions[0].prompt[-64:] and params.max_tokens == 1 and records[0].prompt_len == 64
+
+
+def test_a_failed_request_stops_the_run():
+    args = bench_args("--num-requests", "2", "--prompt-repeats", "2")
+    backend = ScriptedBackend(fail=True)
+    with pytest.raises(RuntimeError, match="failed"):
+        run_workload(backend, build_workload(args, backend.tokenizer, backend.vocab_size), [0.0, 0.0], args, "t")
+
+
+def test_report_has_a_column_per_run_and_speedups():
+    metrics = summarize([record(0.0, [0.1, 0.2])], 1.0, None)
+    runs = [{"label": "one", "metrics": metrics}, {"label": "two", "metrics": metrics}]
+    text = format_report({"runs": runs, "comparisons": comparisons(runs)})
+    assert "one" in text and "two" in text and "speedup of one" in text and "1.00x" in text
+
+
+def test_first_turns_are_submitted_at_their_arrival_offsets():
+    args = bench_args("--num-requests", "3", "--prompt-repeats", "2", "--max-new-tokens", "1")
+    backend = ScriptedBackend()
+    sessions = build_workload(args, backend.tokenizer, backend.vocab_size)
+    offsets = [0.0, 0.1, 0.05]
+    records, _ = run_workload(backend, sessions, offsets, args, "t")
+    submits = sorted(r.submit_time for r in records)
+    gaps = [b - submits[0] for b in submits]
+    assert gaps[1] == pytest.approx(0.05, abs=0.02) and gaps[2] == pytest.approx(0.1, abs=0.02)
