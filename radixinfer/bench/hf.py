@@ -15,6 +15,7 @@ transformers checkpoint dir, and every backend of the run loads that dir, so bot
 from __future__ import annotations
 
 import os
+import inspect
 import queue
 import threading
 import time
@@ -72,14 +73,18 @@ class _ContinuousDriver:
     def __init__(self, model: PreTrainedModel, max_batch_size: int, prefix_cache: bool, kv_tokens: int | None,
                  kv_memory_fraction: float, seed: int) -> None:
         self._model = model
-        self._config = transformers.ContinuousBatchingConfig(
+        page_size = getattr(transformers.ContinuousBatchingConfig, "page_size", 256)
+        wanted = dict(
             max_requests_per_batch=max_batch_size,
             allow_block_sharing=prefix_cache,
-            num_blocks=None if kv_tokens is None else -(-kv_tokens // transformers.ContinuousBatchingConfig.page_size),
+            num_blocks=None if kv_tokens is None else -(-kv_tokens // page_size),
             max_memory_percent=kv_memory_fraction,
             auto_switch_to_flash=False,  # --hf-attn-implementation decides; no hub download on a closed box
             seed=seed,
         )
+        # The config's fields move between transformers releases: pass the ones this release has.
+        accepted = inspect.signature(transformers.ContinuousBatchingConfig).parameters
+        self._config = transformers.ContinuousBatchingConfig(**{k: v for k, v in wanted.items() if k in accepted})
         self._lock = threading.Lock()
         self._requests: dict[str, tuple[queue.SimpleQueue[StreamEvent], list[int]]] = {}  # id -> (sink, eos ids)
         self._seen: dict[str, int] = {}  # tokens already delivered per request (pump thread only)
@@ -88,7 +93,8 @@ class _ContinuousDriver:
     def _start(self) -> None:
         generation_config = GenerationConfig(do_sample=False, eos_token_id=[])
         self._manager = self._model.init_continuous_batching(generation_config, self._config)
-        self._manager.warmup()
+        if hasattr(self._manager, "warmup"):  # newer releases compile / size their buffers here
+            self._manager.warmup()
         self._manager.start()
         self._stopping = False
         self._pump = threading.Thread(target=self._pump_outputs, name="hf-cb-pump")
