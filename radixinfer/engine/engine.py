@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from radixinfer.cache.kv_manager import KVCacheManager
+from radixinfer.cache.kv_manager import KVCacheManager, ReservePlan, SeqKV
 from radixinfer.engine.admission import AdmissionConfig, Grant, plan_admission
 from radixinfer.engine.model_runner import ModelRunner
 from radixinfer.engine.request import Request, Status
@@ -74,6 +74,32 @@ class _Pass:
     leaders: dict[tuple, _PrefillItem] = field(default_factory=dict)
 
 
+class _Inflight:
+    """A launched decode step: its batch and sampled tokens, copied to host memory without blocking."""
+
+    def __init__(self, batch: list[Request], tokens: torch.Tensor, host: torch.Tensor, done) -> None:
+        self.batch, self.tokens, self.host, self.done = batch, tokens, host, done
+
+    @classmethod
+    def start(cls, batch: list[Request], tokens: torch.Tensor) -> _Inflight:
+        if tokens.device.type != "cuda":
+            return cls(batch, tokens, tokens, None)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return cls(batch, tokens, host, done)
+
+    def read(self) -> list[int]:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host.tolist()
+
+
+def batch_seqs(batch: list[Request]) -> list[SeqKV]:
+    return [r.seq for r in batch]
+
+
 _DEFER = object()  # `_plan_item`: must wait for the current pass's K/V writes
 
 
@@ -100,6 +126,7 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._round = itertools.count()
         self._seeds = torch.Generator().manual_seed(config.seed)
+        self._inflight: _Inflight | None = None  # the decode launched last step, tokens not yet read back
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -177,7 +204,7 @@ class LLMEngine:
         return self._finish(req, "abort", [])
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.active)
+        return bool(self.waiting or self.active or self._inflight)
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[StreamDelta]:
@@ -323,36 +350,77 @@ class LLMEngine:
             for i, it in enumerate(finishing):
                 if it.payload is None and it.leader is None:
                     self.cache.attach_payload(it.req.seq, last_hidden[i])
-        self._sample_and_emit([it.req for it in finishing], self.runner.logits(last_hidden), deltas)
+        reqs = [it.req for it in finishing]
+        self._emit(reqs, self._sample(reqs, self.runner.logits(last_hidden)).tolist(), deltas)
 
     # ------------------------------------------------------------------ decode
     def _decode(self, deltas: list[StreamDelta]) -> None:
+        """Launch this step's decode, then read back the previous one's tokens while the GPU runs it.
+
+        A request whose previous token is still in flight decodes it straight from the device; the host sees
+        tokens one step late. A request that turns out to have stopped on that token was decoded once more
+        for nothing; its extra K/V is for a real position of its path (the stop token's), so it stays valid.
+        """
+        previous = self._inflight
+        self._inflight = None
         running = Status.RUNNING
-        batch = [r for r in self.active if r.status is running]
-        if not batch:
-            return
-        seqs = [r.seq for r in batch]
-        plan = self.cache.reserve(seqs, [s.num_kv + 1 for s in seqs])
-        while plan is None:
-            victim = max(self.active, key=lambda r: r.arrival_index)
-            self._preempt(victim)
-            if victim in batch:
-                batch.remove(victim)
+        batch = [r for r in self.active if r.status is running and len(r.output_ids) + r.pending < r.max_output_len]
+        plan = self.cache.reserve(batch_seqs(batch), [r.seq.num_kv + 1 for r in batch]) if batch else None
+        if batch and plan is None:
+            # Preemption publishes each victim's tokens: read back the in-flight ones first.
+            if previous is not None:
+                self._complete(previous, deltas)
+                previous = None
+            batch, plan = self._preempt_until_reserved()
+        launched = None
+        if batch:
+            seqs = batch_seqs(batch)
+            self.runner.kv.copy_blocks(plan.copies)
+            carried, carried_rows = None, None
+            if previous is not None:
+                row_of = {id(r): i for i, r in enumerate(previous.batch)}
+                carried, carried_rows = previous.tokens, [row_of[id(r)] if r.pending else -1 for r in batch]
+            logits = self.runner.decode(
+                [r.output_ids[-1] for r in batch],  # a stale placeholder where the token is carried
+                [s.num_kv - 1 for s in seqs],
+                plan.slots,
+                [s.table for s in seqs],
+                [s.num_kv for s in seqs],
+                carried=carried,
+                carried_rows=carried_rows,
+            )
+            self.cache.mark_written()
+            self.counters.decode_forwards += 1
+            launched = _Inflight.start(batch, self._sample(batch, logits))
+            for r in batch:
+                r.pending += 1
+        if previous is not None:
+            self._complete(previous, deltas)
+        self._inflight = launched
+
+    def _preempt_until_reserved(self) -> tuple[list[Request], ReservePlan | None]:
+        """Preempt the newest requests until the running ones fit (no token in flight); (batch, plan)."""
+        while True:
+            running = Status.RUNNING
+            batch = [r for r in self.active if r.status is running and len(r.output_ids) < r.max_output_len]
             if not batch:
-                return
-            seqs = [r.seq for r in batch]
-            plan = self.cache.reserve(seqs, [s.num_kv + 1 for s in seqs])
-        self.runner.kv.copy_blocks(plan.copies)
-        logits = self.runner.decode(
-            [r.output_ids[-1] for r in batch],
-            [s.num_kv - 1 for s in seqs],
-            plan.slots,
-            [s.table for s in seqs],
-            [s.num_kv for s in seqs],
-        )
-        self.cache.mark_written()
-        self.counters.decode_forwards += 1
-        self._sample_and_emit(batch, logits, deltas)
+                return [], None
+            plan = self.cache.reserve(batch_seqs(batch), [r.seq.num_kv + 1 for r in batch])
+            if plan is not None:
+                return batch, plan
+            self._preempt(max(self.active, key=lambda r: r.arrival_index))
+
+    def _complete(self, inflight: _Inflight, deltas: list[StreamDelta]) -> None:
+        """Read back a launched decode's tokens and emit them (requests aborted meanwhile are skipped)."""
+        tokens = inflight.read()
+        live = []
+        live_tokens = []
+        for req, token in zip(inflight.batch, tokens):
+            req.pending -= 1
+            if req.status is Status.RUNNING:
+                live.append(req)
+                live_tokens.append(token)
+        self._emit(live, live_tokens, deltas)
 
     def _preempt(self, req: Request) -> None:
         """Free a request's blocks under memory pressure; its computed prefix stays in the tree, so its
@@ -365,7 +433,8 @@ class LLMEngine:
         self.counters.preemptions += 1
 
     # ------------------------------------------------------------------ sampling and output
-    def _sample_and_emit(self, reqs: list[Request], logits: torch.Tensor, deltas: list[StreamDelta]) -> None:
+    def _sample(self, reqs: list[Request], logits: torch.Tensor) -> torch.Tensor:
+        """Sampled token ids ``[len(reqs)]`` on the device (no host sync)."""
         temperatures = [r.params.temperature for r in reqs]
         if any(temperatures):
             batch = SamplingBatch.build(
@@ -373,12 +442,15 @@ class LLMEngine:
                 [r.params.top_p for r in reqs],
                 [r.params.top_k for r in reqs],
                 [r.seed for r in reqs],
-                [len(r.output_ids) for r in reqs],
+                [len(r.output_ids) + r.pending for r in reqs],
                 logits.device,
             )
         else:
             batch = SamplingBatch.greedy(logits.device)
-        tokens = sample(logits, batch).tolist()
+        return sample(logits, batch)
+
+    def _emit(self, reqs: list[Request], tokens: list[int], deltas: list[StreamDelta]) -> None:
+        """Append each request's new token, stream it, and finish requests that stop or reach their limit."""
         now = time.perf_counter()
         running = Status.RUNNING
         for req, token in zip(reqs, tokens):

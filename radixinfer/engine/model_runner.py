@@ -80,14 +80,15 @@ class _StepBuffers:
 
     def __init__(self, max_tokens: int, max_seqs: int, width: int, device: torch.device) -> None:
         pin = device.type == "cuda"
-        self.host64 = torch.zeros(3, max_tokens, dtype=torch.int64, pin_memory=pin)  # ids, positions, slots
+        # ids, positions, slots, and (decode) the row of each sequence's input in the previous step's tokens
+        self.host64 = torch.zeros(4, max_tokens, dtype=torch.int64, pin_memory=pin)
         self.host32 = torch.zeros(2 * max_seqs + 1 + max_seqs * width, dtype=torch.int32, pin_memory=pin)
         self.dev64 = torch.zeros_like(self.host64, device=device)
         self.dev32 = torch.zeros_like(self.host32, device=device)
         self.width, self.max_seqs = width, max_seqs
         self._tables_at = 2 * max_seqs + 1  # offset of the tables in the int32 buffers
         h64, h32 = self.host64.numpy(), self.host32.numpy()
-        self.ids, self.positions, self.slots = h64[0], h64[1], h64[2]
+        self.ids, self.positions, self.slots, self.carry_rows = h64[0], h64[1], h64[2], h64[3]
         self.context_lens = h32[:max_seqs]
         self.query_start = h32[max_seqs : self._tables_at]
         self.tables = h32[self._tables_at :].reshape(max_seqs, width)
@@ -181,14 +182,22 @@ class ModelRunner:
         slots: Sequence[int],
         tables: Sequence[Sequence[int]],
         context_lens: Sequence[int],
+        carried: torch.Tensor | None = None,
+        carried_rows: Sequence[int] | None = None,
     ) -> torch.Tensor:
-        """One token per sequence; returns logits ``[num_seqs, vocab]`` float32."""
+        """One token per sequence; returns logits ``[num_seqs, vocab]`` float32.
+
+        A sequence whose input token was sampled by the previous step and not yet read back takes it from
+        ``carried`` (that step's device tensor of tokens) at row ``carried_rows[i]`` (-1: use ``input_ids[i]``),
+        so the next step can be launched before the host has seen the last one's tokens."""
         n = len(input_ids)
         if n > self.max_batch_size:
             raise ValueError(f"decode batch of {n} exceeds max_batch_size {self.max_batch_size}")
         bucket = next((b for b in self._graphs if b >= n), n)
         buf = self._decode_buffers
         buf.ids[:n] = input_ids
+        if carried is not None:
+            buf.carry_rows[:n] = carried_rows
         buf.positions[:n] = positions
         buf.slots[:n] = slots
         buf.slots[n:bucket] = -1  # padding rows store nothing ...
@@ -196,6 +205,9 @@ class ModelRunner:
         buf.context_lens[:n] = context_lens
         buf.context_lens[n:bucket] = 0  # ... and attend to nothing
         buf.upload(n)
+        if carried is not None:
+            ids, rows = buf.dev64[0, :n], buf.dev64[3, :n]
+            ids.copy_(torch.where(rows >= 0, carried[rows.clamp(min=0)], ids))
         graph = self._graphs.get(bucket)
         if graph is not None:
             graph[0].replay()

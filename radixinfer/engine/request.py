@@ -41,6 +41,7 @@ class Request:
     num_cached_tokens: int = -1  # set at first admission
     finish_reason: str | None = None
     stop_ids: frozenset[int] = frozenset()
+    pending: int = 0  # tokens sampled on the device whose value the host has not read back yet (0 or 1)
     max_output_len: int = 0  # max_tokens, capped so prompt + output fit the model's context
     text: str = ""
 
