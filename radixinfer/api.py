@@ -46,7 +46,8 @@ class LLM:
     transformers ``PretrainedConfig`` (random weights). Engine options beyond the fixed signature
     (``prefill_max_batch_size``, ``prefill_max_tokens``, ``prefill_admission_policy``,
     ``prefill_admission_lookahead``, ``prefill_force_fifo_every``, ``chunked_prefill``, ``decode_first``,
-    ``kv_memory_fraction``) are keyword-only.
+    ``kv_memory_fraction``, ``max_num_seqs``) are keyword-only. ``max_batch_size`` caps the sequences decoded per
+    step; ``max_num_seqs`` (default: KV memory) caps the requests holding KV at once.
     """
 
     def __init__(
@@ -68,6 +69,7 @@ class LLM:
         chunked_prefill: bool = True,
         decode_first: bool = False,
         kv_memory_fraction: float = 0.85,
+        max_num_seqs: int | None = None,
     ) -> None:
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
@@ -79,7 +81,10 @@ class LLM:
             lookahead=prefill_admission_lookahead,
             force_fifo_every=prefill_force_fifo_every,
         )
-        config = EngineConfig(max_batch_size=max_batch_size, admission=admission, decode_first=decode_first, seed=seed)
+        config = EngineConfig(
+            max_batch_size=max_batch_size, max_num_seqs=max_num_seqs, admission=admission, decode_first=decode_first,
+            seed=seed,
+        )
         torch_device = torch.device(device)
         loaded = load_model(model, torch_device, dtype, seed)
         m = loaded.model

@@ -38,7 +38,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from --kv-memory-fraction)")
     model.add_argument("--kv-memory-fraction", type=float, default=0.85,
                        help="fraction of free GPU memory for KV when --num-blocks is not given [0.85]")
-    model.add_argument("--max-batch-size", type=int, default=64, help="requests holding KV at once [64]")
+    model.add_argument("--max-batch-size", type=int, default=64, help="sequences decoded per step [64]")
+    model.add_argument("--max-num-seqs", type=int, default=None,
+                       help="requests holding KV at once [unbounded: KV memory decides]")
     model.add_argument("--prefill-max-batch-size", type=int, default=None,
                        help="requests admitted per prefill round [--max-batch-size]")
     model.add_argument("--prefill-max-tokens", type=int, default=8192,

@@ -74,6 +74,7 @@ def open_radixinfer(model: str, args: argparse.Namespace, prefix_cache: bool, po
         block_size=args.block_size,
         num_blocks=args.num_blocks,
         max_batch_size=args.max_batch_size,
+        max_num_seqs=args.max_num_seqs,
         enable_prefix_cache=prefix_cache,
         seed=args.seed,
         prefill_max_batch_size=args.prefill_max_batch_size,

@@ -30,7 +30,10 @@ from radixinfer.tokenizer import IncrementalDetokenizer, Tokenizer
 
 @dataclass(frozen=True)
 class EngineConfig:
-    max_batch_size: int = 64  # requests holding KV at once (prefilling + decoding)
+    max_batch_size: int = 64  # sequences decoded in one step
+    # Requests holding KV at once (prefilled + decoding). None: bounded only by KV memory and the per-round
+    # prefill batch, so a request's first token never waits for a decode slot (its later ones may).
+    max_num_seqs: int | None = None
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     decode_first: bool = False
     seed: int = 0
@@ -38,6 +41,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1 or None, got {self.max_num_seqs}")
 
 
 @dataclass
@@ -232,7 +237,8 @@ class LLMEngine:
                 break
             budget -= first.items[-1].end - first.items[-1].start
         deferred: list[Grant[Request]] = []
-        free_slots = self.config.max_batch_size - len(self.active)
+        cap = self.config.max_num_seqs
+        free_slots = admission.max_requests if cap is None else cap - len(self.active)
         if self.waiting and free_slots > 0 and budget > 0:
             candidates = list(itertools.islice(self.waiting, max(admission.lookahead, admission.max_requests)))
             for grant in plan_admission(
@@ -365,6 +371,7 @@ class LLMEngine:
         self._inflight = None
         running = Status.RUNNING
         batch = [r for r in self.active if r.status is running and len(r.output_ids) + r.pending < r.max_output_len]
+        del batch[self.config.max_batch_size :]  # the oldest decode first; the rest wait for a slot
         plan = self.cache.reserve(batch_seqs(batch), [r.seq.num_kv + 1 for r in batch]) if batch else None
         if batch and plan is None:
             # Preemption publishes each victim's tokens: read back the in-flight ones first.
@@ -403,6 +410,7 @@ class LLMEngine:
         while True:
             running = Status.RUNNING
             batch = [r for r in self.active if r.status is running and len(r.output_ids) < r.max_output_len]
+            del batch[self.config.max_batch_size :]
             if not batch:
                 return [], None
             plan = self.cache.reserve(batch_seqs(batch), [r.seq.num_kv + 1 for r in batch])
