@@ -13,7 +13,8 @@
 #   b  shared 541-token prompt + unique suffix x 256 requests, cold cache, prefix cache on vs off
 #   c  head-of-line mix (one 1,024-token prompt per three 5-token ones), fifo vs pack vs lpm, no cache
 #   d  generated shared prefix 16 groups x 32 prompts (1,024 + 128 tokens, 128 out), qwen2.5-0.5b shapes:
-#      prefix cache on vs off (d1); radixinfer vs transformers' continuous batching (d2)
+#      prefix cache on vs off (d1); radixinfer vs transformers' continuous batching (d2, 8 prompts per group:
+#      transformers takes minutes on the full 512)
 #   e  random prompts (nothing shared): what the prefix cache costs when it never hits
 #
 # --no-stop-on-eos everywhere: random weights emit EOS only by accident, which would make token counts differ.
@@ -28,6 +29,7 @@ if [[ "${SMOKE:-0}" == 1 ]]; then
     B="--prompt-repeats 2 --num-requests 8 --max-new-tokens 4"
     C="--prompt-repeats 64,1,1,1 --num-requests 8 --prefill-max-tokens 64 --max-new-tokens 4"
     D="--num-groups 2 --prompts-per-group 4 --system-prompt-len 64 --question-len 8 --output-len 4"
+    D2="$D"
     E="--num-requests 8 --input-len 32 --output-len 4"
     RUN_TIMEOUT=${RUN_TIMEOUT:-120}
 else
@@ -37,6 +39,7 @@ else
     B="--prompt-repeats 20 --num-requests 256 --max-new-tokens 64"
     C="--prompt-repeats 512,1,1,1 --num-requests 128 --prefill-max-tokens 256 --max-new-tokens 32"
     D="--num-groups 16 --prompts-per-group 32 --system-prompt-len 1024 --question-len 128 --output-len 128"
+    D2="--num-groups 16 --prompts-per-group 8 --system-prompt-len 1024 --question-len 128 --output-len 128"
     E="--num-requests 256 --input-len 512 --output-len 128"
     RUN_TIMEOUT=${RUN_TIMEOUT:-300}
 fi
@@ -47,6 +50,6 @@ a_fixed_hello65 $PEER --prompt Hello $A --max-new-tokens 2 --max-batch-size 16 -
 b_shared_prompt $PEER --prompt "$SHARED" $B --unique-prompts --max-batch-size 256 --prefill-max-batch-size 64 --cold-cache --compare-no-cache --warmup-runs 1 --no-stop-on-eos
 c_head_of_line $PEER --prompt Hello $C --unique-prompts --max-batch-size 8 --prefill-max-batch-size 128 --prefill-force-fifo-every 8 --no-prefix-cache --truncate-prompts --compare-policies fifo,pack,lpm --warmup-runs 1 --no-stop-on-eos
 d1_shared_prefix_cache $QWEN --dataset shared-prefix $D --max-batch-size 512 --cold-cache --compare-no-cache --warmup-runs 1 --no-stop-on-eos
-d2_shared_prefix_vs_hf $QWEN --dataset shared-prefix $D --max-batch-size 512 --cold-cache --compare-backends --hf-batching continuous --warmup-runs 1 --no-stop-on-eos
+d2_shared_prefix_vs_hf $QWEN --dataset shared-prefix $D2 --max-batch-size 512 --cold-cache --compare-backends --hf-batching continuous --warmup-runs 1 --no-stop-on-eos
 e_random_cache_cost $PEER --dataset random $E --max-batch-size 128 --cold-cache --compare-no-cache --warmup-runs 1 --no-stop-on-eos
 EOF
