@@ -54,6 +54,17 @@ class BlockPool:
             refcount[b] = 1
         return blocks
 
+    def fork(self, block: int) -> int:
+        """Copy-on-write bookkeeping: move one reference from the shared ``block`` (refcount > 1, so it stays
+        held) to a fresh block, and return the fresh one (refcount 1, fill 0)."""
+        if not self._free:
+            raise OutOfBlocks(f"asked for 1 KV block, 0 of {self.num_blocks} free")
+        assert self.refcount[block] > 1, f"fork of block {block}, which has no other holder"
+        fresh = self._free.pop()
+        self.refcount[fresh] = 1
+        self.refcount[block] -= 1
+        return fresh
+
     def incref(self, blocks: Iterable[int]) -> None:
         refcount = self.refcount
         for b in blocks:

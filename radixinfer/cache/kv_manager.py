@@ -103,11 +103,14 @@ class KVCacheManager:
 
     def blocks_needed(self, seq: SeqKV, new_len: int) -> int:
         """Fresh blocks `reserve` would take to grow ``seq`` to ``new_len`` positions (copy included)."""
-        return -(-new_len // self.block_size) - len(seq.table) + int(self._needs_copy(seq, new_len))
+        return self._blocks_needed([seq], [new_len])
 
     def needs_copy_of_unwritten(self, seq: SeqKV, new_len: int) -> bool:
         """Whether growing ``seq`` would copy a block whose K/V the current forward has not written yet.
-        Such a sequence must wait for the next pass (the copy runs before the forward)."""
+        Such a sequence must wait for the next pass (the copy runs before the forward).
+
+        Exact for a `reserve` of ``seq`` alone. In one batched `reserve`, a sequence that claims the next slot
+        of a shared block makes a later one at the same offset copy it, so batch only after `mark_written`."""
         if not self._needs_copy(seq, new_len):
             return False
         return seq.num_kv % self.block_size > self._written_fill.get(seq.table[-1], self.block_size)
@@ -129,17 +132,12 @@ class KVCacheManager:
         """
         bs = self.block_size
         pool = self.pool
-        fill, refcount = pool.fill, pool.refcount
-        need = 0
-        for seq, new_len in zip(seqs, new_lens):
-            need += -(-new_len // bs) - len(seq.table)
-            offset = seq.num_kv % bs
-            if offset and new_len > seq.num_kv:
-                last = seq.table[-1]
-                need += fill[last] != offset and refcount[last] > 1
-        if not self.ensure_free(need):
+        # Growing by g positions takes at most ceil((g - 1) / bs) + 1 blocks, a copy included (one block for a
+        # decode step). With that many free, skip the exact count (a second pass over the batch) and eviction.
+        most = sum((n - seq.num_kv + bs - 2) // bs + 1 for seq, n in zip(seqs, new_lens) if n > seq.num_kv)
+        if pool.num_free < most and not self.ensure_free(self._blocks_needed(seqs, new_lens)):
             return None
-
+        fill, refcount = pool.fill, pool.refcount
         slots: list[int] = []
         copies: list[tuple[int, int]] = []
         written_fill = self._written_fill
@@ -152,18 +150,23 @@ class KVCacheManager:
             if offset:
                 last = table[-1]
                 if fill[last] != offset and refcount[last] > 1:
-                    (copy,) = pool.allocate(1)
+                    copy = pool.fork(last)
                     copies.append((last, copy))
-                    pool.decref((last,))
                     table[-1] = last = copy
-                written_fill.setdefault(last, fill[last])
-                fill[last] = min(bs, offset + new_len - start)
-            first_new = len(table)
-            fresh = pool.allocate(-(-new_len // bs) - first_new)
-            table.extend(fresh)
-            for i, b in enumerate(fresh):
-                fill[b] = min(bs, new_len - (first_new + i) * bs)
-                written_fill[b] = 0
+                    written_fill[copy] = 0  # even its first `offset` slots arrive only with the copy
+                elif written_fill.get(last, bs) > offset:
+                    # Slots from `offset` on are written by this forward (a sole holder may rewrite stale ones).
+                    written_fill[last] = offset
+                end = offset + new_len - start
+                fill[last] = end if end < bs else bs
+            num_fresh = -(-new_len // bs) - len(table)
+            if num_fresh:
+                first_new = len(table)
+                fresh = pool.allocate(num_fresh)
+                table.extend(fresh)
+                for i, b in enumerate(fresh):
+                    fill[b] = min(bs, new_len - (first_new + i) * bs)
+                    written_fill[b] = 0
             if new_len - start == 1:
                 slots.append(table[start // bs] * bs + offset)
             else:
@@ -173,8 +176,34 @@ class KVCacheManager:
         self.counters.cow_copies += len(copies)
         return ReservePlan(slots, copies)
 
+    def _blocks_needed(self, seqs: Sequence[SeqKV], new_lens: Sequence[int]) -> int:
+        """Fresh blocks `reserve` takes for the batch, copies included. The batch is replayed in order, as
+        `reserve` serves it: a sequence that claims the next slot of a shared block makes a later one at the
+        same offset copy the block, and one that copies leaves the block with one holder fewer. (Eviction
+        between this count and the allocations only drops holders, so it can only save copies.)"""
+        bs = self.block_size
+        fill, refcount = self.pool.fill, self.pool.refcount
+        fill_after: dict[int, int] = {}  # boundary block -> its fill once earlier sequences of the batch wrote
+        copied_away: dict[int, int] = {}  # boundary block -> earlier sequences of the batch that copied it
+        need = 0
+        for seq, new_len in zip(seqs, new_lens):
+            start = seq.num_kv
+            if new_len <= start:
+                continue
+            need += -(-new_len // bs) - len(seq.table)
+            offset = start % bs
+            if offset:
+                last = seq.table[-1]
+                if fill_after.get(last, fill[last]) != offset and refcount[last] - copied_away.get(last, 0) > 1:
+                    need += 1
+                    copied_away[last] = copied_away.get(last, 0) + 1
+                else:
+                    fill_after[last] = min(bs, offset + new_len - start)
+        return need
+
     def mark_written(self) -> None:
-        """The forward that writes every slot reserved so far has been issued: later copies may read them."""
+        """The forward that writes every slot reserved so far has been issued: later copies may read them.
+        Release a sequence only after this (its blocks may be handed out again at once)."""
         self._written_fill.clear()
 
     def ensure_free(self, num_blocks: int) -> bool:
@@ -195,12 +224,13 @@ class KVCacheManager:
             return 0
         assert len(tokens) <= seq.num_kv, "publishing positions whose KV is not stored"
         result = self.tree.insert(as_token_array(tokens), seq.table, seq.salt, end_node=prompt_end)
-        if result.remap:
-            indices = [k for k, _ in result.remap]
-            tree_blocks = [b for _, b in result.remap]
-            old = [seq.table[k] for k in indices]
-            self.pool.incref(tree_blocks)
-            for k, b in result.remap:
+        # A duplicate the current forward still has to write stays until a later publish: freed now, it could
+        # be handed out again and written twice by one forward.
+        remap = [(k, b) for k, b in result.remap if seq.table[k] not in self._written_fill]
+        if remap:
+            old = [seq.table[k] for k, _ in remap]
+            self.pool.incref([b for _, b in remap])
+            for k, b in remap:
                 seq.table[k] = b
             self.pool.decref(old)  # remap first, then free (invariant 7)
         self.tree.lock(result.node)

@@ -1,0 +1,269 @@
+"""The engine-like driver both cache state machines build on: shared state, checked steps, invariants.
+
+The driver plays the engine against a `KVCacheManager`: it admits requests (match + lock), reserves their
+slots, publishes paths, ends requests. Each step is checked against an independent model:
+
+* **Cached paths** (`kv_model.add_path` sets per salt): what has been published, shrunk only after an
+  eviction to what the tree still holds (and checked never to grow there). Match lengths, payloads and the
+  new-token counts of `publish` are predicted from it.
+* **Locks**: each request remembers the prefix it holds locked (its match, then its last publish); no
+  eviction may remove it (invariant 5).
+* **KV content** (`kv_model.FakeKV`): every plan is checked before the subclass applies it: copies go only
+  into blocks no other holder reads, writes only onto slots nobody reads (invariant 2). Reading back every
+  live sequence and tree node checks invariant 4.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+from hypothesis import event, note
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant
+
+from property_tests.kv_model import (
+    FakeKV,
+    add_path,
+    check_holders,
+    check_monotonic,
+    check_tree_reads_back,
+    counters,
+    kv_value,
+    longest_match,
+    readers,
+    slot_of,
+    tree_paths,
+)
+from radixinfer.cache.kv_manager import KVCacheManager, ReservePlan, SeqKV
+
+TOKENS = st.integers(0, 2)
+SALTS = st.sampled_from([None, "tenant-a", "tenant-b"])
+MAX_PROMPT = 12
+MAX_LEN = 18  # a request stops growing here (the machine finishes it at random later)
+PICK = st.integers(0, 15)  # an index into a list (live requests, past prompts), taken modulo its length
+# A prompt is a prefix of an earlier prompt or finished conversation plus a few new tokens, so exact
+# repeats, shared prefixes and multi-turn continuations are common (see `CacheDriver._compose`).
+PROMPT_PARTS = dict(base=PICK, keep=st.integers(0, MAX_PROMPT), suffix=st.lists(TOKENS, max_size=6))
+
+
+def payload_of(salt: Hashable, prompt: tuple[int, ...]) -> tuple:
+    return ("hidden state", salt, prompt)
+
+
+@dataclass(eq=False)
+class Req:
+    rid: int
+    seq: SeqKV
+    salt: Hashable
+    tokens: list[int]  # tokens whose KV is stored (or scheduled): len(tokens) == seq.num_kv
+    locked_len: int  # the prefix of `tokens` this request holds locked in the tree
+
+
+@dataclass(frozen=True)
+class Write:
+    slot: int
+    value: tuple
+
+
+class CacheDriver(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, Req] = {}
+        self.rids = itertools.count()
+        self.paths: dict[Hashable, set[tuple[int, ...]]] = defaultdict(set)
+        self.payloads: dict[tuple[Hashable, tuple[int, ...]], tuple] = {}
+        self.history: list[list[int]] = []  # recent prompts and finished requests' tokens
+
+    @initialize(block_size=st.integers(1, 8), capacity_tokens=st.integers(4, 48))
+    def make_cache(self, block_size: int, capacity_tokens: int) -> None:
+        """Pools of 4..48 tokens: small enough that eviction and out-of-memory run all the time."""
+        self.mgr = KVCacheManager(num_blocks=-(-capacity_tokens // block_size), block_size=block_size)
+        self.bs = block_size
+        self.kv = FakeKV(block_size)
+        self.last_counters = counters(self.mgr)
+
+    def kv_settled(self) -> bool:
+        """Whether every scheduled write has been applied to the fake store (so content can be checked)."""
+        return True
+
+    # ------------------------------------------------------------------ invariants
+    @invariant()
+    def integrity(self) -> None:
+        self.mgr.check_integrity([r.seq for r in self.live.values()])
+        check_holders(self.mgr, {rid: (r.salt, r.seq) for rid, r in self.live.items()})
+
+    @invariant()
+    def kv_reads_back(self) -> None:
+        """Invariant 4: every live sequence and every tree node reads exactly its own prefixes' KV."""
+        if not self.kv_settled():
+            return
+        check_tree_reads_back(self.mgr, self.kv)
+        for req in self.live.values():
+            assert len(req.tokens) == req.seq.num_kv
+            want = [kv_value(req.salt, req.tokens[: p + 1]) for p in range(len(req.tokens))]
+            assert self.kv.read(req.seq.table, req.seq.num_kv) == want, f"request {req.rid} reads wrong KV"
+
+    @invariant()
+    def tree_holds_exactly_the_published_paths(self) -> None:
+        tree = tree_paths(self.mgr)
+        for salt in set(tree) | set(self.paths):
+            for path in self.paths[salt]:
+                assert longest_match(path, tree[salt]) == len(path), f"published {path} lost without eviction"
+            for path in tree[salt]:
+                assert longest_match(path, self.paths[salt]) == len(path), f"tree holds unpublished {path}"
+
+    @invariant()
+    def counters_monotonic(self) -> None:
+        now = counters(self.mgr)
+        check_monotonic(self.last_counters, now)
+        self.last_counters = now
+
+    # ------------------------------------------------------------------ checked steps
+    def _pick(self, pick: int, items: list | None = None):
+        items = list(self.live.values()) if items is None else items
+        return items[pick % len(items)]
+
+    def _compose(self, base: int, keep: int, suffix: list[int]) -> list[int]:
+        """``keep`` tokens of a recent prompt or conversation, then ``suffix`` (never empty)."""
+        prefix = self._pick(base, self.history)[:keep] if self.history else []
+        prompt = (prefix + suffix)[:MAX_PROMPT] or [0]
+        note(f"prompt {prompt}")
+        return prompt
+
+    def _remember(self, tokens: list[int]) -> None:
+        self.history = [*self.history[-15:], list(tokens)]
+
+    def _admit(self, prompt: list[int], salt: Hashable) -> Req:
+        """Match + lock; the match length (token-granular, salt-scoped) and payload must match the model."""
+        want = longest_match(prompt, self.paths[salt])
+        seq = self.mgr.admit(prompt, salt)
+        assert seq.num_kv == seq.num_cached == want, f"matched {seq.num_kv} tokens, longest cached prefix is {want}"
+        want_payload = self.payloads.get((salt, tuple(prompt))) if want == len(prompt) else None
+        assert seq.payload == want_payload
+        req = Req(next(self.rids), seq, salt, prompt[:want], want)
+        self.live[req.rid] = req
+        self._remember(prompt)
+        return req
+
+    def _reserve(self, reqs: list[Req], new_tokens: list[list[int]]) -> tuple[ReservePlan, list[Write]] | None:
+        """`reserve` for ``reqs`` in one call. Checks the plan against the tables and invariant 2, appends the
+        tokens to the requests and returns the plan with the writes to apply (after ``plan.copies``).
+        None (and nothing changed) when memory is short."""
+        bs = self.bs
+        seqs = [r.seq for r in reqs]
+        before = [(list(s.table), s.num_kv) for s in seqs]
+        cow_copies = self.mgr.counters.cow_copies
+        plan = self.mgr.reserve(seqs, [s.num_kv + len(t) for s, t in zip(seqs, new_tokens)])
+        self._sync_after_eviction()
+        if plan is None:
+            event("reserve: out of memory")
+            assert [(s.table, s.num_kv) for s in seqs] == before, "a failed reserve changed a sequence"
+            assert self.mgr.counters.cow_copies == cow_copies
+            return None
+        assert self.mgr.counters.cow_copies == cow_copies + len(plan.copies)
+        if plan.copies:
+            event("reserve: copy-on-write")
+        # Who reads what once the step's blocks are in place (batch members: only their old positions).
+        reading = {rid: (r.seq, r.seq.num_kv) for rid, r in self.live.items()}
+        reading.update({r.rid: (r.seq, num_kv) for r, (_, num_kv) in zip(reqs, before)})
+        slot_readers = readers(self.mgr, reading)
+
+        want_copies = []
+        for req, (table, num_kv) in zip(reqs, before):
+            kept = max(len(table) - 1, 0)
+            assert req.seq.table[:kept] == table[:kept], "reserve changed a full block of a table"
+            if table and req.seq.table[len(table) - 1] != table[-1]:
+                assert num_kv % bs, "a full block was copied"
+                dst = req.seq.table[len(table) - 1]
+                want_copies.append((table[-1], dst))
+                for o in range(bs):
+                    others = slot_readers.get(dst * bs + o, set()) - {("seq", req.rid)}
+                    assert not others, f"copy into block {dst}, which {others} read"
+        assert sorted(plan.copies) == sorted(want_copies), "copies do not match the tables' changes"
+
+        writes = []
+        for req, (_, num_kv), tokens in zip(reqs, before, new_tokens):
+            for p, token in enumerate(tokens, start=num_kv):
+                slot = slot_of(req.seq.table, p, bs)
+                assert not slot_readers.get(slot), f"write-once: slot {slot} is read by {slot_readers[slot]}"
+                req.tokens.append(token)
+                writes.append(Write(slot, kv_value(req.salt, req.tokens)))
+        assert plan.slots == [w.slot for w in writes], "plan slots do not match the tables"
+        assert len(set(plan.slots)) == len(plan.slots), "two writes to one slot in one step"
+        return plan, writes
+
+    def _publish(self, req: Req, length: int, *, prompt_end: bool = False) -> None:
+        """Publish ``req.tokens[:length]``; with ``prompt_end`` also attach the prompt's payload."""
+        path = tuple(req.tokens[:length])
+        table = list(req.seq.table)
+        new_tokens = self.mgr.publish(req.seq, path, prompt_end=prompt_end)
+        if req.seq.table != table:
+            event("publish: remapped duplicates")
+        if not path:
+            assert new_tokens == 0
+            return
+        assert new_tokens == length - longest_match(path, self.paths[req.salt])
+        add_path(self.paths[req.salt], path)
+        req.locked_len = length
+        if prompt_end:
+            self.mgr.attach_payload(req.seq, payload_of(req.salt, path))
+            self.payloads[(req.salt, path)] = payload_of(req.salt, path)
+
+    def _end(self, req: Req, *, publish: bool) -> None:
+        """Finish or preempt (publish, then release), or abort / fail admission (release only)."""
+        if publish:
+            self._publish(req, len(req.tokens))
+            self._remember(req.tokens)
+        self.mgr.release(req.seq)
+        del self.live[req.rid]
+        assert req.seq.table == [] and req.seq.node is None
+
+    def _evict(self, num_blocks: int) -> None:
+        free, evicted = self.mgr.num_free_blocks, self.mgr.tree.counters.evicted_blocks
+        freed = self.mgr.tree.evict(num_blocks)
+        event(f"evict: freed {'some' if freed else 'nothing'}")
+        assert self.mgr.num_free_blocks == free + freed
+        assert self.mgr.tree.counters.evicted_blocks == evicted + freed
+        assert freed >= num_blocks or self.mgr.tree.num_evictable_leaves == 0
+        self._sync_after_eviction()
+
+    def _can_reset(self) -> bool:
+        """Reset when nothing is live and the tree holds at least half the pool (rare enough that the tree
+        gets deep between resets)."""
+        return not self.live and self.mgr.num_free_blocks <= self.mgr.num_blocks // 2
+
+    def _reset(self) -> None:
+        """Invariant 6: with every request ended, a reset leaves every block free."""
+        event("reset")
+        self.mgr.reset()
+        assert self.mgr.num_free_blocks == self.mgr.num_blocks
+        assert self.mgr.tree.nodes() == []
+        self.paths.clear()
+        self.payloads.clear()
+
+    def _sync_after_eviction(self) -> None:
+        """After anything that may evict: no locked prefix was removed (invariant 5) and the tree did not
+        grow; shrink the model to what is left."""
+        tree = tree_paths(self.mgr)
+        for req in self.live.values():
+            locked = req.tokens[: req.locked_len]
+            assert longest_match(locked, tree[req.salt]) == len(locked), f"request {req.rid}'s locked prefix evicted"
+            node = req.seq.node
+            if node is not None:
+                assert len(self.mgr.tree.path_tokens(node)) == node.end, f"locked {node} was detached"
+        for salt, paths in self.paths.items():
+            for path in tree[salt]:
+                assert longest_match(path, paths) == len(path), f"tree holds unpublished {path}"
+            kept: set[tuple[int, ...]] = set()
+            for path in paths:
+                add_path(kept, path[: longest_match(path, tree[salt])])
+            kept.discard(())
+            self.paths[salt] = kept
+        self.payloads = {
+            key: value
+            for key, value in self.payloads.items()
+            if longest_match(key[1], self.paths[key[0]]) == len(key[1])
+        }
