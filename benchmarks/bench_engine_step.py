@@ -18,8 +18,9 @@ Cases (block_size 16, every time a median over many repetitions, `time.perf_coun
   one `engine.step()` with every request decoding. First timed clean, then again with every phase wrapped
   in a timer (the wrappers cost ~0.2 µs per call): `cache.reserve`, `kv.copy_blocks`, `runner.decode`
   (inclusive; of it the block-table rows and, on CUDA, the graph replay), `cache.mark_written`, and
-  `_sample_and_emit` (of it `SamplingBatch.build` = sampling setup, and the `sample` call; the rest,
-  ``output processing``, is the ``.tolist()`` sync, stop checks, detokenizing and the stream deltas).
+  `_sample` (of it `SamplingBatch.build` = sampling setup, and the `sample` call), and `_complete` =
+  ``output processing``: reading back the previous step's tokens (the decode is overlapped: step k's tokens
+  are read after step k+1 is launched), stop checks, detokenizing and the stream deltas.
   ``engine other`` = instrumented step - those phases (the empty prefill round, batch lists, counters).
 * ``admit``: one prefill round admitting 64 requests that share a cached 540-token prefix plus 60 tokens of
   their own (``decode_first=True``, so the step is the round alone): admit (match + lock), reserve, publish,
@@ -195,8 +196,9 @@ def decode_phases(engine: LLMEngine) -> list[tuple[str, Any, str]]:
         ("runner.decode", engine.runner, "decode"),
         ("block tables", BlockTableRows, "update"),
         ("mark_written", engine.cache, "mark_written"),
-        ("_sample_and_emit", engine, "_sample_and_emit"),
+        ("_sample", engine, "_sample"),
         ("sampling setup", SamplingBatch, "build"),
+        ("_complete", engine, "_complete"),
         ("sample", engine_module, "sample"),
     ]
     if engine.runner.device.type == "cuda":
@@ -240,12 +242,11 @@ def summarise_phases(totals: list[int], phases: list[dict]) -> dict[str, float]:
     """Median µs per phase; derived rows: ``engine other``, ``decode other`` and ``output processing``."""
     names = sorted({k for p in phases for k in p})
     out = {name: median_us([p.get(name, 0) for p in phases]) for name in names}
-    top = ("reserve", "copy_blocks", "runner.decode", "mark_written", "_sample_and_emit")
+    top = ("reserve", "copy_blocks", "runner.decode", "mark_written", "_sample", "_complete")
     out["engine other"] = median_us([t - sum(p.get(k, 0) for k in top) for t, p in zip(totals, phases)])
     out["decode other"] = median_us([p.get("runner.decode", 0) - p.get("block tables", 0)
                                      - p.get("graph replay", 0) for p in phases])
-    out["output processing"] = median_us([p.get("_sample_and_emit", 0) - p.get("sampling setup", 0)
-                                          - p.get("sample", 0) for p in phases])
+    out["output processing"] = median_us([p.get("_complete", 0) for p in phases])
     out["step (instrumented)"] = median_us(totals)
     return out
 
@@ -290,7 +291,8 @@ def bench_admit(device: torch.device, vocab: int, reps: int, rng: np.random.Gene
         ("copy_blocks", engine.runner.kv, "copy_blocks"),
         ("runner.prefill", engine.runner, "prefill"),
         ("pack_block_tables (prefill)", runner_module, "pack_block_tables"),
-        ("_sample_and_emit", engine, "_sample_and_emit"),
+        ("_sample", engine, "_sample"),
+        ("_emit", engine, "_emit"),
     ]
     clean, adds, totals, phases = [], [], [], []
     for rep in range(2 * reps + 2):
@@ -393,7 +395,7 @@ def machine() -> dict[str, str]:
 def print_decode(rows: list[dict], title: str) -> None:
     print(f"\n{title}")
     phase_names = ["reserve", "copy_blocks", "runner.decode", "block tables", "graph replay", "decode other",
-                   "mark_written", "_sample_and_emit", "sampling setup", "sample", "output processing",
+                   "mark_written", "_sample", "sampling setup", "sample", "output processing",
                    "engine other", "step (instrumented)"]
     header = f"{'phase (median µs)':<24}" + "".join(f"{r['batch']:>8} {r['sampling'][:1]}" for r in rows)
     print(header)
