@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from radixinfer.cache.kv_manager import KVCacheManager, ReservePlan, SeqKV
+from radixinfer.cache.kv_manager import KVCacheManager, ReservePlan
 from radixinfer.engine.admission import AdmissionConfig, Grant, plan_admission
 from radixinfer.engine.model_runner import ModelRunner
 from radixinfer.engine.request import Request, Status
@@ -99,10 +99,6 @@ class _Inflight:
         if self.done is not None:
             self.done.synchronize()
         return self.host.tolist()
-
-
-def batch_seqs(batch: list[Request]) -> list[SeqKV]:
-    return [r.seq for r in batch]
 
 
 _DEFER = object()  # `_plan_item`: must wait for the current pass's K/V writes
@@ -369,10 +365,8 @@ class LLMEngine:
         """
         previous = self._inflight
         self._inflight = None
-        running = Status.RUNNING
-        batch = [r for r in self.active if r.status is running and len(r.output_ids) + r.pending < r.max_output_len]
-        del batch[self.config.max_batch_size :]  # the oldest decode first; the rest wait for a slot
-        plan = self.cache.reserve(batch_seqs(batch), [r.seq.num_kv + 1 for r in batch]) if batch else None
+        batch = self._decode_batch()
+        plan = self.cache.reserve([r.seq for r in batch], [r.seq.num_kv + 1 for r in batch]) if batch else None
         if batch and plan is None:
             # Preemption publishes each victim's tokens: read back the in-flight ones first.
             if previous is not None:
@@ -381,39 +375,41 @@ class LLMEngine:
             batch, plan = self._preempt_until_reserved()
         launched = None
         if batch:
-            seqs = batch_seqs(batch)
+            seqs = [r.seq for r in batch]
             self.runner.kv.copy_blocks(plan.copies)
-            carried, carried_rows = None, None
-            if previous is not None:
-                row_of = {id(r): i for i, r in enumerate(previous.batch)}
-                carried, carried_rows = previous.tokens, [row_of[id(r)] if r.pending else -1 for r in batch]
             logits = self.runner.decode(
                 [r.output_ids[-1] for r in batch],  # a stale placeholder where the token is carried
                 [s.num_kv - 1 for s in seqs],
                 plan.slots,
                 [s.table for s in seqs],
                 [s.num_kv for s in seqs],
-                carried=carried,
-                carried_rows=carried_rows,
+                carried=previous.tokens if previous is not None else None,
+                carried_rows=[r.inflight_row for r in batch] if previous is not None else None,
             )
             self.cache.mark_written()
             self.counters.decode_forwards += 1
             launched = _Inflight.start(batch, self._sample(batch, logits))
-            for r in batch:
-                r.pending += 1
         if previous is not None:
             self._complete(previous, deltas)
+        if launched is not None:
+            for row, r in enumerate(launched.batch):  # after `_complete`, which clears the previous rows
+                r.inflight_row = row
         self._inflight = launched
 
+    def _decode_batch(self) -> list[Request]:
+        """Running requests with room for one more token, oldest first, at most ``max_batch_size``."""
+        running = Status.RUNNING
+        batch = [r for r in self.active if r.status is running and len(r.output_ids) + r.pending < r.max_output_len]
+        del batch[self.config.max_batch_size :]  # the rest wait for a slot
+        return batch
+
     def _preempt_until_reserved(self) -> tuple[list[Request], ReservePlan | None]:
-        """Preempt the newest requests until the running ones fit (no token in flight); (batch, plan)."""
+        """Preempt the newest requests until the decode batch fits (no token in flight); (batch, plan)."""
         while True:
-            running = Status.RUNNING
-            batch = [r for r in self.active if r.status is running and len(r.output_ids) < r.max_output_len]
-            del batch[self.config.max_batch_size :]
+            batch = self._decode_batch()
             if not batch:
                 return [], None
-            plan = self.cache.reserve(batch_seqs(batch), [r.seq.num_kv + 1 for r in batch])
+            plan = self.cache.reserve([r.seq for r in batch], [r.seq.num_kv + 1 for r in batch])
             if plan is not None:
                 return batch, plan
             self._preempt(max(self.active, key=lambda r: r.arrival_index))
@@ -424,7 +420,7 @@ class LLMEngine:
         live = []
         live_tokens = []
         for req, token in zip(inflight.batch, tokens):
-            req.pending -= 1
+            req.inflight_row = -1
             if req.status is Status.RUNNING:
                 live.append(req)
                 live_tokens.append(token)

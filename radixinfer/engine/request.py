@@ -41,13 +41,19 @@ class Request:
     num_cached_tokens: int = -1  # set at first admission
     finish_reason: str | None = None
     stop_ids: frozenset[int] = frozenset()
-    pending: int = 0  # tokens sampled on the device whose value the host has not read back yet (0 or 1)
+    # Row in the last launched decode whose sampled token the host has not read back yet; -1 when none.
+    inflight_row: int = -1
     max_output_len: int = 0  # max_tokens, capped so prompt + output fit the model's context
     text: str = ""
 
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_ids)
+
+    @property
+    def pending(self) -> int:
+        """Tokens sampled on the device but not yet read back (0 or 1)."""
+        return int(self.inflight_row >= 0)
 
     @property
     def all_ids(self) -> list[int]:
