@@ -17,6 +17,16 @@ work):
       split      |    0     |      1       |      2       |  3.. empty (lse = -inf)
                  chunk = ceil(context_len / num_splits) rounded up to BLOCK_N, per sequence, on device
 
+- **shared-prefix decode** (cascade): when groups of sequences share the physical blocks of a prefix (the
+  prefix cache makes them so), a third kernel attends every query row of a *tile* of up to
+  ``seqs_per_tile`` such sequences to the shared positions ``[0, shared_len)`` at once, so each K/V tile of
+  the prefix is loaded once per tile of sequences instead of once per sequence; the split kernel then covers
+  only ``[kv_start, context_len)`` of each sequence, and the merge combines both by log-sum-exp::
+
+      positions  0 ........................ shared_len ....... context_len
+      seq a      |   tile kernel (rows of a, b, c ... together)  | split kernel, a alone  |
+      seq b      |   (same blocks: one load serves every row)    | split kernel, b alone      |
+
 - **extend** (prefill, hits and misses together): program (query tile, head, seq); KV positions below the
   tile's first query position need no causal mask (first pass), the rest are masked (second pass)::
 
@@ -34,6 +44,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -137,24 +148,53 @@ def _attend_kv_range(
 
 
 @triton.jit
+def _attend_kv_span(
+    acc, row_max, row_sum, q, row_limit, k_head_ptr, v_head_ptr, table_ptr,
+    lo, full_end, hi,  # [lo, full_end): every row sees every position; [full_end, hi): masked by row_limit
+    qk_scale, stride_cb, stride_cs,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """`_attend_kv_range` over a span whose unmasked part is a whole number of KV tiles and whose tail (at
+    most a tile or a causal diagonal) is masked: the one loop shape every kernel here runs."""
+    acc, row_max, row_sum = _attend_kv_range(
+        acc, row_max, row_sum, q, row_limit, k_head_ptr, v_head_ptr, table_ptr, lo, full_end, qk_scale,
+        stride_cb, stride_cs, False, BLOCK_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION,
+    )
+    return _attend_kv_range(
+        acc, row_max, row_sum, q, row_limit, k_head_ptr, v_head_ptr, table_ptr, full_end, hi, qk_scale,
+        stride_cb, stride_cs, True, BLOCK_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION,
+    )
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-    part_out_ptr,  # [num_seqs, num_heads, num_splits, head_dim]; f32 workspace, or the output if 1 split
-    part_lse_ptr,  # [num_seqs, num_heads, num_splits] f32, contiguous
+    kv_starts_ptr,  # [num_seqs] int32: first position this kernel covers (read only when HAS_SHARED)
+    part_out_ptr,  # [num_seqs, num_heads, num_slots, head_dim]; f32 workspace, or the output if 1 split
+    part_lse_ptr,  # [num_seqs, num_heads, num_slots] f32, contiguous
     qk_scale, num_splits,
     stride_qt, stride_qh,
     stride_cb, stride_cs, stride_ch,
     stride_bt,
     stride_pt, stride_ph, stride_ps,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_SHARED: tl.constexpr,
 ):
+    """Program (seq, kv_head, split): partial ``split`` of ``[kv_start, context_len)``. With HAS_SHARED the
+    partials have one slot more (slot ``num_splits``), the shared-prefix tile kernel's; split 0 of a sequence
+    that no tile covers (kv_start 0) marks that slot empty (lse = -inf)."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
-    chunk = tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N) * BLOCK_N
-    lo = split * chunk
+    start = 0
+    num_slots = num_splits
+    if HAS_SHARED:
+        start = tl.load(kv_starts_ptr + seq)
+        num_slots = num_splits + 1
+    chunk = tl.cdiv(tl.cdiv(context_len - start, num_splits), BLOCK_N) * BLOCK_N
+    lo = start + split * chunk
     hi = tl.minimum(lo + chunk, context_len)
     full_end = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
 
@@ -171,13 +211,9 @@ def _decode_split_kernel(
     k_head_ptr = k_cache_ptr + kv_head * stride_ch
     v_head_ptr = v_cache_ptr + kv_head * stride_ch
     table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    acc, row_max, row_sum = _attend_kv_range(
-        acc, row_max, row_sum, q, row_limit, k_head_ptr, v_head_ptr, table_ptr, lo, full_end, qk_scale,
-        stride_cb, stride_cs, False, BLOCK_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION,
-    )
-    acc, row_max, row_sum = _attend_kv_range(
-        acc, row_max, row_sum, q, row_limit, k_head_ptr, v_head_ptr, table_ptr, full_end, hi, qk_scale,
-        stride_cb, stride_cs, True, BLOCK_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION,
+    acc, row_max, row_sum = _attend_kv_span(
+        acc, row_max, row_sum, q, row_limit, k_head_ptr, v_head_ptr, table_ptr, lo, full_end, hi,
+        qk_scale, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION,
     )
 
     seen = row_sum > 0  # False only for an empty split (or a padded sequence with context_len 0)
@@ -186,29 +222,90 @@ def _decode_split_kernel(
     lse = tl.where(seen, row_max + tl.log2(row_sum), float("-inf"))
     part = seq * stride_pt + heads[:, None] * stride_ph + split * stride_ps + offs_d[None, :]
     tl.store(part_out_ptr + part, out, mask=q_mask)
-    lse_offs = (seq * tl.num_programs(1) * GROUP + heads) * num_splits + split
-    tl.store(part_lse_ptr + lse_offs, lse, mask=offs_g < GROUP)
+    lse_row = (seq * tl.num_programs(1) * GROUP + heads) * num_slots  # [G]
+    tl.store(part_lse_ptr + lse_row + split, lse, mask=offs_g < GROUP)
+    if HAS_SHARED:
+        if (split == 0) & (start == 0):
+            tl.store(part_lse_ptr + lse_row + num_splits, tl.full([BLOCK_G], float("-inf"), tl.float32),
+                     mask=offs_g < GROUP)
+
+
+@triton.jit
+def _shared_prefix_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
+    tile_seqs_ptr,  # [num_tiles, SEQS_PER_TILE] int32: the sequences of each tile, -1 = none
+    tile_lens_ptr,  # [num_tiles] int32: positions [0, len) every sequence of the tile shares; 0 = idle tile
+    part_out_ptr,  # [num_seqs, num_heads, num_slots, head_dim] f32: writes slot num_slots - 1
+    part_lse_ptr,  # [num_seqs, num_heads, num_slots] f32, contiguous
+    qk_scale, num_slots,
+    stride_qt, stride_qh,
+    stride_cb, stride_cs, stride_ch,
+    stride_bt,
+    stride_pt, stride_ph, stride_ps,
+    GROUP: tl.constexpr, NUM_HEADS: tl.constexpr, SEQS_PER_TILE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Program (tile, kv_head): row ``r`` is query head ``r % GROUP`` of the KV head's group in the tile's
+    sequence ``r // GROUP``; all rows see all of ``[0, len)``, read through the first sequence's block table
+    (the caller guarantees every sequence of the tile has the same blocks there)."""
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    shared_len = tl.load(tile_lens_ptr + tile)
+    if shared_len == 0:
+        return
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    member = offs_m // GROUP
+    seq = tl.load(tile_seqs_ptr + tile * SEQS_PER_TILE + member, mask=member < SEQS_PER_TILE, other=-1)
+    valid = seq >= 0  # [M]
+    seq = tl.maximum(seq, 0).to(tl.int64)
+    heads = kv_head * GROUP + offs_m % GROUP  # [M]
+    row_mask = valid[:, None] & (offs_d[None, :] < HEAD_DIM)
+    q = tl.load(q_ptr + seq[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=row_mask,
+                other=0.0)
+
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    row_sum = tl.zeros([BLOCK_M], tl.float32)
+    row_limit = tl.zeros([BLOCK_M], tl.int32) + shared_len - 1
+    full_end = shared_len // BLOCK_N * BLOCK_N
+    k_head_ptr = k_cache_ptr + kv_head * stride_ch
+    v_head_ptr = v_cache_ptr + kv_head * stride_ch
+    table_ptr = block_tables_ptr + tl.load(tile_seqs_ptr + tile * SEQS_PER_TILE).to(tl.int64) * stride_bt
+    acc, row_max, row_sum = _attend_kv_span(
+        acc, row_max, row_sum, q, row_limit, k_head_ptr, v_head_ptr, table_ptr, 0, full_end, shared_len,
+        qk_scale, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION,
+    )
+    slot = num_slots - 1
+    out = acc / row_sum[:, None]  # every valid row saw shared_len >= 1 positions
+    tl.store(part_out_ptr + seq[:, None] * stride_pt + heads[:, None] * stride_ph + slot * stride_ps
+             + offs_d[None, :], out, mask=row_mask)
+    lse = row_max + tl.log2(row_sum)
+    tl.store(part_lse_ptr + (seq * NUM_HEADS + heads) * num_slots + slot, lse, mask=valid)
 
 
 @triton.jit
 def _decode_merge_kernel(
-    part_out_ptr,  # [num_seqs, num_heads, num_splits, head_dim] f32, contiguous
-    part_lse_ptr,  # [num_seqs, num_heads, num_splits] f32, contiguous
+    part_out_ptr,  # [num_seqs, num_heads, num_slots, head_dim] f32, contiguous
+    part_lse_ptr,  # [num_seqs, num_heads, num_slots] f32, contiguous
     out_ptr,  # [num_seqs, num_heads, head_dim]
-    num_splits, stride_ot, stride_oh,
+    num_slots, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
-    """Program (seq, head): out = sum_s 2^(lse_s - max) * out_s / sum_s 2^(lse_s - max)."""
+    """Program (seq, head): out = sum_s 2^(lse_s - max) * out_s / sum_s 2^(lse_s - max) over the
+    ``num_slots`` partials (the splits, and the shared-prefix slot when there is one). A slot with lse = -inf is
+    empty and its partial is not read (the shared-prefix slot of an uncovered sequence is never written)."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     row = seq * tl.num_programs(1) + head
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    lse = tl.load(part_lse_ptr + row * num_splits + offs_s, mask=offs_s < num_splits, other=float("-inf"))
+    lse = tl.load(part_lse_ptr + row * num_slots + offs_s, mask=offs_s < num_slots, other=float("-inf"))
     top = tl.max(lse, 0)
     weight = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))  # [S]; all 0 for context_len 0
-    mask = (offs_s[:, None] < num_splits) & (offs_d[None, :] < HEAD_DIM)
-    parts = tl.load(part_out_ptr + (row * num_splits + offs_s[:, None]) * HEAD_DIM + offs_d[None, :], mask=mask,
+    mask = (offs_s[:, None] < num_slots) & (lse[:, None] > float("-inf")) & (offs_d[None, :] < HEAD_DIM)
+    parts = tl.load(part_out_ptr + (row * num_slots + offs_s[:, None]) * HEAD_DIM + offs_d[None, :], mask=mask,
                     other=0.0)  # [S, D]
     total = tl.sum(weight, 0)
     out = tl.sum(parts * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
@@ -252,13 +349,9 @@ def _extend_kernel(
     k_head_ptr = k_cache_ptr + kv_head * stride_ch
     v_head_ptr = v_cache_ptr + kv_head * stride_ch
     table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    acc, row_max, row_sum = _attend_kv_range(
-        acc, row_max, row_sum, q, row_limit, k_head_ptr, v_head_ptr, table_ptr, 0, full_end, qk_scale,
-        stride_cb, stride_cs, False, BLOCK_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION,
-    )
-    acc, row_max, row_sum = _attend_kv_range(
-        acc, row_max, row_sum, q, row_limit, k_head_ptr, v_head_ptr, table_ptr, full_end, hi, qk_scale,
-        stride_cb, stride_cs, True, BLOCK_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION,
+    acc, row_max, row_sum = _attend_kv_span(
+        acc, row_max, row_sum, q, row_limit, k_head_ptr, v_head_ptr, table_ptr, 0, full_end, hi,
+        qk_scale, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION,
     )
     out = acc / row_sum[:, None]  # padded rows (not stored) may divide by 0
     tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :], out, mask=row_mask)
@@ -314,6 +407,29 @@ def _extend_config(dtype: torch.dtype) -> dict:
     return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
 
 
+def _shared_prefix_config(dtype: torch.dtype) -> dict:
+    """Tile and launch shape of the shared-prefix kernel: the extend kernel's (rows of many sequences are
+    query rows that see the same positions), fp32 small again."""
+    return _extend_config(dtype)
+
+
+def shared_prefix_seqs_per_tile(num_heads: int, num_kv_heads: int, dtype: torch.dtype) -> int:
+    """How many sequences one shared-prefix tile holds: as many as fit their query heads of one KV head into
+    the kernel's ``BLOCK_M`` rows (0: a KV head's group alone is too wide, no shared-prefix path)."""
+    return _shared_prefix_config(dtype)["BLOCK_M"] // (num_heads // num_kv_heads)
+
+
+class SharedPrefixTiles(NamedTuple):
+    """Decode sequences grouped by a prefix whose blocks they share (built on the host by
+    `radixinfer.attention.shared_prefix`). Invariants: the sequences of tile ``t`` hold the same block ids
+    for positions ``[0, lens[t])`` and ``lens[t] < context_len`` for each of them; ``kv_starts[s]`` is the
+    ``lens`` of the tile holding ``s``, 0 when none does; a sequence is in at most one tile."""
+
+    seqs: torch.Tensor  # [num_tiles, seqs_per_tile] int32, contiguous; -1 = no sequence
+    lens: torch.Tensor  # [num_tiles] int32; 0 = idle tile (its programs exit at once)
+    kv_starts: torch.Tensor  # [num_seqs] int32
+
+
 def paged_decode_attention_triton(
     q: torch.Tensor,  # [num_seqs, num_heads, head_dim]: one new token per sequence
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -324,9 +440,11 @@ def paged_decode_attention_triton(
     scale: float,
     num_splits: int | None = None,  # None: decode_num_splits(...)
     out: torch.Tensor | None = None,  # [num_seqs, num_heads, head_dim]; allocated when None
+    shared: SharedPrefixTiles | None = None,  # read each tile's shared prefix once for all its sequences
 ) -> torch.Tensor:
     """Flash-decoding over the paged cache. No host sync and a grid fixed by (num_seqs, num_kv_heads,
-    num_splits), so it is CUDA-graph capturable; results do not depend on num_splits beyond rounding."""
+    num_splits) and the number of shared-prefix tiles, so it is CUDA-graph capturable; results do not
+    depend on num_splits or on ``shared`` beyond rounding."""
     _check_layouts(q, k_cache, v_cache, block_tables)
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -336,26 +454,43 @@ def paged_decode_attention_triton(
         num_splits = decode_num_splits(num_seqs, num_kv_heads, max_context_len, q.device)
     group = num_heads // num_kv_heads
     block_d = triton.next_power_of_2(head_dim)
+    qk_scale = scale * math.log2(math.e)
+    num_slots = num_splits + (shared is not None)
 
-    # One split's partial is already the answer: write it straight to `out` and skip the merge.
-    parts = out.unsqueeze(2) if num_splits == 1 else torch.empty(
-        (num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
-    lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    # One partial is already the answer: write it straight to `out` and skip the merge.
+    parts = out.unsqueeze(2) if num_slots == 1 else torch.empty(
+        (num_seqs, num_heads, num_slots, head_dim), dtype=torch.float32, device=q.device)
+    lse = torch.empty((num_seqs, num_heads, num_slots), dtype=torch.float32, device=q.device)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens.contiguous(), parts, lse,
-        scale * math.log2(math.e), num_splits,
+        q, k_cache, v_cache, block_tables, context_lens.contiguous(),
+        context_lens if shared is None else shared.kv_starts, parts, lse,
+        qk_scale, num_splits,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         parts.stride(0), parts.stride(1), parts.stride(2),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, DOT_PRECISION=_dot_precision(q.dtype),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, DOT_PRECISION=_dot_precision(q.dtype), HAS_SHARED=shared is not None,
         **_decode_config(block_d, q.dtype),
     )
-    if num_splits > 1:
+    if shared is not None:
+        num_tiles, seqs_per_tile = shared.seqs.shape
+        config = _shared_prefix_config(q.dtype)
+        assert shared.seqs.is_contiguous() and 0 < seqs_per_tile * group <= config["BLOCK_M"]
+        _shared_prefix_kernel[(num_tiles, num_kv_heads)](
+            q, k_cache, v_cache, block_tables, shared.seqs, shared.lens, parts, lse,
+            qk_scale, num_slots,
+            q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            block_tables.stride(0),
+            parts.stride(0), parts.stride(1), parts.stride(2),
+            GROUP=group, NUM_HEADS=num_heads, SEQS_PER_TILE=seqs_per_tile, BLOCK_SIZE=block_size,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, DOT_PRECISION=_dot_precision(q.dtype), **config,
+        )
+    if num_slots > 1:
         _decode_merge_kernel[(num_seqs, num_heads)](
-            parts, lse, out, num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits),
+            parts, lse, out, num_slots, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_slots),
         )
     return out
 
@@ -404,11 +539,13 @@ def paged_attention_triton(
     max_context_len: int,
     scale: float,
     out: torch.Tensor | None = None,
+    shared: SharedPrefixTiles | None = None,  # decode only
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Same function as `paged_attention_ref`: the decode kernel when every sequence has one new token
     (then row b of ``q`` is sequence b), the extend kernel otherwise."""
     if max_query_len == 1:
         return paged_decode_attention_triton(
-            q, k_cache, v_cache, block_tables, context_lens, max_context_len, scale, out=out)
+            q, k_cache, v_cache, block_tables, context_lens, max_context_len, scale, out=out, shared=shared)
+    assert shared is None, "shared-prefix tiles are a decode-only layout"
     return extend_attention_triton(
         q, k_cache, v_cache, block_tables, context_lens, query_start_loc, max_query_len, scale, out=out)

@@ -40,6 +40,29 @@ def test_triton_backend_greedy_matches_transformers_fp32(family, tmp_path):
             assert out.token_ids == hf_greedy_cuda(path, prompt, 8)
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_shared_prefix_decode_matches_transformers_fp32(family, tmp_path):
+    """Seven prompts on one 200-token system prompt (an exact repeat among them): decode groups them and
+    reads the prompt's blocks once per tile (the planner finds tiles), and greedy tokens still equal
+    transformers'."""
+    import random
+
+    path = save_tiny_checkpoint(family, tmp_path)
+    llm = LLM(str(path), device="cuda", dtype="float32", block_size=16, num_blocks=512, max_batch_size=16)
+    planner = llm.engine.runner._planner
+    tiles = []
+    plan = planner.plan
+    planner.plan = lambda *args: tiles.append(plan(*args)) or tiles[-1]
+    rng = random.Random(5)
+    system = [rng.randrange(1, 300) for _ in range(200)]
+    prompts = [system + [rng.randrange(1, 300) for _ in range(rng.randrange(1, 9))] for _ in range(6)]
+    prompts.append(list(prompts[0]))
+    outs = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+    assert max(tiles) > 0
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy_cuda(path, prompt, 8)
+
+
 def test_bf16_logits_close_to_transformers_on_qwen25_05b(tmp_path):
     from radixinfer.models.presets import preset_config
 

@@ -10,17 +10,21 @@ from typing import NamedTuple
 
 from tests import _triton_env  # noqa: I001  (first: without CUDA, Triton must start in interpreter mode)
 
+import numpy as np
 import pytest
 import torch
 
 from kernels.block_copy import copy_blocks_ref, copy_blocks_triton
 from kernels.paged_attention import (
+    SharedPrefixTiles,
     paged_attention_ref,
     paged_attention_triton,
     paged_decode_attention_triton,
+    shared_prefix_seqs_per_tile,
 )
 from kernels.store_kv import store_kv_ref, store_kv_triton
 from radixinfer.attention import AttentionMetadata, ForwardContext
+from radixinfer.attention.shared_prefix import SharedPrefixPlanner
 from radixinfer.attention.torch_backend import TorchAttentionBackend
 from radixinfer.attention.triton_backend import TritonAttentionBackend
 
@@ -144,6 +148,51 @@ def test_decode_padding_rows_give_zeros():
         out = paged_decode_attention_triton(batch.q, batch.k_cache, batch.v_cache, batch.meta.block_tables,
                                             context_lens, 41, 1.0, num_splits=num_splits)
         assert torch.equal(out[1], torch.zeros_like(out[1])) and not out[0].isnan().any()
+
+
+def share_prefixes(batch: PagedBatch, groups: list[list[int]], shared_blocks: list[int]) -> PagedBatch:
+    """Make each group's sequences hold their first member's leading ``shared_blocks[g]`` block ids, as the
+    prefix cache does for a shared prompt (the reference then reads the same K/V for all of them)."""
+    tables = batch.meta.block_tables.clone()
+    for members, blocks in zip(groups, shared_blocks):
+        tables[members, :blocks] = tables[members[0], :blocks]
+    return batch._replace(meta=dataclasses.replace(batch.meta, block_tables=tables))
+
+
+def plan_shared(batch: PagedBatch, min_shared_len: int, dtype) -> SharedPrefixTiles | None:
+    m = batch.meta
+    num_heads, (_, block_size, num_kv_heads, _) = batch.q.shape[1], batch.k_cache.shape
+    planner = SharedPrefixPlanner(block_size, shared_prefix_seqs_per_tile(num_heads, num_kv_heads, dtype),
+                                  min_shared_len)
+    n = m.num_seqs
+    tile_seqs = np.zeros((planner.max_tiles(n), planner.seqs_per_tile), dtype=np.int32)
+    tile_lens = np.zeros(planner.max_tiles(n), dtype=np.int32)
+    kv_starts = np.zeros(n, dtype=np.int32)
+    if not planner.plan(m.block_tables.cpu().numpy(), m.context_lens.cpu().numpy(), tile_seqs, tile_lens, kv_starts):
+        return None
+    as_tensor = lambda a: torch.from_numpy(a).to(DEVICE)  # noqa: E731
+    return SharedPrefixTiles(as_tensor(tile_seqs), as_tensor(tile_lens), as_tensor(kv_starts))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_reads_shared_prefixes_once_with_the_same_result(dtype, num_splits):
+    """Seven sequences with qwen's group of 7 (fp32 tiles hold 4 sequences, fp16 tiles 9): a group of four
+    sharing 36 positions (a member's own tail is its one new position), a pair sharing 27, a loner. Neither
+    shared length is a multiple of the kernel's KV tile, so the masked tail of the tile kernel runs."""
+    context_lens = [40, 41, 57, 37, 30, 33, 44]
+    batch = make_batch([c - 1 for c in context_lens], [1] * 7, num_heads=14, num_kv_heads=2, head_dim=80,
+                       block_size=3, dtype=dtype, seed=11)
+    batch = share_prefixes(batch, [[0, 1, 2, 3], [4, 5]], [12, 9])
+    shared = plan_shared(batch, min_shared_len=8, dtype=dtype)
+    assert shared is not None
+    assert shared.kv_starts.tolist() == [36, 36, 36, 36, 27, 27, 0]
+    m = batch.meta
+    scale = 80**-0.5
+    out = nan_like(batch.q)
+    paged_decode_attention_triton(batch.q, batch.k_cache, batch.v_cache, m.block_tables, m.context_lens,
+                                  m.max_context_len, scale, num_splits=num_splits, out=out, shared=shared)
+    assert rel_err(out, batch.ref(scale)) < TOLERANCE[dtype]
 
 
 # ------------------------------------------------------------------------------------------------ extend
@@ -271,6 +320,31 @@ def test_extend_gpu(dtype, heads, head_dim, block_size, batch_size):
     batch = make_batch(prefix_lens, query_lens, num_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim,
                        block_size=block_size, dtype=dtype, seed=head_dim + block_size)
     check_attention(batch, dtype)
+
+
+@gpu_test
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads, head_dim", [((14, 2), 64), ((32, 8), 128), ((12, 12), 64)])
+def test_decode_shared_prefix_gpu(dtype, heads, head_dim):
+    """Batch 300 in 12 groups of 25 sharing ~1,000 positions each (several tiles per group), own tails of
+    1-200 positions, and a few loners; with the splits the grid picks and with 4."""
+    gen = torch.Generator().manual_seed(head_dim)
+    shared_lens = torch.randint(900, 1100, (12,), generator=gen).tolist()
+    context_lens = [shared_lens[s % 12] + 1 + int(torch.randint(0, 200, (), generator=gen)) for s in range(300)]
+    batch = make_batch([c - 1 for c in context_lens], [1] * 300, num_heads=heads[0], num_kv_heads=heads[1],
+                       head_dim=head_dim, block_size=16, dtype=dtype, seed=head_dim)
+    groups = [[s for s in range(300) if s % 12 == g and s < 290] for g in range(12)]
+    batch = share_prefixes(batch, groups, [n // 16 for n in shared_lens])
+    shared = plan_shared(batch, min_shared_len=128, dtype=dtype)
+    assert shared is not None and (shared.kv_starts[:290] > 0).all() and (shared.kv_starts[290:] == 0).all()
+    m = batch.meta
+    scale = head_dim**-0.5
+    for num_splits in (None, 4):
+        poison_allocator()
+        out = nan_like(batch.q)
+        paged_decode_attention_triton(batch.q, batch.k_cache, batch.v_cache, m.block_tables, m.context_lens,
+                                      m.max_context_len, scale, num_splits=num_splits, out=out, shared=shared)
+        assert rel_err(out, batch.ref(scale)) < TOLERANCE[dtype]
 
 
 @gpu_test

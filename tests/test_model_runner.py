@@ -4,6 +4,8 @@ incremental block-table rows; the sampler's host-side noise keys."""
 
 from __future__ import annotations
 
+from tests import _triton_env  # noqa: F401, I001  (first: without CUDA, Triton must start in interpreter mode)
+
 import random
 
 import numpy as np
@@ -11,6 +13,7 @@ import pytest
 import torch
 
 from radixinfer.attention import get_backend
+from radixinfer.attention.triton_backend import TritonAttentionBackend
 from radixinfer.cache.kv_store import KVStore
 from radixinfer.engine.model_runner import BlockTableRows, ModelRunner, pack_block_tables
 from radixinfer.engine.sampler import SamplingBatch, row_keys, uniform_noise
@@ -23,11 +26,11 @@ DEVICES = [
 ]
 
 
-def make_runner(device: str, max_batch_size: int = 4, num_blocks: int = 64) -> ModelRunner:
+def make_runner(device: str, max_batch_size: int = 4, num_blocks: int = 64, backend=None) -> ModelRunner:
     model = load_model("tiny", device, dtype="float32", seed=0).model
     kv = KVStore(model.num_layers, num_blocks, BLOCK_SIZE, model.num_kv_heads, model.head_dim, torch.float32,
                  torch.device(device))
-    return ModelRunner(model, kv, get_backend(device), torch.device(device), max_batch_size)
+    return ModelRunner(model, kv, backend or get_backend(device), torch.device(device), max_batch_size)
 
 
 def slots(table: list[int], positions) -> list[int]:
@@ -77,6 +80,35 @@ def test_decode_steps_equal_prefill_logits_whatever_the_rows(device):
         for row, i in enumerate(batch):
             torch.testing.assert_close(logits[row], expected[i][done[i]], rtol=1e-4, atol=1e-4)
             done[i] += 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_reads_shared_prefixes_once_with_the_same_logits(device):
+    """Four sequences whose tables share the 9 blocks of a 150-token prompt's first 144 positions (as the
+    prefix cache lays them out), through the Triton backend (the interpreter on CPU, graphs on CUDA): the
+    planner groups them, and the decode logits equal those of the same sequences in unshared blocks."""
+    runner = make_runner(device, max_batch_size=4, num_blocks=128, backend=TritonAttentionBackend())
+    rng = random.Random(3)
+    prompt = [rng.randrange(256) for _ in range(150)]
+    seqs = [prompt + [rng.randrange(256) for _ in range(10 + i)] for i in range(4)]
+    free = list(range(128))
+    rng.shuffle(free)
+    take = lambda n: [free.pop() for _ in range(n)]  # noqa: E731
+    ref_tables = [take(-(-len(t) // BLOCK_SIZE)) for t in seqs]
+    ref = prefill(runner, [(t, table, len(t)) for t, table in zip(seqs, ref_tables)])
+    starts = np.cumsum([0] + [len(t) for t in seqs])
+    shared = take(9)
+    tables = [shared + take(-(-len(t) // BLOCK_SIZE) - 9) for t in seqs]
+    done = [len(t) - 3 for t in seqs]
+    prefill(runner, [(t, table, d) for t, table, d in zip(seqs, tables, done)])
+    for _ in range(3):
+        logits = runner.decode([t[d] for t, d in zip(seqs, done)], done,
+                               [slots(table, [d])[0] for table, d in zip(tables, done)], tables,
+                               [d + 1 for d in done])
+        assert runner._decode_buffers.kv_starts[:4].tolist() == [144] * 4
+        for i, d in enumerate(done):
+            torch.testing.assert_close(logits[i], ref[starts[i] + d], rtol=1e-4, atol=1e-4)
+        done = [d + 1 for d in done]
 
 
 def test_graph_decode_is_used_on_cuda_only():

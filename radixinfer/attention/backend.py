@@ -14,7 +14,11 @@ class AttentionBackend(Protocol):
     """Stores new K/V into paged slots and computes attention of the new tokens over the cache.
 
     ``k_cache``/``v_cache`` are one layer's pages: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+    ``reads_shared_prefixes_once``: whether `attend` uses ``meta.shared_prefix`` (else the runner need not
+    plan it).
     """
+
+    reads_shared_prefixes_once: bool
 
     def store_kv(
         self,

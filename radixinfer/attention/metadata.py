@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.paged_attention import SharedPrefixTiles
+
 
 @dataclass(frozen=True)
 class AttentionMetadata:
@@ -36,6 +38,9 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32; cumulative new-token counts (cu_seqlens_q)
     max_query_len: int
     max_context_len: int
+    # decode only: sequences whose shared prefix the Triton backend reads once per tile (None: no grouping;
+    # an optimisation of the same function, which backends without it ignore)
+    shared_prefix: SharedPrefixTiles | None = None
 
     @property
     def num_seqs(self) -> int:

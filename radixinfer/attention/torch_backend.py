@@ -11,6 +11,7 @@ from radixinfer.attention.metadata import AttentionMetadata
 
 class TorchAttentionBackend:
     name = "torch"
+    reads_shared_prefixes_once = False  # ignores AttentionMetadata.shared_prefix: same result, one gather
 
     def store_kv(self, k_cache, v_cache, k, v, slot_mapping) -> None:
         store_kv_ref(k_cache, v_cache, k, v, slot_mapping)

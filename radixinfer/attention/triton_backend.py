@@ -19,6 +19,7 @@ from radixinfer.attention.metadata import AttentionMetadata
 
 class TritonAttentionBackend:
     name = "triton"
+    reads_shared_prefixes_once = True  # honours AttentionMetadata.shared_prefix
 
     def store_kv(self, k_cache, v_cache, k, v, slot_mapping) -> None:
         store_kv_triton(k_cache, v_cache, k, v, slot_mapping)
@@ -26,8 +27,9 @@ class TritonAttentionBackend:
     def attend(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
-        """The decode kernel when ``meta.is_decode``, the extend kernel otherwise."""
+        """The decode kernel when ``meta.is_decode`` (with ``meta.shared_prefix``'s tiles when set), the extend
+        kernel otherwise."""
         return paged_attention_triton(
             q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.query_start_loc,
-            meta.max_query_len, meta.max_context_len, scale,
+            meta.max_query_len, meta.max_context_len, scale, shared=meta.shared_prefix,
         )

@@ -6,7 +6,9 @@ On CUDA, decode steps replay CUDA graphs captured per batch-size bucket: a small
 hundreds of kernel launches, and launching them from Python costs far more than running them.
 
 Decode keeps its buffers across steps: the block-table rows are rewritten only where a table changed
-(`BlockTableRows`), and only the rows of the batch travel to the device.
+(`BlockTableRows`), and only the rows of the batch travel to the device. With a backend that can, each step
+also plans which sequences share a cached prefix (`SharedPrefixPlanner`, from the block-table rows) so that
+attention reads it once per tile of sequences; such steps replay the graph variant that does.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from kernels.paged_attention import SharedPrefixTiles, shared_prefix_seqs_per_tile
 from radixinfer.attention import AttentionBackend, AttentionMetadata, ForwardContext
+from radixinfer.attention.shared_prefix import SharedPrefixPlanner
 from radixinfer.cache.kv_store import KVStore
 from radixinfer.models.base import PagedCausalLM
 
@@ -75,22 +79,32 @@ class _StepBuffers:
     """Host (pinned on CUDA) and device buffers for up to ``max_tokens`` tokens / ``max_seqs`` sequences.
     The device tensors double as a CUDA graph's static inputs.
 
-    The int32 buffer is laid out ``[context_lens (max_seqs) | query_start (max_seqs + 1) | tables (max_seqs x
-    width)]``, so the part a batch of ``n`` sequences uses is one prefix of it (`upload` copies only that)."""
+    The int32 buffer is laid out ``[context_lens (max_seqs) | query_start (max_seqs + 1) | shared-prefix
+    tiles: kv_starts (max_seqs), lens (max_tiles), seqs (max_tiles x seqs_per_tile) | tables (max_seqs x
+    width)]`` (no tile part when ``max_tiles`` is 0), so the part a batch of ``n`` sequences uses is one
+    prefix of it (`upload` copies only that)."""
 
-    def __init__(self, max_tokens: int, max_seqs: int, width: int, device: torch.device) -> None:
+    def __init__(
+        self, max_tokens: int, max_seqs: int, width: int, device: torch.device, max_tiles: int = 0,
+        seqs_per_tile: int = 0,
+    ) -> None:
         pin = device.type == "cuda"
+        tile_part = (max_seqs + max_tiles * (1 + seqs_per_tile)) if max_tiles else 0
+        self._tables_at = 2 * max_seqs + 1 + tile_part  # offset of the tables in the int32 buffers
         # ids, positions, slots, and (decode) the row of each sequence's input in the previous step's tokens
         self.host64 = torch.zeros(4, max_tokens, dtype=torch.int64, pin_memory=pin)
-        self.host32 = torch.zeros(2 * max_seqs + 1 + max_seqs * width, dtype=torch.int32, pin_memory=pin)
+        self.host32 = torch.zeros(self._tables_at + max_seqs * width, dtype=torch.int32, pin_memory=pin)
         self.dev64 = torch.zeros_like(self.host64, device=device)
         self.dev32 = torch.zeros_like(self.host32, device=device)
-        self.width, self.max_seqs = width, max_seqs
-        self._tables_at = 2 * max_seqs + 1  # offset of the tables in the int32 buffers
+        self.width, self.max_seqs, self.seqs_per_tile = width, max_seqs, seqs_per_tile
         h64, h32 = self.host64.numpy(), self.host32.numpy()
         self.ids, self.positions, self.slots, self.carry_rows = h64[0], h64[1], h64[2], h64[3]
         self.context_lens = h32[:max_seqs]
-        self.query_start = h32[max_seqs : self._tables_at]
+        self.query_start = h32[max_seqs : 2 * max_seqs + 1]
+        at = 2 * max_seqs + 1
+        self.kv_starts = h32[at : at + max_seqs] if max_tiles else h32[:0]
+        self.tile_lens = h32[at + max_seqs : at + max_seqs + max_tiles]
+        self.tile_seqs = h32[at + max_seqs + max_tiles : self._tables_at].reshape(max_tiles, seqs_per_tile)
         self.tables = h32[self._tables_at :].reshape(max_seqs, width)
 
     def upload(self, num_seqs: int) -> None:
@@ -100,8 +114,22 @@ class _StepBuffers:
         end = self._tables_at + num_seqs * self.width
         self.dev32[:end].copy_(self.host32[:end], non_blocking=True)
 
-    def metadata(self, num_tokens: int, num_seqs: int, max_query_len: int, max_context_len: int) -> AttentionMetadata:
+    def metadata(
+        self, num_tokens: int, num_seqs: int, max_query_len: int, max_context_len: int, num_tiles: int = 0
+    ) -> AttentionMetadata:
+        """``num_tiles`` > 0: decode reads shared prefixes through the first ``num_tiles`` tiles (the grid;
+        tiles past what the planner filled have length 0)."""
         at, n = self._tables_at, self.max_seqs
+        shared = None
+        if num_tiles:
+            tiles_at = 2 * n + 1
+            lens_at = tiles_at + n
+            seqs_at = lens_at + len(self.tile_lens)
+            shared = SharedPrefixTiles(
+                seqs=self.dev32[seqs_at : seqs_at + num_tiles * self.seqs_per_tile].view(num_tiles, -1),
+                lens=self.dev32[lens_at : lens_at + num_tiles],
+                kv_starts=self.dev32[tiles_at : tiles_at + num_seqs],
+            )
         return AttentionMetadata(
             slot_mapping=self.dev64[2, :num_tokens],
             block_tables=self.dev32[at:].view(n, self.width)[:num_seqs],
@@ -109,6 +137,7 @@ class _StepBuffers:
             query_start_loc=self.dev32[n : n + num_seqs + 1],
             max_query_len=max_query_len,
             max_context_len=max_context_len,
+            shared_prefix=shared,
         )
 
 
@@ -131,10 +160,18 @@ class ModelRunner:
         self.block_size = kv.k.shape[2]
         self.table_width = -(-model.max_context_len // self.block_size)
         self.max_batch_size = max_batch_size
-        self._decode_buffers = _StepBuffers(max_batch_size, max_batch_size, self.table_width, device)
+        self._planner: SharedPrefixPlanner | None = None
+        seqs_per_tile = shared_prefix_seqs_per_tile(model.num_heads, model.num_kv_heads, kv.k.dtype)
+        if backend.reads_shared_prefixes_once and seqs_per_tile >= 2:
+            self._planner = SharedPrefixPlanner(self.block_size, seqs_per_tile)
+        max_tiles = self._planner.max_tiles(max_batch_size) if self._planner else 0
+        self._decode_buffers = _StepBuffers(
+            max_batch_size, max_batch_size, self.table_width, device, max_tiles, seqs_per_tile)
         self._decode_buffers.query_start[:] = np.arange(max_batch_size + 1)  # one token per sequence
         self._decode_tables = BlockTableRows(self._decode_buffers.tables)
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # (batch bucket, reads shared prefixes once) -> (graph, its logits)
+        self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graph_sizes: list[int] = []
         if use_cuda_graphs is None:
             use_cuda_graphs = device.type == "cuda"
         if use_cuda_graphs:
@@ -170,7 +207,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[n, hidden]`` -> ``[n, vocab]`` float32: the output projection only."""
+        """``[n, hidden]`` -> ``[n, vocab]`` in the model dtype: the output projection only."""
         return self.model.compute_logits(hidden)
 
     # ------------------------------------------------------------------ decode
@@ -185,7 +222,7 @@ class ModelRunner:
         carried: torch.Tensor | None = None,
         carried_rows: Sequence[int] | None = None,
     ) -> torch.Tensor:
-        """One token per sequence; returns logits ``[num_seqs, vocab]`` float32.
+        """One token per sequence; returns logits ``[num_seqs, vocab]`` in the model dtype.
 
         A sequence whose input token was sampled by the previous step and not yet read back takes it from
         ``carried`` (that step's device tensor of tokens) at row ``carried_rows[i]`` (-1: use ``input_ids[i]``),
@@ -193,7 +230,7 @@ class ModelRunner:
         n = len(input_ids)
         if n > self.max_batch_size:
             raise ValueError(f"decode batch of {n} exceeds max_batch_size {self.max_batch_size}")
-        bucket = next((b for b in self._graphs if b >= n), n)
+        bucket = next((b for b in self._graph_sizes if b >= n), n)
         buf = self._decode_buffers
         buf.ids[:n] = input_ids
         if carried is not None:
@@ -204,42 +241,50 @@ class ModelRunner:
         self._decode_tables.update(tables)
         buf.context_lens[:n] = context_lens
         buf.context_lens[n:bucket] = 0  # ... and attend to nothing
+        shared = self._planner is not None and self._planner.plan(
+            buf.tables, buf.context_lens[:n], buf.tile_seqs, buf.tile_lens, buf.kv_starts) > 0
         buf.upload(n)
         if carried is not None:
             ids, rows = buf.dev64[0, :n], buf.dev64[3, :n]
             ids.copy_(torch.where(rows >= 0, carried[rows.clamp(min=0)], ids))
-        graph = self._graphs.get(bucket)
+        graph = self._graphs.get((bucket, shared))
         if graph is not None:
             graph[0].replay()
             return graph[1][:n]
-        return self._decode_forward(n, max(context_lens))
+        return self._decode_forward(n, max(context_lens), shared)
 
-    def _decode_forward(self, num_seqs: int, max_context_len: int) -> torch.Tensor:
+    def _decode_forward(self, num_seqs: int, max_context_len: int, shared: bool) -> torch.Tensor:
+        """``shared``: attention reads the planned shared prefixes once per tile (grid: the most tiles a
+        batch of ``num_seqs`` can have)."""
         buf = self._decode_buffers
-        meta = buf.metadata(num_seqs, num_seqs, 1, max_context_len)
+        num_tiles = self._planner.max_tiles(num_seqs) if shared else 0
+        meta = buf.metadata(num_seqs, num_seqs, 1, max_context_len, num_tiles)
         ctx = ForwardContext(meta, self.kv.k, self.kv.v, self.backend)
         hidden = self.model(buf.dev64[0, :num_seqs], buf.dev64[1, :num_seqs], ctx)
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def _capture_decode_graphs(self) -> None:
-        """Capture one graph per batch bucket, largest first, sharing one memory pool. Captured with the
-        model's whole context as ``max_context_len`` (it only sizes the decode kernel's split count)."""
+        """Capture graphs per batch bucket, largest first, sharing one memory pool: one plain, and one reading
+        shared prefixes once when the backend can (a step picks by whether the planner found any). Captured
+        with the model's whole context as ``max_context_len`` (it only sizes the decode kernel's split count)."""
         buf = self._decode_buffers
         buf.slots[:] = -1
         buf.context_lens[:] = 0
+        buf.tile_lens[:] = 0
         buf.upload(self.max_batch_size)
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        graphs = {}
+        variants = (False, True) if self._planner is not None else (False,)
+        sizes = sorted(graph_batch_sizes(self.max_batch_size), reverse=True)
         with torch.cuda.stream(stream):
-            for size in sorted(graph_batch_sizes(self.max_batch_size), reverse=True):
-                self._decode_forward(size, self.model.max_context_len)  # warm up: compile, autotune
+            for size, shared in itertools.product(sizes, variants):
+                self._decode_forward(size, self.model.max_context_len, shared)  # warm up: compile, autotune
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    logits = self._decode_forward(size, self.model.max_context_len)
-                graphs[size] = (graph, logits)
+                    logits = self._decode_forward(size, self.model.max_context_len, shared)
+                self._graphs[size, shared] = (graph, logits)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
-        self._graphs = dict(sorted(graphs.items()))
+        self._graph_sizes = sorted(sizes)

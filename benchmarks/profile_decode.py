@@ -1,0 +1,123 @@
+"""Where one decode step's GPU time goes: per-kernel times of the model's decode forward at a fixed shape.
+
+    python benchmarks/profile_decode.py --model qwen2.5-0.5b --batch 512 --context 1216 --shared 1024 --groups 16
+
+Builds the model (random weights) and a `ModelRunner` with CUDA graphs, lays out block tables where ``--groups``
+groups of sequences share their first ``--shared`` positions (the same physical blocks, as the prefix cache
+makes them; ``--shared 0``: every sequence's KV is its own), then
+
+* times the captured decode graphs' replay with CUDA events (median of ``--iters``), the number the engine
+  pays: the plain one and the one reading each shared prefix once per tile, side by side on the same batch;
+* profiles the same forward run eagerly with `torch.profiler` and prints GPU time per kernel name (summed over
+  the layers, per step), so the share of attention, matmuls and the small element-wise kernels is visible.
+
+The floor printed beside it is (weight bytes + KV bytes read) / ``--hbm-tbps``, with the KV counted once per
+sequence (``--shared 0``) and once per group for the shared part.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections import defaultdict
+
+import torch
+
+from radixinfer.attention import get_backend
+from radixinfer.cache.kv_store import KVStore
+from radixinfer.engine.model_runner import ModelRunner
+from radixinfer.models import load_model
+
+
+def block_tables(batch: int, context: int, shared: int, groups: int, block_size: int) -> list[list[int]]:
+    """Sequence ``s`` belongs to group ``s % groups``; a group's sequences share the blocks of the first
+    ``shared`` positions (a whole number of blocks), the rest of every table is its own."""
+    shared_blocks, total_blocks = shared // block_size, -(-context // block_size)
+    next_block = groups * shared_blocks
+    tables = []
+    for s in range(batch):
+        g = s % groups
+        own = list(range(next_block, next_block + total_blocks - shared_blocks))
+        next_block += len(own)
+        tables.append(list(range(g * shared_blocks, (g + 1) * shared_blocks)) + own)
+    return tables
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen2.5-0.5b")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--batch", type=int, default=512)
+    parser.add_argument("--context", type=int, default=1216)
+    parser.add_argument("--shared", type=int, default=1024)
+    parser.add_argument("--groups", type=int, default=16)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--hbm-tbps", type=float, default=4.8)
+    args = parser.parse_args()
+
+    device = torch.device("cuda")
+    loaded = load_model(args.model, device, args.dtype)
+    model = loaded.model
+    tables = block_tables(args.batch, args.context, args.shared, args.groups, args.block_size)
+    num_blocks = max(max(t) for t in tables) + 1
+    kv = KVStore(model.num_layers, num_blocks, args.block_size, model.num_kv_heads, model.head_dim, loaded.dtype,
+                 device)
+    kv.k.normal_()
+    kv.v.normal_()
+    runner = ModelRunner(model, kv, get_backend("cuda"), device, args.batch)
+    n = args.batch
+    ids, positions = [7] * n, [args.context - 1] * n
+    slots = [t[-1] * args.block_size + (args.context - 1) % args.block_size for t in tables]
+    contexts = [args.context] * n
+
+    runner.decode(ids, positions, slots, tables, contexts)  # fills the buffers; plans the shared prefixes
+    shared = bool(runner._decode_buffers.tile_lens.any())
+    torch.cuda.synchronize()
+
+    def replay_us(graph: torch.cuda.CUDAGraph) -> float:
+        times = []
+        for _ in range(args.iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) * 1e3)
+        return statistics.median(times)
+
+    # both variants replay on the same buffers: the plain one ignores the planned tiles
+    graph_us = {variant: replay_us(graph) for (size, variant), (graph, _) in runner._graphs.items() if size == n}
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            runner._decode_forward(n, args.context, shared)
+        torch.cuda.synchronize()
+    per_kernel: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            entry = per_kernel[event.name[:90]]
+            entry[0] += event.device_time / 3
+            entry[1] += 1 / 3
+    eager_us = sum(t for t, _ in per_kernel.values())
+    kernels = sum(c for _, c in per_kernel.values())
+
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    per_pos = 2 * model.num_layers * model.num_kv_heads * model.head_dim * kv.k.element_size()
+    kv_unique = n * args.context * per_pos
+    kv_shared = (args.groups * args.shared + n * (args.context - args.shared)) * per_pos
+    floor = lambda b: b / (args.hbm_tbps * 1e6)  # noqa: E731  bytes -> µs
+    print(f"{args.model} {args.dtype} batch {n} context {args.context} shared {args.shared} x {args.groups} groups "
+          f"on {torch.cuda.get_device_name()}")
+    replays = ", ".join(f"{'shared-prefix' if v else 'plain'} {t:.0f} us" for v, t in sorted(graph_us.items()))
+    print(f"graph replay: {replays}; eager kernels ({'shared-prefix' if shared else 'plain'}) {eager_us:.0f} us "
+          f"in {kernels:.0f} launches")
+    print(f"floor: weights {weight_bytes / 1e9:.2f} GB + KV {kv_unique / 1e9:.2f} GB = {floor(weight_bytes + kv_unique):.0f}"
+          f" us; with each shared prefix read once {floor(weight_bytes + kv_shared):.0f} us")
+    print(f"{'kernel':90s} {'us/step':>9s} {'calls':>6s} {'share':>6s}")
+    for name, (t, c) in sorted(per_kernel.items(), key=lambda kv_: -kv_[1][0])[: args.top]:
+        print(f"{name:90s} {t:9.1f} {c:6.0f} {t / eager_us:6.1%}")
+
+
+if __name__ == "__main__":
+    main()
