@@ -31,6 +31,13 @@ def test_greedy_rows_take_the_argmax():
     assert torch.equal(out, logits.argmax(-1))
 
 
+def test_half_precision_logits_sample_as_their_float32_values():
+    """The model hands logits over in its dtype; greedy and seeded sampling see the same values as float32."""
+    logits = torch.randn(6, 40).to(torch.bfloat16)
+    for params in (batch(6, temperature=0.0), batch(6, temperature=0.9, top_p=0.8), batch(6, top_k=5)):
+        assert torch.equal(sample(logits, params), sample(logits.float(), params))
+
+
 def test_top_k_one_and_tiny_top_p_are_greedy():
     logits = torch.randn(8, 30)
     assert torch.equal(sample(logits, batch(8, temperature=1.5, top_k=1)), logits.argmax(-1))

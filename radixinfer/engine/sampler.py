@@ -105,12 +105,13 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """``logits [num_rows, vocab]`` float32 -> sampled token ids ``[num_rows]`` int64 (on the device)."""
+    """``logits [num_rows, vocab]`` (any float dtype; sampling happens in float32) -> sampled token ids
+    ``[num_rows]`` int64 (on the device)."""
     greedy_ids = logits.argmax(dim=-1)
     if batch.all_greedy:
         return greedy_ids
     temperature = batch.temperature.clamp(min=1e-5)[:, None]
-    scaled = logits / temperature
+    scaled = logits.float() / temperature
     if batch.any_filter:
         scaled = _filter_top_k_top_p(scaled, batch.top_k, batch.top_p)
     gumbel = -torch.log(-torch.log(noise_from_keys(batch.keys, logits.shape[-1])))
