@@ -1,5 +1,6 @@
 """End to end on CUDA with the Triton backend and CUDA-graph decode: greedy tokens equal transformers' in
-fp32 on tiny checkpoints of every family, and bf16 logits stay within tolerance on a real-shape preset."""
+fp32 on tiny checkpoints of every family, and bf16 logits on a real-shape preset are as close to transformers' fp32
+logits as transformers' own bf16 ones."""
 
 from __future__ import annotations
 
@@ -78,6 +79,10 @@ def test_bf16_logits_close_to_transformers_on_qwen25_05b(tmp_path):
                             [len(prompt)])
     ours = runner.logits(hidden)
     with torch.no_grad():
-        ref = hf(torch.tensor([prompt], device="cuda")).logits[0].float()
-    rel = (ours - ref).norm() / ref.norm()
-    assert rel < 2e-2, f"relative error {rel:.3e}"
+        ids = torch.tensor([prompt], device="cuda")
+        hf_bf16 = hf(ids).logits[0]
+        exact = hf.float()(ids).logits[0]  # transformers in float32 on the same (bf16-valued) weights
+    # two bf16 forwards that round differently differ by about as much as each differs from float32 (~1.8e-2
+    # here), so each is measured against float32: ours must be as accurate as transformers' own bf16
+    rel = lambda x: ((x.float() - exact).norm() / exact.norm()).item()  # noqa: E731
+    assert rel(ours) < min(1.05 * rel(hf_bf16), 2e-2), f"{rel(ours):.3e}; transformers' bf16: {rel(hf_bf16):.3e}"

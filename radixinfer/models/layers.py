@@ -3,12 +3,42 @@
 A module may define ``weight_loader(param, loaded, shard_id)`` (and ``shard_ids``, the shards its parameters
 are assembled from); the loader calls it for every checkpoint tensor that maps to one of the module's
 parameters. Modules without one load with `default_weight_loader`.
+
+The element-wise steps between the matmuls (residual add + RMSNorm, rotary, SwiGLU's gate) are fused ops from
+``kernels/``, chosen per call by `by_device`: their Triton kernels on CUDA, their PyTorch references elsewhere
+(on the CPU the models then compute exactly what transformers' models compute).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
 from torch import nn
+
+from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
+from kernels.rms_norm import rms_norm_ref, rms_norm_triton
+
+Op = TypeVar("Op", bound=Callable)
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Whether a fused op on ``x`` runs its Triton kernel (on CUDA) or its PyTorch reference."""
+    return x.is_cuda
+
+
+def by_device(triton_fn: Op, ref_fn: Op) -> Op:
+    """One op from its two implementations, chosen by `use_triton` on the op's first argument."""
+
+    def op(x: torch.Tensor, *args, **kwargs):
+        return (triton_fn if use_triton(x) else ref_fn)(x, *args, **kwargs)
+
+    return op  # type: ignore[return-value]
+
+
+rms_norm = by_device(rms_norm_triton, rms_norm_ref)
+silu_and_mul = by_device(silu_and_mul_triton, silu_and_mul_ref)
 
 
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id: str | None = None) -> None:
@@ -52,14 +82,18 @@ class FusedLinear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32 and cast back before the weight, exactly as transformers' Llama does."""
+    """RMSNorm computed in float32 and cast back before the weight, exactly as transformers' Llama does,
+    optionally after adding a residual (see kernels/rms_norm.py)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``x`` ``[T, dim]`` or ``[T, heads, dim]`` -> ``norm(x)``; with ``residual`` (like ``x``), returns
+        ``(norm(x + residual), x + residual)``."""
+        out, new_residual = rms_norm(x, self.weight, self.eps, residual)
+        return out if residual is None else (out, new_residual)

@@ -20,7 +20,7 @@ from transformers.activations import ACT2FN
 
 from radixinfer.attention import ForwardContext
 from radixinfer.models.base import PagedCausalLM
-from radixinfer.models.layers import FusedLinear, RMSNorm
+from radixinfer.models.layers import FusedLinear, RMSNorm, silu_and_mul
 from radixinfer.models.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -50,13 +50,14 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        apply_rotary(q, k, cos, sin)  # in place
         out = ctx.attention(self.layer_idx, q, k, v, self.scale)  # [T, H, D]
         return self.o_proj(out.flatten(1))
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU: ``down(act(gate(x)) * up(x))`` with gate and up as one matmul."""
+    """SwiGLU: ``down(act(gate(x)) * up(x))`` with gate and up as one matmul; ``act * up`` is one fused op
+    for SiLU (every model of the family), two eager ones for any other activation."""
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
@@ -64,10 +65,13 @@ class LlamaMLP(nn.Module):
         size = config.intermediate_size
         self.gate_up_proj = FusedLinear(config.hidden_size, {"gate": size, "up": size}, bias=bias)
         self.down_proj = nn.Linear(size, config.hidden_size, bias=bias)
-        self.act = ACT2FN[config.hidden_act]
+        self.act = None if config.hidden_act == "silu" else ACT2FN[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
+        if self.act is None:
+            return self.down_proj(silu_and_mul(gate_up))
+        gate, up = self.gate_up_proj.split(gate_up)
         return self.down_proj(self.act(gate) * up)
 
 
@@ -79,9 +83,20 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, ctx)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(
+        self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream is carried unsummed, vLLM-style, so each add fuses into the norm after it:
+        ``h`` is the previous layer's MLP output (the embeddings for the first layer, with ``residual`` None)
+        and ``residual`` the stream before it. Returns this layer's ``(mlp output, residual)`` likewise."""
+        if residual is None:
+            h, residual = self.input_layernorm(h), h
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(h, cos, sin, ctx)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -95,11 +110,11 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)  # [T, hidden]
+        h, residual = self.embed_tokens(input_ids), None  # [T, hidden]
         cos, sin = self.rotary_emb(positions)  # [T, head_dim // 2], gathered once for all layers
         for layer in self.layers:
-            h = layer(h, cos, sin, ctx)
-        return self.norm(h)
+            h, residual = layer(h, residual, cos, sin, ctx)
+        return self.norm(h, residual)[0]  # the last layer's residual add, fused
 
 
 class LlamaForCausalLM(PagedCausalLM):

@@ -12,6 +12,9 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from kernels.rotary import rotary_ref, rotary_triton
+from radixinfer.models.layers import by_device
+
 
 def rope_parameters(config: PretrainedConfig) -> dict:
     """The config's RoPE settings as one dict with at least ``rope_type`` and ``rope_theta``."""
@@ -65,9 +68,6 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions], self.sin[positions]
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[T, heads, head_dim]`` by per-token ``cos``/``sin`` ``[T, head_dim // 2]``: the halves
-    ``(x1, x2)`` become ``(x1 cos - x2 sin, x2 cos + x1 sin)``, transformers' ``rotate_half`` form."""
-    x1, x2 = x.chunk(2, dim=-1)
-    cos, sin = cos[:, None], sin[:, None]  # [T, 1, head_dim // 2]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+# apply_rotary(q [T, H, D], k [T, Hkv, D], cos, sin [T, D // 2]) -> None: rotates q and k in place, the
+# halves ``(x1, x2)`` becoming ``(x1 cos - x2 sin, x2 cos + x1 sin)``, transformers' ``rotate_half`` form.
+apply_rotary = by_device(rotary_triton, rotary_ref)
