@@ -170,7 +170,7 @@ def _attend_kv_span(
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-    kv_starts_ptr,  # [num_seqs] int32: first position this kernel covers (read only when HAS_SHARED)
+    kv_starts_ptr,  # [num_seqs] int32: first position this kernel covers (read only with SHARED_CHUNKS)
     part_out_ptr,  # [num_seqs, num_heads, num_slots, head_dim]; f32 workspace, or the output if 1 split
     part_lse_ptr,  # [num_seqs, num_heads, num_slots] f32, contiguous
     qk_scale, num_splits,
@@ -179,20 +179,21 @@ def _decode_split_kernel(
     stride_bt,
     stride_pt, stride_ph, stride_ps,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_SHARED: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SHARED_CHUNKS: tl.constexpr,  # 0: no shared-prefix tiles; else the tile kernel's chunks per prefix
 ):
-    """Program (seq, kv_head, split): partial ``split`` of ``[kv_start, context_len)``. With HAS_SHARED the
-    partials have one slot more (slot ``num_splits``), the shared-prefix tile kernel's; split 0 of a sequence
-    that no tile covers (kv_start 0) marks that slot empty (lse = -inf)."""
+    """Program (seq, kv_head, split): partial ``split`` of ``[kv_start, context_len)``. With shared-prefix
+    tiles the partials have SHARED_CHUNKS slots more (after the splits), the tile kernel's; split 0 of a
+    sequence that no tile covers (kv_start 0) marks those slots empty (lse = -inf)."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
     start = 0
     num_slots = num_splits
-    if HAS_SHARED:
+    if SHARED_CHUNKS:
         start = tl.load(kv_starts_ptr + seq)
-        num_slots = num_splits + 1
+        num_slots = num_splits + SHARED_CHUNKS
     chunk = tl.cdiv(tl.cdiv(context_len - start, num_splits), BLOCK_N) * BLOCK_N
     lo = start + split * chunk
     hi = tl.minimum(lo + chunk, context_len)
@@ -224,10 +225,11 @@ def _decode_split_kernel(
     tl.store(part_out_ptr + part, out, mask=q_mask)
     lse_row = (seq * tl.num_programs(1) * GROUP + heads) * num_slots  # [G]
     tl.store(part_lse_ptr + lse_row + split, lse, mask=offs_g < GROUP)
-    if HAS_SHARED:
+    if SHARED_CHUNKS:
         if (split == 0) & (start == 0):
-            tl.store(part_lse_ptr + lse_row + num_splits, tl.full([BLOCK_G], float("-inf"), tl.float32),
-                     mask=offs_g < GROUP)
+            empty = tl.full([BLOCK_G, SHARED_CHUNKS], float("-inf"), tl.float32)
+            chunks = num_splits + tl.arange(0, SHARED_CHUNKS)
+            tl.store(part_lse_ptr + lse_row[:, None] + chunks[None, :], empty, mask=(offs_g < GROUP)[:, None])
 
 
 @triton.jit
@@ -235,7 +237,7 @@ def _shared_prefix_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
     tile_seqs_ptr,  # [num_tiles, SEQS_PER_TILE] int32: the sequences of each tile, -1 = none
     tile_lens_ptr,  # [num_tiles] int32: positions [0, len) every sequence of the tile shares; 0 = idle tile
-    part_out_ptr,  # [num_seqs, num_heads, num_slots, head_dim] f32: writes slot num_slots - 1
+    part_out_ptr,  # [num_seqs, num_heads, num_slots, head_dim] f32: writes the last SHARED_CHUNKS slots
     part_lse_ptr,  # [num_seqs, num_heads, num_slots] f32, contiguous
     qk_scale, num_slots,
     stride_qt, stride_qh,
@@ -244,16 +246,22 @@ def _shared_prefix_kernel(
     stride_pt, stride_ph, stride_ps,
     GROUP: tl.constexpr, NUM_HEADS: tl.constexpr, SEQS_PER_TILE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SHARED_CHUNKS: tl.constexpr, MIN_CHUNK: tl.constexpr,
 ):
-    """Program (tile, kv_head): row ``r`` is query head ``r % GROUP`` of the KV head's group in the tile's
-    sequence ``r // GROUP``; all rows see all of ``[0, len)``, read through the first sequence's block table
-    (the caller guarantees every sequence of the tile has the same blocks there)."""
+    """Program (tile, kv_head, chunk): row ``r`` is query head ``r % GROUP`` of the KV head's group in the
+    tile's sequence ``r // GROUP``; all rows see all of the chunk's part of ``[0, len)``, read through the
+    first sequence's block table (the caller guarantees every sequence of the tile has the same blocks
+    there). A prefix is cut into SHARED_CHUNKS chunks of at least MIN_CHUNK positions, so a few tiles still
+    fill the GPU; an empty chunk writes lse = -inf."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
+    chunk_id = tl.program_id(2)
     shared_len = tl.load(tile_lens_ptr + tile)
     if shared_len == 0:
         return
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(shared_len, SHARED_CHUNKS), BLOCK_N) * BLOCK_N, MIN_CHUNK)
+    lo = chunk_id * chunk
+    hi = tl.minimum(lo + chunk, shared_len)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     member = offs_m // GROUP
@@ -268,20 +276,22 @@ def _shared_prefix_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
-    row_limit = tl.zeros([BLOCK_M], tl.int32) + shared_len - 1
-    full_end = shared_len // BLOCK_N * BLOCK_N
+    row_limit = tl.zeros([BLOCK_M], tl.int32) + hi - 1
+    full_end = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
     k_head_ptr = k_cache_ptr + kv_head * stride_ch
     v_head_ptr = v_cache_ptr + kv_head * stride_ch
     table_ptr = block_tables_ptr + tl.load(tile_seqs_ptr + tile * SEQS_PER_TILE).to(tl.int64) * stride_bt
     acc, row_max, row_sum = _attend_kv_span(
-        acc, row_max, row_sum, q, row_limit, k_head_ptr, v_head_ptr, table_ptr, 0, full_end, shared_len,
+        acc, row_max, row_sum, q, row_limit, k_head_ptr, v_head_ptr, table_ptr, lo, full_end, hi,
         qk_scale, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION,
     )
-    slot = num_slots - 1
-    out = acc / row_sum[:, None]  # every valid row saw shared_len >= 1 positions
+    slot = num_slots - SHARED_CHUNKS + chunk_id
+    seen = row_sum > 0  # False only for an empty chunk
+    row_sum = tl.where(seen, row_sum, 1.0)
+    out = acc / row_sum[:, None]
     tl.store(part_out_ptr + seq[:, None] * stride_pt + heads[:, None] * stride_ph + slot * stride_ps
              + offs_d[None, :], out, mask=row_mask)
-    lse = row_max + tl.log2(row_sum)
+    lse = tl.where(seen, row_max + tl.log2(row_sum), float("-inf"))
     tl.store(part_lse_ptr + (seq * NUM_HEADS + heads) * num_slots + slot, lse, mask=valid)
 
 
@@ -291,25 +301,31 @@ def _decode_merge_kernel(
     part_lse_ptr,  # [num_seqs, num_heads, num_slots] f32, contiguous
     out_ptr,  # [num_seqs, num_heads, head_dim]
     num_slots, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
-    """Program (seq, head): out = sum_s 2^(lse_s - max) * out_s / sum_s 2^(lse_s - max) over the
-    ``num_slots`` partials (the splits, and the shared-prefix slot when there is one). A slot with lse = -inf is
-    empty and its partial is not read (the shared-prefix slot of an uncovered sequence is never written)."""
+    """Program (seq, head block): for each of BLOCK_H heads, out = sum_s 2^(lse_s - max) * out_s /
+    sum_s 2^(lse_s - max) over the ``num_slots`` partials (the splits, and the shared-prefix chunks when there
+    are some). A slot with lse = -inf is empty and its partial is not read (the shared-prefix slots of an
+    uncovered sequence are never written). Heads go together because one (seq, head) is only a few hundred
+    bytes: a program each made the merge cost more than the attention it merges."""
     seq = tl.program_id(0)
-    head = tl.program_id(1)
-    row = seq * tl.num_programs(1) + head
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    lse = tl.load(part_lse_ptr + row * num_slots + offs_s, mask=offs_s < num_slots, other=float("-inf"))
-    top = tl.max(lse, 0)
-    weight = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))  # [S]; all 0 for context_len 0
-    mask = (offs_s[:, None] < num_slots) & (lse[:, None] > float("-inf")) & (offs_d[None, :] < HEAD_DIM)
-    parts = tl.load(part_out_ptr + (row * num_slots + offs_s[:, None]) * HEAD_DIM + offs_d[None, :], mask=mask,
-                    other=0.0)  # [S, D]
-    total = tl.sum(weight, 0)
-    out = tl.sum(parts * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + seq * stride_ot + head * stride_oh + offs_d, out, mask=offs_d < HEAD_DIM)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]  # [H, 1]
+    slots = tl.arange(0, BLOCK_S)[None, :]  # [1, S]
+    dims = tl.arange(0, BLOCK_D)[None, None, :]  # [1, 1, D]
+    rows = seq * NUM_HEADS + heads  # [H, 1]
+    lse_mask = (heads < NUM_HEADS) & (slots < num_slots)
+    lse = tl.load(part_lse_ptr + rows * num_slots + slots, mask=lse_mask, other=float("-inf"))  # [H, S]
+    top = tl.max(lse, 1)  # [H]
+    weight = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top)[:, None])  # [H, S]; all 0 for context_len 0
+    part_mask = (lse_mask & (lse > float("-inf")))[:, :, None] & (dims < HEAD_DIM)
+    parts = tl.load(part_out_ptr + ((rows * num_slots + slots) * HEAD_DIM)[:, :, None] + dims, mask=part_mask,
+                    other=0.0)  # [H, S, D]
+    total = tl.sum(weight, 1)  # [H]
+    out = tl.sum(parts * weight[:, :, None], 1) / tl.where(total > 0, total, 1.0)[:, None]  # [H, D]
+    out_dims = tl.arange(0, BLOCK_D)[None, :]
+    tl.store(out_ptr + seq * stride_ot + heads * stride_oh + out_dims, out,
+             mask=(heads < NUM_HEADS) & (out_dims < HEAD_DIM))
 
 
 @triton.jit
@@ -362,6 +378,12 @@ def _extend_kernel(
 
 MIN_TOKENS_PER_SPLIT = 64  # one or two KV tiles: below this a split's fixed cost (q load, partial write) dominates
 MAX_SPLITS = 128  # bounds the workspace: [num_seqs, num_heads, num_splits, head_dim] f32
+# A shared prefix is read in this many chunks (programs) per tile and KV head, each of at least MIN_SHARED_CHUNK
+# positions (a multiple of every BLOCK_N): without chunks 16 groups' tiles are ~128 programs on 132 SMs, each
+# walking a whole 1,024-position prefix alone.
+SHARED_PREFIX_CHUNKS = 4
+MIN_SHARED_CHUNK = 128
+MERGE_TILE_ELEMENTS = 8192  # float32 partial values one merge program holds: 64 per thread at 4 warps
 
 
 @functools.lru_cache(maxsize=None)
@@ -455,7 +477,8 @@ def paged_decode_attention_triton(
     group = num_heads // num_kv_heads
     block_d = triton.next_power_of_2(head_dim)
     qk_scale = scale * math.log2(math.e)
-    num_slots = num_splits + (shared is not None)
+    shared_chunks = SHARED_PREFIX_CHUNKS if shared is not None else 0
+    num_slots = num_splits + shared_chunks
 
     # One partial is already the answer: write it straight to `out` and skip the merge.
     parts = out.unsqueeze(2) if num_slots == 1 else torch.empty(
@@ -470,14 +493,14 @@ def paged_decode_attention_triton(
         block_tables.stride(0),
         parts.stride(0), parts.stride(1), parts.stride(2),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, DOT_PRECISION=_dot_precision(q.dtype), HAS_SHARED=shared is not None,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, DOT_PRECISION=_dot_precision(q.dtype), SHARED_CHUNKS=shared_chunks,
         **_decode_config(block_d, q.dtype),
     )
     if shared is not None:
         num_tiles, seqs_per_tile = shared.seqs.shape
         config = _shared_prefix_config(q.dtype)
         assert shared.seqs.is_contiguous() and 0 < seqs_per_tile * group <= config["BLOCK_M"]
-        _shared_prefix_kernel[(num_tiles, num_kv_heads)](
+        _shared_prefix_kernel[(num_tiles, num_kv_heads, shared_chunks)](
             q, k_cache, v_cache, block_tables, shared.seqs, shared.lens, parts, lse,
             qk_scale, num_slots,
             q.stride(0), q.stride(1),
@@ -485,12 +508,15 @@ def paged_decode_attention_triton(
             block_tables.stride(0),
             parts.stride(0), parts.stride(1), parts.stride(2),
             GROUP=group, NUM_HEADS=num_heads, SEQS_PER_TILE=seqs_per_tile, BLOCK_SIZE=block_size,
-            HEAD_DIM=head_dim, BLOCK_D=block_d, DOT_PRECISION=_dot_precision(q.dtype), **config,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, DOT_PRECISION=_dot_precision(q.dtype),
+            SHARED_CHUNKS=shared_chunks, MIN_CHUNK=MIN_SHARED_CHUNK, **config,
         )
     if num_slots > 1:
-        _decode_merge_kernel[(num_seqs, num_heads)](
+        block_s = triton.next_power_of_2(num_slots)
+        block_h = min(triton.next_power_of_2(num_heads), max(1, MERGE_TILE_ELEMENTS // (block_s * block_d)))
+        _decode_merge_kernel[(num_seqs, triton.cdiv(num_heads, block_h))](
             parts, lse, out, num_slots, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_slots),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_S=block_s, BLOCK_D=block_d,
         )
     return out
 

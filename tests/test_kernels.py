@@ -178,15 +178,16 @@ def plan_shared(batch: PagedBatch, min_shared_len: int, dtype) -> SharedPrefixTi
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_decode_reads_shared_prefixes_once_with_the_same_result(dtype, num_splits):
     """Seven sequences with qwen's group of 7 (fp32 tiles hold 4 sequences, fp16 tiles 9): a group of four
-    sharing 36 positions (a member's own tail is its one new position), a pair sharing 27, a loner. Neither
-    shared length is a multiple of the kernel's KV tile, so the masked tail of the tile kernel runs."""
-    context_lens = [40, 41, 57, 37, 30, 33, 44]
+    sharing 300 positions (read in chunks of 128, 128 and 44, the fourth chunk empty; a member's own tail is
+    its one new position), a pair sharing 27 (one chunk), a loner. Neither shared length is a multiple of the
+    kernel's KV tile, so the masked tail of the tile kernel runs."""
+    context_lens = [310, 305, 320, 301, 30, 33, 44]
     batch = make_batch([c - 1 for c in context_lens], [1] * 7, num_heads=14, num_kv_heads=2, head_dim=80,
                        block_size=3, dtype=dtype, seed=11)
-    batch = share_prefixes(batch, [[0, 1, 2, 3], [4, 5]], [12, 9])
+    batch = share_prefixes(batch, [[0, 1, 2, 3], [4, 5]], [100, 9])
     shared = plan_shared(batch, min_shared_len=8, dtype=dtype)
     assert shared is not None
-    assert shared.kv_starts.tolist() == [36, 36, 36, 36, 27, 27, 0]
+    assert shared.kv_starts.tolist() == [300, 300, 300, 300, 27, 27, 0]
     m = batch.meta
     scale = 80**-0.5
     out = nan_like(batch.q)

@@ -13,7 +13,8 @@ Grouping, on the host, vectorised over the batch (numpy), from the block tables 
    system prompts shared per group key by the deeper, per-group block);
 2. within a key, the shared length is the number of leading block ids all members have in common, times the
    block size, capped below every member's context length (its newest position is its own);
-3. groups of two or more sharing at least ``min_shared_len`` positions are cut into tiles.
+3. groups of two or more sharing at least ``min_shared_len`` positions are cut into tiles (as many as the
+   grid has room for, the groups that save the most first).
 
 What it does not find: a group sharing less than ``min_shared_len`` (the tile kernel's fixed cost would
 outweigh the bytes saved), and a second, deeper level of sharing inside a group (read per sequence).
@@ -21,9 +22,27 @@ outweigh the bytes saved), and a second, deeper level of sharing inside a group 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 MIN_SHARED_LEN = 128  # positions; two KV tiles of the kernel: below this a tile saves too little to pay off
+EXTRA_TILES = 16  # partial tiles the grid has room for beyond the full ones (see `max_tiles`)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """A batch's tiles, and the signature under which they still hold (see `SharedPrefixPlanner.plan`)."""
+
+    num_seqs: int
+    keys: np.ndarray  # [n] each row's keyed block
+    long_enough: np.ndarray  # [n] bool: context > min_shared_len
+    rows: np.ndarray  # [m] the rows in tiles ...
+    cols: np.ndarray  # [m] ... the column of each one's last shared block ...
+    blocks: np.ndarray  # [m] ... and that block's id
+    tile_seqs: np.ndarray  # [num_tiles, seqs_per_tile] int32, -1 = none
+    tile_lens: np.ndarray  # [num_tiles] int32
+    kv_starts: np.ndarray  # [n] int32
 
 
 class SharedPrefixPlanner:
@@ -39,11 +58,15 @@ class SharedPrefixPlanner:
         self.block_size = block_size
         self.seqs_per_tile = seqs_per_tile
         self.min_shared_len = min_shared_len
+        self._last: _Plan | None = None
 
     def max_tiles(self, num_seqs: int) -> int:
-        """An upper bound of `plan`'s tile count for ``num_seqs`` sequences (the grid a CUDA graph captures):
-        groups have two members or more and ``ceil(m / S) < m / S + 1``, so tiles < n / S + n / 2."""
-        return num_seqs // max(self.seqs_per_tile, 1) + num_seqs // 2 + 1
+        """The most tiles `plan` lays out for ``num_seqs`` sequences (the grid a CUDA graph captures). Every
+        group fits when there are few partial tiles: ``n // S`` full ones plus ``max(16, n // 8)`` (groups
+        have two members or more, so no plan needs more than ``n // S + n // 2 + 1``). Past that the grid would
+        be mostly idle programs, which are not free; `plan` then keeps the groups that save the most."""
+        full = num_seqs // max(self.seqs_per_tile, 1)
+        return min(full + num_seqs // 2 + 1, full + max(EXTRA_TILES, num_seqs // 8))
 
     def plan(
         self,
@@ -53,24 +76,46 @@ class SharedPrefixPlanner:
         tile_lens: np.ndarray,  # out: [same number of tiles] int32; every entry is written (0 = idle)
         kv_starts: np.ndarray,  # out: [n] int32
     ) -> int:
-        """Fill the tile arrays for the batch and return the number of tiles used (0: nothing worth it)."""
-        n, size = len(context_lens), self.seqs_per_tile
+        """Fill the tile arrays for the batch and return the number of tiles used (0: nothing worth it).
+
+        Consecutive decode steps mostly keep the same sequences in the same rows, so the last plan is reused
+        while its signature holds: the batch size, each row's keyed block and whether its context is long
+        enough, and each covered row's last shared block. Reuse is exact: equal block ids at a column mean
+        equal token prefixes through it (a block is shared only along the one token path it holds), so the
+        members still share ``[0, len)``; it may only miss sharing that appeared since (until a row changes).
+        """
+        n = len(context_lens)
+        # a row long enough has its keyed block inside the table; clipping only touches rows that are not
+        keys = tables[:n, min((self.min_shared_len - 1) // self.block_size, tables.shape[1] - 1)]
+        long_enough = np.asarray(context_lens) > self.min_shared_len
+        last = self._last
+        if not (last is not None and last.num_seqs == n and np.array_equal(last.keys, keys)
+                and np.array_equal(last.long_enough, long_enough)
+                and np.array_equal(tables[last.rows, last.cols], last.blocks)):
+            last = self._last = self._fresh_plan(tables, np.asarray(context_lens), keys.copy(), long_enough)
+        num_tiles = len(last.tile_lens)
         tile_lens[:] = 0
-        kv_starts[:n] = 0
-        if n < 2 or size < 2:
-            return 0
-        context_lens = np.asarray(context_lens)
-        key_col = (self.min_shared_len - 1) // self.block_size
-        candidates = np.flatnonzero(context_lens > self.min_shared_len)
-        if len(candidates) < 2:
-            return 0
-        order = candidates[np.argsort(tables[candidates, key_col], kind="stable")]
-        keys = tables[order, key_col]
-        starts = np.flatnonzero(np.concatenate(([True], keys[1:] != keys[:-1])))
+        tile_lens[:num_tiles] = last.tile_lens
+        tile_seqs[:num_tiles] = last.tile_seqs
+        kv_starts[:n] = last.kv_starts
+        return num_tiles
+
+    def _fresh_plan(
+        self, tables: np.ndarray, context_lens: np.ndarray, keys: np.ndarray, long_enough: np.ndarray
+    ) -> _Plan:
+        n, size = len(context_lens), self.seqs_per_tile
+        none = _Plan(n, keys, long_enough, np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, tables.dtype),
+                     np.zeros((0, size), np.int32), np.zeros(0, np.int32), np.zeros(n, np.int32))
+        candidates = np.flatnonzero(long_enough)
+        if len(candidates) < 2 or size < 2:
+            return none
+        order = candidates[np.argsort(keys[candidates], kind="stable")]
+        sorted_keys = keys[order]
+        starts = np.flatnonzero(np.concatenate(([True], sorted_keys[1:] != sorted_keys[:-1])))
         sizes = np.diff(np.append(starts, len(order)))
         in_pair = np.repeat(sizes >= 2, sizes)
         if not in_pair.any():
-            return 0
+            return none
         order, sizes = order[in_pair], sizes[sizes >= 2]
         starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
 
@@ -81,14 +126,23 @@ class SharedPrefixPlanner:
         common_blocks = np.where(same.all(axis=1), cols, same.argmin(axis=1))
         shared = np.minimum(common_blocks * self.block_size, np.minimum.reduceat(lens, starts) - 1)
 
-        num_tiles = 0
-        for g in np.flatnonzero(shared >= self.min_shared_len):
-            members = order[starts[g] : starts[g] + sizes[g]]
-            kv_starts[members] = shared[g]
-            for first in range(0, len(members), size):
-                chunk = members[first : first + size]
-                tile_seqs[num_tiles, : len(chunk)] = chunk
-                tile_seqs[num_tiles, len(chunk) :] = -1
-                tile_lens[num_tiles] = shared[g]
-                num_tiles += 1
-        return num_tiles
+        use = np.flatnonzero(shared >= self.min_shared_len)
+        tiles_needed = -(-sizes[use] // size)
+        if tiles_needed.sum() > self.max_tiles(n):  # keep the groups that save the most reads
+            by_saving = np.argsort(-(sizes[use] - tiles_needed) * shared[use], kind="stable")
+            kept = by_saving[np.cumsum(tiles_needed[by_saving]) <= self.max_tiles(n)]
+            use, tiles_needed = use[kept], tiles_needed[kept]
+        if len(use) == 0:
+            return none
+        # vectorised layout: member i of a kept group goes to tile first_tile[g] + i // size, slot i % size
+        members = order[np.repeat(np.isin(np.arange(len(sizes)), use), sizes)]
+        member_sizes = sizes[use]
+        index_in_group = np.arange(len(members)) - np.repeat(np.cumsum(member_sizes) - member_sizes, member_sizes)
+        first_tile = np.cumsum(tiles_needed) - tiles_needed
+        tile_seqs = np.full((int(tiles_needed.sum()), size), -1, dtype=np.int32)
+        tile_seqs[np.repeat(first_tile, member_sizes) + index_in_group // size, index_in_group % size] = members
+        kv_starts = np.zeros(n, dtype=np.int32)
+        kv_starts[members] = np.repeat(shared[use], member_sizes)
+        last_shared_col = (kv_starts[members] - 1) // self.block_size  # the block holding position len - 1
+        return _Plan(n, keys, long_enough, members, last_shared_col, tables[members, last_shared_col], tile_seqs,
+                     np.repeat(shared[use], tiles_needed).astype(np.int32), kv_starts)
