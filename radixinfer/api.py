@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import gc
 import os
 from collections.abc import Hashable, Iterator, Sequence
 
@@ -95,6 +97,13 @@ class LLM:
         cache = KVCacheManager(blocks, block_size, enable_prefix_cache)
         self.tokenizer = loaded.tokenizer
         self.engine = LLMEngine(runner, cache, loaded.tokenizer, loaded.eos_token_ids, config)
+        # Everything alive now (torch, transformers, the model's modules, the graphs) lives as long as the
+        # engine: freezing it keeps the collector's full passes, which stop the engine loop, from rescanning
+        # hundreds of thousands of objects that can never be garbage.
+        # (Unfrozen at exit, so interpreter shutdown still finalises them.)
+        gc.collect()
+        gc.freeze()
+        atexit.register(gc.unfreeze)
 
     def _add_all(
         self, prompts: Sequence[Prompt], params: Sequence[SamplingParams], cache_salt: Hashable

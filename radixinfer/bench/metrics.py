@@ -13,6 +13,8 @@ time from the first submit to the last token.
 
 from __future__ import annotations
 
+import gc
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -106,3 +108,29 @@ def summarize(records: Sequence[RequestRecord], wall_s: float, cache: dict | Non
         "request_throughput": len(records) / wall_s if wall_s > 0 else None,
         "wall_s": wall_s,
     }
+
+
+class GCPauses:
+    """While entered, records every pause of Python's garbage collector (a full pass stops the engine loop,
+    so a stall in the latencies can be told apart from the GPU or the scheduler)."""
+
+    def __init__(self) -> None:
+        self.pauses_ms: list[float] = []
+        self._start = 0.0
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.pauses_ms.append((time.perf_counter() - self._start) * 1e3)
+
+    def __enter__(self) -> GCPauses:
+        gc.callbacks.append(self._on_gc)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._on_gc)
+
+
+def gc_pause_summary(pauses_ms: Sequence[float]) -> dict[str, float | int]:
+    return {"count": len(pauses_ms), "total_ms": sum(pauses_ms), "max_ms": max(pauses_ms, default=0.0)}

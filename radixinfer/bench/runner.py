@@ -25,7 +25,14 @@ from tqdm import tqdm
 
 from radixinfer.bench.backends import Backend, open_radixinfer
 from radixinfer.bench.hf import HFBackend, export_checkpoint
-from radixinfer.bench.metrics import RequestRecord, add_cache_deltas, cache_delta, summarize
+from radixinfer.bench.metrics import (
+    GCPauses,
+    RequestRecord,
+    add_cache_deltas,
+    cache_delta,
+    gc_pause_summary,
+    summarize,
+)
 from radixinfer.bench.report import comparisons, format_report
 from radixinfer.bench.workloads import Session, arrival_offsets, build_workload, fit_to_context
 from radixinfer.models import PRESET_NAMES
@@ -133,11 +140,14 @@ def measure(backend: Backend, args: argparse.Namespace, label: str) -> dict:
         if args.cold_cache:
             backend.reset_cache()
         before = backend.cache_stats()
-        records, wall = run_workload(backend, sessions, offsets, args, f"{label} run {i + 1}/{args.repeat_runs}")
-        runs.append((records, wall, cache_delta(before, backend.cache_stats())))
-    pooled = summarize([r for records, _, _ in runs for r in records], sum(w for _, w, _ in runs),
-                       add_cache_deltas([c for _, _, c in runs]))
-    return {"metrics": pooled, "repeats": [summarize(*run) for run in runs] if len(runs) > 1 else []}
+        with GCPauses() as gc_pauses:
+            records, wall = run_workload(backend, sessions, offsets, args, f"{label} run {i + 1}/{args.repeat_runs}")
+        runs.append((records, wall, cache_delta(before, backend.cache_stats()), gc_pauses))
+    pooled = summarize([r for records, _, _, _ in runs for r in records], sum(w for _, w, _, _ in runs),
+                       add_cache_deltas([c for _, _, c, _ in runs]))
+    pooled["gc_pauses"] = gc_pause_summary([p for *_, pauses in runs for p in pauses.pauses_ms])
+    repeats = [{**summarize(*run[:3]), "gc_pauses": gc_pause_summary(run[3].pauses_ms)} for run in runs]
+    return {"metrics": pooled, "repeats": repeats if len(runs) > 1 else []}
 
 
 def open_backend(variant: Variant, model: str, args: argparse.Namespace) -> Backend:
