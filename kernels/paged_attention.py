@@ -168,6 +168,15 @@ def _attend_kv_span(
 
 
 @triton.jit
+def _partial_result(acc, row_max, row_sum):
+    """A range's normalised output and its log-sum-exp (log2 units) for the merge; a row that saw no position
+    (an empty split or chunk, a padded sequence) gives zeros and lse = -inf, so the merge skips it."""
+    seen = row_sum > 0
+    row_sum = tl.where(seen, row_sum, 1.0)
+    return acc / row_sum[:, None], tl.where(seen, row_max + tl.log2(row_sum), float("-inf"))
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
     kv_starts_ptr,  # [num_seqs] int32: first position this kernel covers (read only with SHARED_CHUNKS)
@@ -217,10 +226,7 @@ def _decode_split_kernel(
         qk_scale, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION,
     )
 
-    seen = row_sum > 0  # False only for an empty split (or a padded sequence with context_len 0)
-    row_sum = tl.where(seen, row_sum, 1.0)
-    out = acc / row_sum[:, None]
-    lse = tl.where(seen, row_max + tl.log2(row_sum), float("-inf"))
+    out, lse = _partial_result(acc, row_max, row_sum)
     part = seq * stride_pt + heads[:, None] * stride_ph + split * stride_ps + offs_d[None, :]
     tl.store(part_out_ptr + part, out, mask=q_mask)
     lse_row = (seq * tl.num_programs(1) * GROUP + heads) * num_slots  # [G]
@@ -286,12 +292,9 @@ def _shared_prefix_kernel(
         qk_scale, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION,
     )
     slot = num_slots - SHARED_CHUNKS + chunk_id
-    seen = row_sum > 0  # False only for an empty chunk
-    row_sum = tl.where(seen, row_sum, 1.0)
-    out = acc / row_sum[:, None]
+    out, lse = _partial_result(acc, row_max, row_sum)
     tl.store(part_out_ptr + seq[:, None] * stride_pt + heads[:, None] * stride_ph + slot * stride_ps
              + offs_d[None, :], out, mask=row_mask)
-    lse = tl.where(seen, row_max + tl.log2(row_sum), float("-inf"))
     tl.store(part_lse_ptr + (seq * NUM_HEADS + heads) * num_slots + slot, lse, mask=valid)
 
 
