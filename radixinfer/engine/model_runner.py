@@ -89,29 +89,33 @@ class _StepBuffers:
         seqs_per_tile: int = 0,
     ) -> None:
         pin = device.type == "cuda"
-        tile_part = (max_seqs + max_tiles * (1 + seqs_per_tile)) if max_tiles else 0
-        self._tables_at = 2 * max_seqs + 1 + tile_part  # offset of the tables in the int32 buffers
+        sizes = {  # the int32 layout, in order; one definition for the host and the device views
+            "context_lens": max_seqs, "query_start": max_seqs + 1, "kv_starts": max_seqs if max_tiles else 0,
+            "tile_lens": max_tiles, "tile_seqs": max_tiles * seqs_per_tile, "tables": max_seqs * width,
+        }
+        ends = dict(zip(sizes, itertools.accumulate(sizes.values())))
+        self._spans = {name: slice(ends[name] - size, ends[name]) for name, size in sizes.items()}
         # ids, positions, slots, and (decode) the row of each sequence's input in the previous step's tokens
         self.host64 = torch.zeros(4, max_tokens, dtype=torch.int64, pin_memory=pin)
-        self.host32 = torch.zeros(self._tables_at + max_seqs * width, dtype=torch.int32, pin_memory=pin)
+        self.host32 = torch.zeros(ends["tables"], dtype=torch.int32, pin_memory=pin)
         self.dev64 = torch.zeros_like(self.host64, device=device)
         self.dev32 = torch.zeros_like(self.host32, device=device)
         self.width, self.max_seqs, self.seqs_per_tile = width, max_seqs, seqs_per_tile
         h64, h32 = self.host64.numpy(), self.host32.numpy()
         self.ids, self.positions, self.slots, self.carry_rows = h64[0], h64[1], h64[2], h64[3]
-        self.context_lens = h32[:max_seqs]
-        self.query_start = h32[max_seqs : 2 * max_seqs + 1]
-        at = 2 * max_seqs + 1
-        self.kv_starts = h32[at : at + max_seqs] if max_tiles else h32[:0]
-        self.tile_lens = h32[at + max_seqs : at + max_seqs + max_tiles]
-        self.tile_seqs = h32[at + max_seqs + max_tiles : self._tables_at].reshape(max_tiles, seqs_per_tile)
-        self.tables = h32[self._tables_at :].reshape(max_seqs, width)
+        self.context_lens, self.query_start, self.kv_starts, self.tile_lens = (
+            h32[self._spans[name]] for name in ("context_lens", "query_start", "kv_starts", "tile_lens"))
+        self.tile_seqs = h32[self._spans["tile_seqs"]].reshape(max_tiles, seqs_per_tile)
+        self.tables = h32[self._spans["tables"]].reshape(max_seqs, width)
+
+    def _dev(self, name: str) -> torch.Tensor:
+        return self.dev32[self._spans[name]]
 
     def upload(self, num_seqs: int) -> None:
         """Copy the host buffers to the device, block-table rows of the first ``num_seqs`` sequences only
         (the rest on the device keep stale rows, which nothing reads: their context length is 0)."""
         self.dev64.copy_(self.host64, non_blocking=True)
-        end = self._tables_at + num_seqs * self.width
+        end = self._spans["tables"].start + num_seqs * self.width
         self.dev32[:end].copy_(self.host32[:end], non_blocking=True)
 
     def metadata(
@@ -119,22 +123,18 @@ class _StepBuffers:
     ) -> AttentionMetadata:
         """``num_tiles`` > 0: decode reads shared prefixes through the first ``num_tiles`` tiles (the grid;
         tiles past what the planner filled have length 0)."""
-        at, n = self._tables_at, self.max_seqs
         shared = None
         if num_tiles:
-            tiles_at = 2 * n + 1
-            lens_at = tiles_at + n
-            seqs_at = lens_at + len(self.tile_lens)
             shared = SharedPrefixTiles(
-                seqs=self.dev32[seqs_at : seqs_at + num_tiles * self.seqs_per_tile].view(num_tiles, -1),
-                lens=self.dev32[lens_at : lens_at + num_tiles],
-                kv_starts=self.dev32[tiles_at : tiles_at + num_seqs],
+                seqs=self._dev("tile_seqs").view(-1, self.seqs_per_tile)[:num_tiles],
+                lens=self._dev("tile_lens")[:num_tiles],
+                kv_starts=self._dev("kv_starts")[:num_seqs],
             )
         return AttentionMetadata(
             slot_mapping=self.dev64[2, :num_tokens],
-            block_tables=self.dev32[at:].view(n, self.width)[:num_seqs],
-            context_lens=self.dev32[:num_seqs],
-            query_start_loc=self.dev32[n : n + num_seqs + 1],
+            block_tables=self._dev("tables").view(self.max_seqs, self.width)[:num_seqs],
+            context_lens=self._dev("context_lens")[:num_seqs],
+            query_start_loc=self._dev("query_start")[: num_seqs + 1],
             max_query_len=max_query_len,
             max_context_len=max_context_len,
             shared_prefix=shared,
