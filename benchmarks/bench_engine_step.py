@@ -18,13 +18,14 @@ Cases (block_size 16, every time a median over many repetitions, `time.perf_coun
   one `engine.step()` with every request decoding. First timed clean, then again with every phase wrapped
   in a timer (the wrappers cost ~0.2 µs per call): `cache.reserve`, `kv.copy_blocks`, `runner.decode`
   (inclusive; of it the block-table rows and, on CUDA, the graph replay), `cache.mark_written`, and
-  `_sample` (of it `SamplingBatch.build` = sampling setup, and the `sample` call), and `_complete` =
-  ``output processing``: reading back the previous step's tokens (the decode is overlapped: step k's tokens
-  are read after step k+1 is launched), stop checks, detokenizing and the stream deltas.
+  `_sample` (of it `SamplingBatch.build` = sampling setup, and the `sample` call), and `_read_back` =
+  ``output processing``: reading back the previous step's tokens (steps overlap: step k's tokens are read
+  after step k+1 is launched), stop checks, detokenizing and the stream deltas.
   ``engine other`` = instrumented step - those phases (the empty prefill round, batch lists, counters).
 * ``admit``: one prefill round admitting 64 requests that share a cached 540-token prefix plus 60 tokens of
   their own (``decode_first=True``, so the step is the round alone): admit (match + lock), reserve, publish,
-  the prefill pack + forward, the first token's sampling and emit. The tree holds just the prefix before each
+  the prefill pack + forward, the first token's sampling and its launch record (the token itself is read
+  back and emitted by the next step). The tree holds just the prefix before each
   repetition (reset and re-warmed outside the timed region).
 * ``--sampling both`` adds decode rows with temperature 0.8, top_p 0.95 (default: greedy only).
 
@@ -198,7 +199,7 @@ def decode_phases(engine: LLMEngine) -> list[tuple[str, Any, str]]:
         ("mark_written", engine.cache, "mark_written"),
         ("_sample", engine, "_sample"),
         ("sampling setup", SamplingBatch, "build"),
-        ("_complete", engine, "_complete"),
+        ("_read_back", engine, "_read_back"),
         ("sample", engine_module, "sample"),
     ]
     if engine.runner.device.type == "cuda":
@@ -242,11 +243,11 @@ def summarise_phases(totals: list[int], phases: list[dict]) -> dict[str, float]:
     """Median µs per phase; derived rows: ``engine other``, ``decode other`` and ``output processing``."""
     names = sorted({k for p in phases for k in p})
     out = {name: median_us([p.get(name, 0) for p in phases]) for name in names}
-    top = ("reserve", "copy_blocks", "runner.decode", "mark_written", "_sample", "_complete")
+    top = ("reserve", "copy_blocks", "runner.decode", "mark_written", "_sample", "_read_back")
     out["engine other"] = median_us([t - sum(p.get(k, 0) for k in top) for t, p in zip(totals, phases)])
     out["decode other"] = median_us([p.get("runner.decode", 0) - p.get("block tables", 0)
                                      - p.get("graph replay", 0) for p in phases])
-    out["output processing"] = median_us([p.get("_complete", 0) for p in phases])
+    out["output processing"] = median_us([p.get("_read_back", 0) for p in phases])
     out["step (instrumented)"] = median_us(totals)
     return out
 
@@ -292,7 +293,7 @@ def bench_admit(device: torch.device, vocab: int, reps: int, rng: np.random.Gene
         ("runner.prefill", engine.runner, "prefill"),
         ("pack_block_tables (prefill)", runner_module, "pack_block_tables"),
         ("_sample", engine, "_sample"),
-        ("_emit", engine, "_emit"),
+        ("_launch", engine, "_launch"),
     ]
     clean, adds, totals, phases = [], [], [], []
     for rep in range(2 * reps + 2):
@@ -312,7 +313,7 @@ def bench_admit(device: torch.device, vocab: int, reps: int, rng: np.random.Gene
             engine.step()
             t2 = time.perf_counter_ns()
         assert all(engine.requests[i].num_cached_tokens >= SHARED_PREFIX for i in ids)
-        assert all(len(engine.requests[i].output_ids) == 1 for i in ids)
+        assert all(engine.requests[i].pending == 1 for i in ids)  # first tokens sampled, read next step
         abort_all(engine, ids)
         if rep < 2:  # warm-up
             continue

@@ -178,3 +178,27 @@ def test_stream_yields_the_same_tokens_as_generate(llm):
     assert [t for d in deltas for t in d.token_ids] == expected.token_ids
     assert "".join(d.text for d in deltas) == expected.text
     assert deltas[-1].finished and not any(d.finished for d in deltas[:-1])
+
+
+def test_steps_overlap_tokens_are_read_back_one_step_late(llm):
+    engine = llm.engine
+    request_id = engine.add_request([1, 2, 3, 4, 5], SamplingParams(max_tokens=3, ignore_eos=True))
+    # Step 1 launches the prefill and, from its first token still on the device, the first decode.
+    assert engine.step() == []
+    assert (engine.counters.prefill_forwards, engine.counters.decode_forwards) == (1, 1)
+    # Step 2 launches the last decode the length allows, then reads back step 1's two tokens.
+    second = engine.step()
+    assert [(len(d.token_ids), d.finished) for d in second] == [(1, False), (1, False)]
+    assert engine.counters.decode_forwards == 2
+    third = engine.step()  # nothing left to launch: reads back the third token
+    assert [(len(d.token_ids), d.finished, d.finish_reason) for d in third] == [(1, True, "length")]
+    assert engine.counters.decode_forwards == 2 and not engine.has_unfinished()
+    expected = llm.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids
+    assert [d.token_ids[0] for d in second + third] == expected
+    engine.pop_finished(request_id)
+
+
+def test_one_token_requests_never_decode(llm):
+    outs = llm.generate([[7, 8, 9], [7, 8, 9, 10]], SamplingParams(max_tokens=1, ignore_eos=True))
+    assert [len(o.token_ids) for o in outs] == [1, 1]
+    assert llm.cache_stats()["decode_forwards"] == 0

@@ -4,6 +4,11 @@
 loop). Each ``step`` runs one prefill round (admission + one ragged forward, plus at most one more pass for
 requests that must copy a block the first pass is writing) and one batched decode step, in the order
 ``decode_first`` asks for.
+
+No forward is waited for in the step that launches it. Sampled tokens stay on the device; the next step's
+decode takes them from there, and the host reads them back (to stream, stop, finish) only after launching
+that next step's forwards. So the host plans and launches step k+1 while the GPU still runs step k, and a
+token reaches the caller one step after it is sampled.
 """
 
 from __future__ import annotations
@@ -79,21 +84,18 @@ class _Pass:
     leaders: dict[tuple, _PrefillItem] = field(default_factory=dict)
 
 
-class _Inflight:
-    """A launched decode step: its batch and sampled tokens, copied to host memory without blocking."""
+class _Launch:
+    """One forward's sampled tokens ``[len(reqs)]``: on the device, and on their way to pinned host memory
+    without blocking. The engine reads them a step later, once the GPU has newer work queued behind them."""
 
-    def __init__(self, batch: list[Request], tokens: torch.Tensor, host: torch.Tensor, done) -> None:
-        self.batch, self.tokens, self.host, self.done = batch, tokens, host, done
-
-    @classmethod
-    def start(cls, batch: list[Request], tokens: torch.Tensor) -> _Inflight:
-        if tokens.device.type != "cuda":
-            return cls(batch, tokens, tokens, None)
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        return cls(batch, tokens, host, done)
+    def __init__(self, reqs: list[Request], tokens: torch.Tensor) -> None:
+        self.reqs, self.tokens = reqs, tokens
+        self.host, self.done = tokens, None
+        if tokens.device.type == "cuda":
+            self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self.host.copy_(tokens, non_blocking=True)
+            self.done = torch.cuda.Event()
+            self.done.record()
 
     def read(self) -> list[int]:
         if self.done is not None:
@@ -127,7 +129,7 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._round = itertools.count()
         self._seeds = torch.Generator().manual_seed(config.seed)
-        self._inflight: _Inflight | None = None  # the decode launched last step, tokens not yet read back
+        self._unread: list[_Launch] = []  # forwards launched this step, their tokens not read back yet
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -205,17 +207,20 @@ class LLMEngine:
         return self._finish(req, "abort", [])
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.active or self._inflight)
+        return bool(self.waiting or self.active or self._unread)
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[StreamDelta]:
+        """Launch this step's forwards, then read back and emit the tokens the previous step launched: the
+        host never waits for the forward it just launched, so its work overlaps the GPU's."""
         deltas: list[StreamDelta] = []
+        previous, self._unread = self._unread, []
         if self.config.decode_first:
-            self._decode(deltas)
+            self._decode(previous, deltas)
             self._prefill_round(deltas)
         else:
             self._prefill_round(deltas)
-            self._decode(deltas)
+            self._decode(previous, deltas)
         return deltas
 
     # ------------------------------------------------------------------ prefill
@@ -353,48 +358,68 @@ class LLMEngine:
                 if it.payload is None and it.leader is None:
                     self.cache.attach_payload(it.req.seq, last_hidden[i])
         reqs = [it.req for it in finishing]
-        self._emit(reqs, self._sample(reqs, self.runner.logits(last_hidden)).tolist(), deltas)
+        for req in reqs:
+            req.status = Status.RUNNING  # decodes from its first token, on the device until read back
+        self._launch(reqs, self._sample(reqs, self.runner.logits(last_hidden)))
 
     # ------------------------------------------------------------------ decode
-    def _decode(self, deltas: list[StreamDelta]) -> None:
-        """Launch this step's decode, then read back the previous one's tokens while the GPU runs it.
+    def _decode(self, previous: list[_Launch], deltas: list[StreamDelta]) -> None:
+        """Launch this step's decode, then read back ``previous`` (the launches of the step before) while
+        the GPU runs it.
 
-        A request whose previous token is still in flight decodes it straight from the device; the host sees
-        tokens one step late. A request that turns out to have stopped on that token was decoded once more
-        for nothing; its extra K/V is for a real position of its path (the stop token's), so it stays valid.
+        A request whose newest token is still on the device decodes it from there: the host sees tokens one
+        step late. A request that turns out to have stopped on such a token was decoded once more for
+        nothing; its extra K/V is for a real position of its path (the stop token's), so it stays valid.
         """
-        previous = self._inflight
-        self._inflight = None
         batch = self._decode_batch()
         plan = self.cache.reserve([r.seq for r in batch], [r.seq.num_kv + 1 for r in batch]) if batch else None
         if batch and plan is None:
-            # Preemption publishes each victim's tokens: read back the in-flight ones first.
-            if previous is not None:
-                self._complete(previous, deltas)
-                previous = None
+            # Preemption publishes each victim's tokens: read back every launch first.
+            self._read_back(previous + self._unread, deltas)
+            previous, self._unread = [], []
             batch, plan = self._preempt_until_reserved()
-        launched = None
         if batch:
             seqs = [r.seq for r in batch]
             self.runner.kv.copy_blocks(plan.copies)
+            input_ids, carried, carried_rows = self._decode_inputs(batch)
             logits = self.runner.decode(
-                [r.output_ids[-1] for r in batch],  # a stale placeholder where the token is carried
+                input_ids,
                 [s.num_kv - 1 for s in seqs],
                 plan.slots,
                 [s.table for s in seqs],
                 [s.num_kv for s in seqs],
-                carried=previous.tokens if previous is not None else None,
-                carried_rows=[r.inflight_row for r in batch] if previous is not None else None,
+                carried=carried,
+                carried_rows=carried_rows,
             )
             self.cache.mark_written()
             self.counters.decode_forwards += 1
-            launched = _Inflight.start(batch, self._sample(batch, logits))
-        if previous is not None:
-            self._complete(previous, deltas)
-        if launched is not None:
-            for row, r in enumerate(launched.batch):  # after `_complete`, which clears the previous rows
-                r.inflight_row = row
-        self._inflight = launched
+            self._launch(batch, self._sample(batch, logits))
+        self._read_back(previous, deltas)
+
+    @staticmethod
+    def _decode_inputs(batch: list[Request]) -> tuple[list[int], torch.Tensor | None, list[int] | None]:
+        """Each sequence's input token: its id when read back (the carried row is -1), else a placeholder id
+        and its row in the concatenated tokens of the launches that sampled them (at most two: the last
+        decode and this step's prefill)."""
+        offsets: dict[_Launch, int] = {}
+        total = 0
+        input_ids, rows = [], []
+        for req in batch:
+            if req.carry is None:
+                input_ids.append(req.output_ids[-1])
+                rows.append(-1)
+                continue
+            launch, row = req.carry
+            offset = offsets.get(launch)
+            if offset is None:
+                offset = offsets[launch] = total
+                total += len(launch.reqs)
+            input_ids.append(0)
+            rows.append(offset + row)
+        if not offsets:
+            return input_ids, None, None
+        tokens = [launch.tokens for launch in offsets]
+        return input_ids, tokens[0] if len(tokens) == 1 else torch.cat(tokens), rows
 
     def _decode_batch(self) -> list[Request]:
         """Running requests with room for one more token, oldest first, at most ``max_batch_size``."""
@@ -404,7 +429,7 @@ class LLMEngine:
         return batch
 
     def _preempt_until_reserved(self) -> tuple[list[Request], ReservePlan | None]:
-        """Preempt the newest requests until the decode batch fits (no token in flight); (batch, plan)."""
+        """Preempt the newest requests until the decode batch fits (every token read back); (batch, plan)."""
         while True:
             batch = self._decode_batch()
             if not batch:
@@ -414,17 +439,28 @@ class LLMEngine:
                 return batch, plan
             self._preempt(max(self.active, key=lambda r: r.arrival_index))
 
-    def _complete(self, inflight: _Inflight, deltas: list[StreamDelta]) -> None:
-        """Read back a launched decode's tokens and emit them (requests aborted meanwhile are skipped)."""
-        tokens = inflight.read()
-        live = []
-        live_tokens = []
-        for req, token in zip(inflight.batch, tokens):
-            req.inflight_row = -1
-            if req.status is Status.RUNNING:
-                live.append(req)
-                live_tokens.append(token)
-        self._emit(live, live_tokens, deltas)
+    def _launch(self, reqs: list[Request], tokens: torch.Tensor) -> None:
+        """Record that ``tokens`` (sampled on the device, one per request) will be read back next step."""
+        launch = _Launch(reqs, tokens)
+        for row, req in enumerate(reqs):
+            req.pending += 1
+            req.carry = (launch, row)
+        self._unread.append(launch)
+
+    def _read_back(self, launches: list[_Launch], deltas: list[StreamDelta]) -> None:
+        """Emit the tokens of ``launches``, oldest first. Requests that finished or were aborted meanwhile are
+        skipped (their later tokens were sampled for nothing)."""
+        running = Status.RUNNING
+        for launch in launches:
+            live, live_tokens = [], []
+            for req, token in zip(launch.reqs, launch.read()):
+                req.pending -= 1
+                if req.carry is not None and req.carry[0] is launch:
+                    req.carry = None
+                if req.status is running:
+                    live.append(req)
+                    live_tokens.append(token)
+            self._emit(live, live_tokens, deltas)
 
     def _preempt(self, req: Request) -> None:
         """Free a request's blocks under memory pressure; its computed prefix stays in the tree, so its
@@ -456,11 +492,9 @@ class LLMEngine:
     def _emit(self, reqs: list[Request], tokens: list[int], deltas: list[StreamDelta]) -> None:
         """Append each request's new token, stream it, and finish requests that stop or reach their limit."""
         now = time.perf_counter()
-        running = Status.RUNNING
         for req, token in zip(reqs, tokens):
             out = req.output_ids
             out.append(token)
-            req.status = running
             reason = None
             if token in req.stop_ids:
                 reason = "stop"

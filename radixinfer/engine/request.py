@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Hashable
 from dataclasses import dataclass, field
+from typing import Any
 
 from radixinfer.cache.kv_manager import SeqKV
 from radixinfer.sampling_params import SamplingParams
@@ -41,19 +42,16 @@ class Request:
     num_cached_tokens: int = -1  # set at first admission
     finish_reason: str | None = None
     stop_ids: frozenset[int] = frozenset()
-    # Row in the last launched decode whose sampled token the host has not read back yet; -1 when none.
-    inflight_row: int = -1
+    # Tokens sampled on the device whose values the host has not read back yet (those of the last step and
+    # this one's), and where the newest of them lies: (its launch, row), the input of the next decode.
+    pending: int = 0
+    carry: tuple[Any, int] | None = None
     max_output_len: int = 0  # max_tokens, capped so prompt + output fit the model's context
     text: str = ""
 
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_ids)
-
-    @property
-    def pending(self) -> int:
-        """Tokens sampled on the device but not yet read back (0 or 1)."""
-        return int(self.inflight_row >= 0)
 
     @property
     def all_ids(self) -> list[int]:
