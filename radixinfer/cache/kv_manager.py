@@ -26,7 +26,6 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 
 from radixinfer.cache.block_pool import BlockPool
 from radixinfer.cache.radix_tree import Node, RadixTree, TokenArray, as_token_array
@@ -169,9 +168,10 @@ class KVCacheManager:
                     written_fill[b] = 0
             if new_len - start == 1:
                 slots.append(table[start // bs] * bs + offset)
-            else:
-                positions = np.arange(start, new_len)
-                slots.extend((np.asarray(table)[positions // bs] * bs + positions % bs).tolist())
+            else:  # one run of consecutive slots per block
+                for index in range(start // bs, (new_len - 1) // bs + 1):
+                    shift = (table[index] - index) * bs  # slot of position p in this block: p + shift
+                    slots.extend(range(max(start, index * bs) + shift, min(new_len, (index + 1) * bs) + shift))
             seq.num_kv = new_len
         self.counters.cow_copies += len(copies)
         return ReservePlan(slots, copies)

@@ -261,10 +261,10 @@ class LLMEngine:
             self._run_prefill_pass(second, deltas)
 
     def _uncached_cost(self, req: Request) -> int:
-        return len(req.prompt_ids) + len(req.output_ids) - self._cached_len(req)
+        return req.num_tokens - self._cached_len(req)
 
     def _cached_len(self, req: Request) -> int:
-        return self.cache.cached_prefix_len(req.all_ids, req.salt)
+        return self.cache.cached_prefix_len(req.token_array(), req.salt)
 
     def _plan_item(
         self, pass_: _Pass, req: Request, num_tokens: int, fresh: bool, may_defer: bool = False
@@ -272,7 +272,7 @@ class LLMEngine:
         """Admit (when ``fresh``), reserve and publish up to ``num_tokens`` prompt positions of ``req`` into
         ``pass_``. Returns False, leaving the request where it was, when KV memory is short, and `_DEFER` when
         it must wait for this pass's writes (``may_defer``)."""
-        tokens = req.all_ids
+        tokens = req.token_array()
         n = len(tokens)
         if fresh:
             seq = self.cache.admit(tokens, req.salt)
@@ -288,7 +288,7 @@ class LLMEngine:
         seq = req.seq
         start = seq.num_kv
         if start >= n:  # the whole prompt is cached
-            leader = None if seq.payload is not None else pass_.leaders.get((req.salt, tuple(tokens)))
+            leader = None if seq.payload is not None else pass_.leaders.get((req.salt, tokens.tobytes()))
             if seq.payload is not None or leader is not None:  # nothing to compute
                 item = _PrefillItem(req, n, n, [], payload=seq.payload, leader=leader)
             else:  # recompute the last position for fresh logits; its K/V is already stored
@@ -305,7 +305,7 @@ class LLMEngine:
             self.cache.publish(seq, tokens[:end], prompt_end=end == n)
             item = _PrefillItem(req, start, end, plan.slots)
             if end == n:
-                pass_.leaders.setdefault((req.salt, tuple(tokens)), item)
+                pass_.leaders.setdefault((req.salt, tokens.tobytes()), item)
         pass_.items.append(item)
         if fresh:
             self.waiting.remove(req)
@@ -321,14 +321,15 @@ class LLMEngine:
         computed = [it for it in items if it.end > it.start]
         hidden = None
         if computed:
-            input_ids: list[int] = []
-            positions: list[int] = []
-            slots: list[int] = []
-            for it in computed:
-                input_ids.extend(it.req.all_ids[it.start : it.end])
-                positions.extend(range(it.start, it.end))
-                slots.extend(it.slots)
-                it.row = len(input_ids) - 1
+            lengths = np.fromiter((it.end - it.start for it in computed), dtype=np.int64, count=len(computed))
+            ends = np.cumsum(lengths)
+            for it, end in zip(computed, ends.tolist()):
+                it.row = end - 1
+            # a row's position: the row plus (its item's start - its item's first row)
+            starts = np.fromiter((it.start for it in computed), dtype=np.int64, count=len(computed))
+            positions = np.arange(int(ends[-1])) + np.repeat(starts - (ends - lengths), lengths)
+            input_ids = np.concatenate([it.req.token_array()[it.start : it.end] for it in computed])
+            slots = list(itertools.chain.from_iterable(it.slots for it in computed))
             hidden = self.runner.prefill(
                 input_ids,
                 positions,
@@ -340,7 +341,7 @@ class LLMEngine:
             self.cache.mark_written()
             self.counters.prefill_forwards += 1
             self.counters.computed_prompt_tokens += len(input_ids)
-        finishing = [it for it in items if it.end == len(it.req.all_ids)]
+        finishing = [it for it in items if it.end == it.req.num_tokens]
         for it in items:
             it.req.prompt_done = it.end
         if not finishing:
@@ -526,7 +527,7 @@ class LLMEngine:
         seq = req.seq
         if seq is None:
             return
-        self.cache.publish(seq, req.all_ids[: seq.num_kv])
+        self.cache.publish(seq, req.token_array()[: seq.num_kv])
         self.cache.release(seq)
         req.seq = None
 

@@ -7,6 +7,8 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from radixinfer.cache.kv_manager import SeqKV
 from radixinfer.sampling_params import SamplingParams
 from radixinfer.tokenizer import IncrementalDetokenizer
@@ -48,11 +50,27 @@ class Request:
     carry: tuple[Any, int] | None = None
     max_output_len: int = 0  # max_tokens, capped so prompt + output fit the model's context
     text: str = ""
+    # `token_array`'s cache and the output length it was built at
+    _array: np.ndarray | None = field(default=None, repr=False)
+    _array_outputs: int = -1
 
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_ids)
 
     @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_array(self) -> np.ndarray:
+        """The prompt then the output so far, as an int64 array, extended only when the output has grown:
+        admission matches, publishes and slices the same prompt several times a round, release publishes it
+        once more, and converting ~1,000 Python ints costs ~25 µs."""
+        built, out = self._array_outputs, self.output_ids
+        if built != len(out):
+            if self._array is None:
+                self._array = np.asarray(self.prompt_ids + out, dtype=np.int64)
+            else:  # the output only grows: convert just the new tokens
+                self._array = np.concatenate([self._array, np.asarray(out[built:], dtype=np.int64)])
+            self._array_outputs = len(out)
+        return self._array
