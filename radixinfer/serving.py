@@ -5,11 +5,13 @@ The engine is single-threaded by contract (DESIGN §4), so every engine call hap
 Other threads only touch three small inboxes (submissions, aborts, calls) under one condition variable::
 
     submit() / abort() / call()  --(inbox, notify)-->  loop thread: add / abort / run calls, engine.step()
-    handle / sink queue          <--(StreamDelta)---   route each delta to its request's queue
+    handle / sink queue          <--[StreamDelta]---   one list per queue per step, in order
 
 The loop sleeps on the condition while the engine has nothing to do (no polling), and steps it back to
 back while it has. A delta's ``timestamp`` is taken inside the engine step that produced its tokens, so
-queueing between the loop and a consumer never shows up in measured latencies.
+queueing between the loop and a consumer never shows up in measured latencies. A queue receives each
+step's events for its requests as one list: a consumer of many requests wakes once a step, not once a token
+(each wake-up takes the GIL from the loop thread while it prepares the next step).
 
 Failures never leave a consumer waiting: a request the engine rejects (``ValueError``) gets a
 `StreamFailure` carrying that error; an exception inside the loop fails every open request with an
@@ -47,25 +49,26 @@ class StreamFailure:
 
 
 StreamEvent = StreamDelta | StreamFailure
+StreamEvents = list[StreamEvent]  # what a queue receives: one step's events for its requests, in order
 
 
 class StreamHandle:
     """One submitted request. Iterate it for its deltas (the last has ``finished`` set); iteration raises the
     request's error instead when it fails. Only the thread that iterates should consume ``queue``."""
 
-    def __init__(self, server: EngineServer, request_id: str, events: queue.SimpleQueue[StreamEvent]) -> None:
+    def __init__(self, server: EngineServer, request_id: str, events: queue.SimpleQueue[StreamEvents]) -> None:
         self.request_id = request_id
         self.queue = events
         self._server = server
 
     def __iter__(self) -> Iterator[StreamDelta]:
         while True:
-            event = self.queue.get()
-            if isinstance(event, StreamFailure):
-                raise event.error
-            yield event
-            if event.finished:
-                return
+            for event in self.queue.get():
+                if isinstance(event, StreamFailure):
+                    raise event.error
+                yield event
+                if event.finished:
+                    return
 
     def abort(self) -> None:
         self._server.abort(self.request_id)
@@ -77,7 +80,7 @@ class _Submission:
     prompt: str | list[int]
     params: SamplingParams
     cache_salt: Hashable
-    sink: queue.SimpleQueue[StreamEvent]
+    sink: queue.SimpleQueue[StreamEvents]
 
 
 class EngineServer:
@@ -94,7 +97,7 @@ class EngineServer:
         self._submissions: list[_Submission] = []
         self._aborts: list[str] = []
         self._calls: list[tuple[Callable[[LLMEngine], Any], Future]] = []
-        self._sinks: dict[str, queue.SimpleQueue[StreamEvent]] = {}  # open requests (loop thread only)
+        self._sinks: dict[str, queue.SimpleQueue[StreamEvents]] = {}  # open requests (loop thread only)
         self._ids = itertools.count()
         self._closing = False
         self._error: EngineLoopError | None = None
@@ -107,16 +110,16 @@ class EngineServer:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         cache_salt: Hashable = None,
-        sink: queue.SimpleQueue[StreamEvent] | None = None,
+        sink: queue.SimpleQueue[StreamEvents] | None = None,
     ) -> StreamHandle:
         """Queue a request and return its handle at once (the loop adds it before its next step).
 
         ``sink``: a queue to receive this request's events instead of a private one, so one consumer can
-        wait on many requests (events carry ``request_id``). A prompt the engine rejects yields a
+        wait on many requests: it gets lists of events (each list one step's, events carry ``request_id``). A prompt the engine rejects yields a
         `StreamFailure` with the engine's ``ValueError``. Raises `EngineLoopError` if the loop has died and
         ``RuntimeError`` after `close`.
         """
-        events: queue.SimpleQueue[StreamEvent] = sink if sink is not None else queue.SimpleQueue()
+        events: queue.SimpleQueue[StreamEvents] = sink if sink is not None else queue.SimpleQueue()
         with self._cond:
             self._check_open()
             request_id = f"srv-{next(self._ids)}"
@@ -188,30 +191,37 @@ class EngineServer:
                 engine.add_request(sub.prompt, sub.params, sub.cache_salt, request_id=sub.request_id)
             except ValueError as exc:
                 del self._sinks[sub.request_id]
-                sub.sink.put(StreamFailure(sub.request_id, exc))
+                sub.sink.put([StreamFailure(sub.request_id, exc)])
         for fn, future in calls:
             if future.set_running_or_notify_cancel():
                 try:
                     future.set_result(fn(engine))
                 except Exception as exc:  # noqa: BLE001 - handed to the caller through the future
                     future.set_exception(exc)
-        for request_id in list(self._sinks) if closing else aborts:
-            delta = engine.abort(request_id) if request_id in self._sinks else None
-            if delta is not None:
-                self._deliver(delta)
+        aborted = [engine.abort(r) for r in (list(self._sinks) if closing else aborts) if r in self._sinks]
+        self._deliver([delta for delta in aborted if delta is not None])
         if closing:
             return False
         if engine.has_unfinished():
-            for delta in engine.step():
-                self._deliver(delta)
+            self._deliver(engine.step())
         return True
 
-    def _deliver(self, delta: StreamDelta) -> None:
-        sink = self._sinks[delta.request_id]
-        if delta.finished:
-            del self._sinks[delta.request_id]
-            self._engine.pop_finished(delta.request_id)
-        sink.put(delta)
+    def _deliver(self, deltas: list[StreamDelta]) -> None:
+        """Put ``deltas`` on their queues, one list per queue; forget the requests that finished."""
+        batches: dict[int, tuple[queue.SimpleQueue[StreamEvents], StreamEvents]] = {}
+        sinks = self._sinks
+        for delta in deltas:
+            sink = sinks[delta.request_id]
+            if delta.finished:
+                del sinks[delta.request_id]
+                self._engine.pop_finished(delta.request_id)
+            batch = batches.get(id(sink))
+            if batch is None:
+                batches[id(sink)] = (sink, [delta])
+            else:
+                batch[1].append(delta)
+        for sink, events in batches.values():
+            sink.put(events)
 
     def _fail_everyone(self, exc: BaseException) -> None:
         error = EngineLoopError(f"the engine loop failed: {exc!r}")
@@ -223,6 +233,6 @@ class EngineServer:
             self._submissions, self._calls, self._aborts = [], [], []
         self._sinks.clear()
         for request_id, sink in pending:
-            sink.put(StreamFailure(request_id, error))
+            sink.put([StreamFailure(request_id, error)])
         for _, future in calls:
             future.set_exception(error)

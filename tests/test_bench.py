@@ -186,10 +186,10 @@ class ScriptedBackend:
         request_id = str(len(self.requests))
         self.requests.append((prompt, params))
         if self.fail:
-            sink.put(StreamFailure(request_id, ValueError("no")))
+            sink.put([StreamFailure(request_id, ValueError("no"))])
         for i in range(params.max_tokens):
             last = i == params.max_tokens - 1
-            sink.put(StreamDelta(request_id, [i + 1], "", last, "length" if last else None, 0, time.perf_counter()))
+            sink.put([StreamDelta(request_id, [i + 1], "", last, "length" if last else None, 0, time.perf_counter())])
         return request_id
 
     def cache_stats(self):

@@ -49,11 +49,14 @@ def test_one_sink_for_many_requests(llm):
     sink: queue.SimpleQueue = queue.SimpleQueue()
     with EngineServer(llm.engine) as server:
         ids = {server.submit(p, PARAMS, sink=sink).request_id for p in PROMPTS}
-        finished = set()
+        finished: set[str] = set()
+        widest = 0
         while finished != ids:
-            delta = sink.get(timeout=30)
-            if delta.finished:
-                finished.add(delta.request_id)
+            batch = sink.get(timeout=30)  # one step's events of every request on this sink
+            assert {delta.request_id for delta in batch} <= ids - finished
+            widest = max(widest, len({delta.request_id for delta in batch}))
+            finished |= {delta.request_id for delta in batch if delta.finished}
+        assert widest > 1  # requests decoded in one step arrive in one list
 
 
 def test_abort_ends_the_stream_and_frees_the_blocks(llm):
@@ -116,11 +119,11 @@ def test_close_aborts_open_requests_and_stops_the_thread(llm):
     server = EngineServer(llm.engine)
     sink: queue.SimpleQueue = queue.SimpleQueue()
     server.submit("never finishes", SamplingParams(max_tokens=900, ignore_eos=True), sink=sink)
-    assert not sink.get(timeout=30).finished  # running
+    assert not sink.get(timeout=30)[0].finished  # running
     server.close()
     events = []
     while not sink.empty():
-        events.append(sink.get())
+        events.extend(sink.get())
     assert events[-1].finish_reason == "abort" and not isinstance(events[-1], StreamFailure)
     assert "radixinfer-engine" not in {t.name for t in threading.enumerate()}  # joined
     with pytest.raises(RuntimeError, match="closed"):

@@ -13,7 +13,7 @@ from typing import Protocol
 
 import radixinfer
 from radixinfer.api import LLM
-from radixinfer.serving import EngineServer, StreamEvent
+from radixinfer.serving import EngineServer, StreamEvents
 from radixinfer.sampling_params import SamplingParams
 from radixinfer.tokenizer import Tokenizer
 
@@ -24,8 +24,9 @@ class Backend(Protocol):
     max_context_len: int  # prompt + generated tokens never exceed it
     info: dict  # recorded beside the metrics: what exactly ran (versions, modes)
 
-    def submit(self, prompt: list[int], params: SamplingParams, sink: queue.SimpleQueue[StreamEvent]) -> str:
-        """Start a request; its deltas (or a `StreamFailure`) go to ``sink``. Returns its request id."""
+    def submit(self, prompt: list[int], params: SamplingParams, sink: queue.SimpleQueue[StreamEvents]) -> str:
+        """Start a request; its deltas (or a `StreamFailure`) go to ``sink``, in lists (a backend may batch
+        events of many requests into one list). Returns its request id."""
         ...
 
     def cache_stats(self) -> dict | None:
@@ -52,7 +53,7 @@ class RadixBackend:
         self.info = {"radixinfer": radixinfer.__version__, "kv_blocks": llm.cache_stats()["total_blocks"]}
         self._server = EngineServer(llm.engine)
 
-    def submit(self, prompt: list[int], params: SamplingParams, sink: queue.SimpleQueue[StreamEvent]) -> str:
+    def submit(self, prompt: list[int], params: SamplingParams, sink: queue.SimpleQueue[StreamEvents]) -> str:
         return self._server.submit(prompt, params, sink=sink).request_id
 
     def cache_stats(self) -> dict:

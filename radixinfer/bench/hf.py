@@ -31,7 +31,7 @@ from radixinfer.models.loader import RANDOM_INIT_STD
 from radixinfer.models.presets import preset_config
 from radixinfer.outputs import StreamDelta
 from radixinfer.sampling_params import SamplingParams
-from radixinfer.serving import StreamEvent, StreamFailure
+from radixinfer.serving import StreamEvents, StreamFailure
 from radixinfer.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 # Same rule as radixinfer.models: a checkpoint with any of these files brings its own tokenizer.
@@ -86,7 +86,7 @@ class _ContinuousDriver:
         accepted = inspect.signature(transformers.ContinuousBatchingConfig).parameters
         self._config = transformers.ContinuousBatchingConfig(**{k: v for k, v in wanted.items() if k in accepted})
         self._lock = threading.Lock()
-        self._requests: dict[str, tuple[queue.SimpleQueue[StreamEvent], list[int]]] = {}  # id -> (sink, eos ids)
+        self._requests: dict[str, tuple[queue.SimpleQueue[StreamEvents], list[int]]] = {}  # id -> (sink, eos ids)
         self._seen: dict[str, int] = {}  # tokens already delivered per request (pump thread only)
         self._start()
 
@@ -101,7 +101,7 @@ class _ContinuousDriver:
         self._pump.start()
 
     def submit(self, request_id: str, prompt: list[int], params: SamplingParams, eos_token_ids: list[int],
-               sink: queue.SimpleQueue[StreamEvent]) -> None:
+               sink: queue.SimpleQueue[StreamEvents]) -> None:
         with self._lock:
             self._requests[request_id] = (sink, eos_token_ids)
         self._manager.add_request(prompt, request_id=request_id, max_new_tokens=params.max_tokens, streaming=True,
@@ -124,20 +124,24 @@ class _ContinuousDriver:
             sink, eos_token_ids = self._requests[request_id]
         if output.error is not None:
             self._forget(request_id)
-            sink.put(StreamFailure(request_id, RuntimeError(output.error)))
+            sink.put([StreamFailure(request_id, RuntimeError(output.error))])
             return
         tokens, times = output.generated_tokens, output.timestamps or []
         start = self._seen.get(request_id, 0)
         finished = output.is_finished()
         reason = _finish_reason(tokens, eos_token_ids) if finished else None
+        events: StreamEvents = []
         for i in range(start, len(tokens)):
             last = finished and i == len(tokens) - 1
-            sink.put(StreamDelta(request_id, [tokens[i]], "", last, reason if last else None, 0, times[i]))
+            events.append(StreamDelta(request_id, [tokens[i]], "", last, reason if last else None, 0, times[i]))
         self._seen[request_id] = len(tokens)
         if finished:
             self._forget(request_id)
             if start == len(tokens):  # the final output brought no new token
-                sink.put(StreamDelta(request_id, [], "", True, reason, 0, times[-1] if times else time.perf_counter()))
+                now = times[-1] if times else time.perf_counter()
+                events.append(StreamDelta(request_id, [], "", True, reason, 0, now))
+        if events:
+            sink.put(events)
 
     def _forget(self, request_id: str) -> None:
         self._seen.pop(request_id, None)
@@ -148,7 +152,7 @@ class _ContinuousDriver:
         with self._lock:
             requests, self._requests = self._requests, {}
         for request_id, (sink, _) in requests.items():
-            sink.put(StreamFailure(request_id, error))
+            sink.put([StreamFailure(request_id, error)])
 
     def reset_cache(self) -> None:
         """transformers has no call to drop shared blocks: a new manager starts with an empty cache."""
@@ -165,7 +169,7 @@ class _ContinuousDriver:
 class _StreamerToSink(BaseStreamer):
     """A ``generate`` streamer: the first ``put`` is the prompt, each later one a new token."""
 
-    def __init__(self, request_id: str, eos_token_ids: list[int], sink: queue.SimpleQueue[StreamEvent]) -> None:
+    def __init__(self, request_id: str, eos_token_ids: list[int], sink: queue.SimpleQueue[StreamEvents]) -> None:
         self._request_id, self._eos, self._sink = request_id, eos_token_ids, sink
         self._prompt_seen = False
         self._tokens: list[int] = []
@@ -177,11 +181,11 @@ class _StreamerToSink(BaseStreamer):
             return
         token = int(value.reshape(-1)[0])
         self._tokens.append(token)
-        self._sink.put(StreamDelta(self._request_id, [token], "", False, None, 0, now))
+        self._sink.put([StreamDelta(self._request_id, [token], "", False, None, 0, now)])
 
     def end(self) -> None:
         reason = _finish_reason(self._tokens, self._eos)
-        self._sink.put(StreamDelta(self._request_id, [], "", True, reason, 0, time.perf_counter()))
+        self._sink.put([StreamDelta(self._request_id, [], "", True, reason, 0, time.perf_counter())])
 
 
 class _SequentialDriver:
@@ -194,7 +198,7 @@ class _SequentialDriver:
         self._worker.start()
 
     def submit(self, request_id: str, prompt: list[int], params: SamplingParams, eos_token_ids: list[int],
-               sink: queue.SimpleQueue[StreamEvent]) -> None:
+               sink: queue.SimpleQueue[StreamEvents]) -> None:
         self._jobs.put((request_id, prompt, params, eos_token_ids, sink))
 
     def _work(self) -> None:
@@ -208,7 +212,7 @@ class _SequentialDriver:
                     self._model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config,
                                          streamer=_StreamerToSink(request_id, eos_token_ids, sink))
             except Exception as exc:  # noqa: BLE001 - the consumer must hear of it
-                sink.put(StreamFailure(request_id, exc))
+                sink.put([StreamFailure(request_id, exc)])
 
     def reset_cache(self) -> None:
         """Nothing is shared between ``generate`` calls."""
@@ -254,7 +258,7 @@ class HFBackend:
         )
         self._ids = 0
 
-    def submit(self, prompt: list[int], params: SamplingParams, sink: queue.SimpleQueue[StreamEvent]) -> str:
+    def submit(self, prompt: list[int], params: SamplingParams, sink: queue.SimpleQueue[StreamEvents]) -> str:
         request_id = f"hf-{self._ids}"
         self._ids += 1
         self._driver.submit(request_id, prompt, params, [] if params.ignore_eos else self.eos_token_ids, sink)

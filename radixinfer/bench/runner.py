@@ -105,21 +105,22 @@ def run_workload(
             if next_arrival < len(arrivals):
                 timeout = max(0.0, start + offsets[arrivals[next_arrival]] - time.perf_counter())
             try:
-                event = events.get(timeout=timeout)
+                batch = events.get(timeout=timeout)
             except queue.Empty:
                 continue
-            if isinstance(event, StreamFailure):
-                raise RuntimeError(f"request {event.request_id} failed: {event.error}") from event.error
-            turn = inflight[event.request_id]
-            turn.record.add(event)
-            if not event.finished:
-                continue
-            del inflight[event.request_id]
-            records.append(turn.record)
-            progress.update(1)
-            session, index = turn.session, turn.index
-            if index + 1 < session.num_turns:
-                submit(session, index + 1, session.next_prompt(index, turn.prompt, turn.record.token_ids))
+            for event in batch:
+                if isinstance(event, StreamFailure):
+                    raise RuntimeError(f"request {event.request_id} failed: {event.error}") from event.error
+                turn = inflight[event.request_id]
+                turn.record.add(event)
+                if not event.finished:
+                    continue
+                del inflight[event.request_id]
+                records.append(turn.record)
+                progress.update(1)
+                session, index = turn.session, turn.index
+                if index + 1 < session.num_turns:
+                    submit(session, index + 1, session.next_prompt(index, turn.prompt, turn.record.token_ids))
     first_submit = min(r.submit_time for r in records)
     last_token = max((r.token_times[-1] for r in records if r.token_times), default=first_submit)
     return records, last_token - first_submit
