@@ -28,6 +28,7 @@ import argparse
 import cProfile
 import pstats
 import statistics
+import time
 from collections import defaultdict
 
 import torch
@@ -146,6 +147,13 @@ def profile_prefill(args: argparse.Namespace, model, runner: ModelRunner, tables
     forward()
     torch.cuda.synchronize()
     us = cuda_time_us(forward, args.iters)
+    launch_us = []  # host time to enqueue the forward, the device idle before it
+    for _ in range(args.iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        forward()
+        launch_us.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
     per_kernel = kernel_times(forward)
     embed = model.vocab_size * model.hidden_size
     body = sum(p.numel() for p in model.parameters()) - embed * (1 if model.config.tie_word_embeddings else 2)
@@ -155,6 +163,8 @@ def profile_prefill(args: argparse.Namespace, model, runner: ModelRunner, tables
     print(f"prefill forward {us:.0f} us for {n * q} tokens ({us / (n * q) * 1e3:.0f} ns/token); FLOPs: matmuls "
           f"{matmul / 1e12:.2f} T + attention {attention / 1e12:.2f} T = floor {floor_us:.0f} us at "
           f"{args.peak_tflops:.0f} TFLOP/s ({floor_us / us:.0%} achieved)")
+    print(f"host time to launch it: {statistics.median(launch_us):.0f} us; GPU kernels alone: "
+          f"{sum(t for t, _ in per_kernel.values()):.0f} us")
     print_kernels(per_kernel, args.top)
     host_profile(forward, args.top)
 
