@@ -208,19 +208,19 @@ class EngineServer:
 
     def _deliver(self, deltas: list[StreamDelta]) -> None:
         """Put ``deltas`` on their queues, one list per queue; forget the requests that finished."""
-        batches: dict[int, tuple[queue.SimpleQueue[StreamEvents], StreamEvents]] = {}
+        batches: dict[queue.SimpleQueue[StreamEvents], StreamEvents] = {}  # queues hash by identity
         sinks = self._sinks
         for delta in deltas:
             sink = sinks[delta.request_id]
             if delta.finished:
                 del sinks[delta.request_id]
                 self._engine.pop_finished(delta.request_id)
-            batch = batches.get(id(sink))
-            if batch is None:
-                batches[id(sink)] = (sink, [delta])
+            events = batches.get(sink)
+            if events is None:
+                batches[sink] = [delta]
             else:
-                batch[1].append(delta)
-        for sink, events in batches.values():
+                events.append(delta)
+        for sink, events in batches.items():
             sink.put(events)
 
     def _fail_everyone(self, exc: BaseException) -> None:

@@ -122,8 +122,9 @@ class KVCacheManager:
         return self.pool.fill[last] != offset and self.pool.refcount[last] > 1
 
     # ------------------------------------------------------------------ growth
-    def reserve(self, seqs: Sequence[SeqKV], new_lens: Sequence[int]) -> ReservePlan | None:
-        """Give each sequence slots for positions ``num_kv .. new_len - 1``, all or nothing.
+    def reserve(self, seqs: Sequence[SeqKV], new_lens: Sequence[int] | None = None) -> ReservePlan | None:
+        """Give each sequence slots for positions ``num_kv .. new_len - 1`` (``new_lens`` None: one more
+        position each, a decode step), all or nothing.
 
         Evicts unlocked LRU leaves if the pool is short. Returns None and changes nothing but the eviction
         when memory is still short (the caller preempts or waits). Copy-on-write of the boundary block is
@@ -133,7 +134,11 @@ class KVCacheManager:
         pool = self.pool
         # Growing by g positions takes at most ceil((g - 1) / bs) + 1 blocks, a copy included (one block for a
         # decode step). With that many free, skip the exact count (a second pass over the batch) and eviction.
-        most = sum((n - seq.num_kv + bs - 2) // bs + 1 for seq, n in zip(seqs, new_lens) if n > seq.num_kv)
+        if new_lens is None:
+            new_lens = [seq.num_kv + 1 for seq in seqs]
+            most = len(seqs)
+        else:
+            most = sum((n - seq.num_kv + bs - 2) // bs + 1 for seq, n in zip(seqs, new_lens) if n > seq.num_kv)
         if pool.num_free < most and not self.ensure_free(self._blocks_needed(seqs, new_lens)):
             return None
         fill, refcount = pool.fill, pool.refcount

@@ -373,24 +373,17 @@ class LLMEngine:
         nothing; its extra K/V is for a real position of its path (the stop token's), so it stays valid.
         """
         batch = self._decode_batch()
-        plan = self.cache.reserve([r.seq for r in batch], [r.seq.num_kv + 1 for r in batch]) if batch else None
+        plan = self.cache.reserve([r.seq for r in batch]) if batch else None
         if batch and plan is None:
             # Preemption publishes each victim's tokens: read back every launch first.
             self._read_back(previous + self._unread, deltas)
             previous, self._unread = [], []
             batch, plan = self._preempt_until_reserved()
         if batch:
-            seqs = [r.seq for r in batch]
             self.runner.kv.copy_blocks(plan.copies)
-            input_ids, carried, carried_rows = self._decode_inputs(batch)
+            input_ids, positions, tables, context_lens, carried, carried_rows = self._decode_inputs(batch)
             logits = self.runner.decode(
-                input_ids,
-                [s.num_kv - 1 for s in seqs],
-                plan.slots,
-                [s.table for s in seqs],
-                [s.num_kv for s in seqs],
-                carried=carried,
-                carried_rows=carried_rows,
+                input_ids, positions, plan.slots, tables, context_lens, carried=carried, carried_rows=carried_rows
             )
             self.cache.mark_written()
             self.counters.decode_forwards += 1
@@ -398,19 +391,27 @@ class LLMEngine:
         self._read_back(previous, deltas)
 
     @staticmethod
-    def _decode_inputs(batch: list[Request]) -> tuple[list[int], torch.Tensor | None, list[int] | None]:
-        """Each sequence's input token: its id when read back (the carried row is -1), else a placeholder id
-        and its row in the concatenated tokens of the launches that sampled them (at most two: the last
-        decode and this step's prefill)."""
+    def _decode_inputs(batch: list[Request]) -> tuple[list[int], list[int], list[list[int]], list[int],
+                                                      torch.Tensor | None, list[int] | None]:
+        """``(input_ids, positions, tables, context_lens, carried, carried_rows)`` for `ModelRunner.decode`,
+        in one pass over the batch (its slots are reserved: ``num_kv`` counts the new position). A sequence's
+        input token is its id when read back (carried row -1), else a placeholder id and its row in the
+        concatenated tokens of the launches that sampled them (the last decode, this step's prefill)."""
         offsets: dict[_Launch, int] = {}
         total = 0
-        input_ids, rows = [], []
+        input_ids, positions, tables, context_lens, rows = [], [], [], [], []
         for req in batch:
-            if req.carry is None:
+            seq = req.seq
+            num_kv = seq.num_kv
+            positions.append(num_kv - 1)
+            context_lens.append(num_kv)
+            tables.append(seq.table)
+            carry = req.carry
+            if carry is None:
                 input_ids.append(req.output_ids[-1])
                 rows.append(-1)
                 continue
-            launch, row = req.carry
+            launch, row = carry
             offset = offsets.get(launch)
             if offset is None:
                 offset = offsets[launch] = total
@@ -418,9 +419,10 @@ class LLMEngine:
             input_ids.append(0)
             rows.append(offset + row)
         if not offsets:
-            return input_ids, None, None
+            return input_ids, positions, tables, context_lens, None, None
         tokens = [launch.tokens for launch in offsets]
-        return input_ids, tokens[0] if len(tokens) == 1 else torch.cat(tokens), rows
+        carried = tokens[0] if len(tokens) == 1 else torch.cat(tokens)
+        return input_ids, positions, tables, context_lens, carried, rows
 
     def _decode_batch(self) -> list[Request]:
         """Running requests with room for one more token, oldest first, at most ``max_batch_size``."""
@@ -435,7 +437,7 @@ class LLMEngine:
             batch = self._decode_batch()
             if not batch:
                 return [], None
-            plan = self.cache.reserve([r.seq for r in batch], [r.seq.num_kv + 1 for r in batch])
+            plan = self.cache.reserve([r.seq for r in batch])
             if plan is not None:
                 return batch, plan
             self._preempt(max(self.active, key=lambda r: r.arrival_index))
@@ -449,19 +451,35 @@ class LLMEngine:
         self._unread.append(launch)
 
     def _read_back(self, launches: list[_Launch], deltas: list[StreamDelta]) -> None:
-        """Emit the tokens of ``launches``, oldest first. Requests that finished or were aborted meanwhile are
-        skipped (their later tokens were sampled for nothing)."""
+        """Read back the tokens of ``launches``, oldest first: append each to its request, stream it, and
+        finish requests that stop or reach their limit. Requests that finished or were aborted meanwhile
+        are skipped (their later tokens were sampled for nothing)."""
         running = Status.RUNNING
         for launch in launches:
-            live, live_tokens = [], []
-            for req, token in zip(launch.reqs, launch.read()):
+            tokens = launch.read()
+            now = time.perf_counter()
+            for req, token in zip(launch.reqs, tokens):
                 req.pending -= 1
-                if req.carry is not None and req.carry[0] is launch:
+                carry = req.carry
+                if carry is not None and carry[0] is launch:
                     req.carry = None
-                if req.status is running:
-                    live.append(req)
-                    live_tokens.append(token)
-            self._emit(live, live_tokens, deltas)
+                if req.status is not running:
+                    continue
+                out = req.output_ids
+                out.append(token)
+                reason = None
+                if token in req.stop_ids:
+                    reason = "stop"
+                elif len(out) >= req.max_output_len:
+                    reason = "length"
+                text = req.detokenizer.add(token)
+                if reason is None:
+                    req.text += text
+                    deltas.append(StreamDelta(req.request_id, [token], text, False, None, req.num_cached_tokens, now))
+                else:
+                    self.active.remove(req)
+                    self._release(req)
+                    deltas.append(self._finish(req, reason, [token], text, now))
 
     def _preempt(self, req: Request) -> None:
         """Free a request's blocks under memory pressure; its computed prefix stays in the tree, so its
@@ -489,26 +507,6 @@ class LLMEngine:
         else:
             batch = SamplingBatch.greedy(logits.device)
         return sample(logits, batch)
-
-    def _emit(self, reqs: list[Request], tokens: list[int], deltas: list[StreamDelta]) -> None:
-        """Append each request's new token, stream it, and finish requests that stop or reach their limit."""
-        now = time.perf_counter()
-        for req, token in zip(reqs, tokens):
-            out = req.output_ids
-            out.append(token)
-            reason = None
-            if token in req.stop_ids:
-                reason = "stop"
-            elif len(out) >= req.max_output_len:
-                reason = "length"
-            text = req.detokenizer.add(token)
-            if reason is None:
-                req.text += text
-                deltas.append(StreamDelta(req.request_id, [token], text, False, None, req.num_cached_tokens, now))
-            else:
-                self.active.remove(req)
-                self._release(req)
-                deltas.append(self._finish(req, reason, [token], text, now))
 
     def _finish(
         self, req: Request, reason: str, token_ids: list[int], text: str = "", now: float | None = None
