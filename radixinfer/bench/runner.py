@@ -141,6 +141,10 @@ def measure(backend: Backend, args: argparse.Namespace, label: str) -> dict:
         if args.cold_cache:
             backend.reset_cache()
         before = backend.cache_stats()
+        # What earlier runs left behind (their records, the workload) stays alive: move it out of the
+        # collector's reach so each run's collections scan only that run's objects, not every run's so far.
+        gc.collect()
+        gc.freeze()
         with GCPauses() as gc_pauses:
             records, wall = run_workload(backend, sessions, offsets, args, f"{label} run {i + 1}/{args.repeat_runs}")
         runs.append((records, wall, cache_delta(before, backend.cache_stats()), gc_pauses))
