@@ -81,7 +81,7 @@ class _Pass:
 
     items: list[_PrefillItem] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
-    leaders: dict[tuple, _PrefillItem] = field(default_factory=dict)
+    leaders: dict[tuple[Hashable, bytes], _PrefillItem] = field(default_factory=dict)  # (salt, prompt bytes)
 
 
 class _Launch:

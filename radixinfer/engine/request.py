@@ -55,10 +55,6 @@ class Request:
     _array_outputs: int = -1
 
     @property
-    def prompt_len(self) -> int:
-        return len(self.prompt_ids)
-
-    @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
