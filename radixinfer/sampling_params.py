@@ -9,7 +9,10 @@ from dataclasses import dataclass, field
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample one request. ``temperature == 0`` is greedy; ``top_k == 0`` and ``top_p == 1`` disable
-    those filters; ``seed`` makes a request's samples independent of the batch it runs in.
+    those filters; ``seed`` makes a request's samples independent of the batch it runs in. ``detokenize=False``
+    streams and returns token ids only (``text`` stays empty): a client that consumes ids (a benchmark, a
+    front end that detokenizes elsewhere) does not pay the per-token incremental detokenization that otherwise
+    runs on the engine's thread (vLLM's option of the same name).
 
     Raises ``ValueError`` naming the field on any invalid value.
     """
@@ -21,6 +24,7 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] | None = field(default=None)
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -40,6 +44,8 @@ class SamplingParams:
             if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
             object.__setattr__(self, "stop_token_ids", ids)
+        if not isinstance(self.detokenize, bool):
+            raise ValueError(f"detokenize must be a bool, got {self.detokenize!r}")
 
     @property
     def greedy(self) -> bool:

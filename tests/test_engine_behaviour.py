@@ -107,6 +107,9 @@ def test_cache_off_computes_everything():
         ([], GREEDY, "prompt"),
         ([1, 2, 100000], GREEDY, "prompt"),
         ([1, -1], GREEDY, "prompt"),
+        ([1, 2.0], GREEDY, "prompt"),
+        ([1, True], GREEDY, "prompt"),
+        ([1, 2**70], GREEDY, "prompt"),
         ([1] * 5000, GREEDY, "prompt"),
         ("hi", None, "max_tokens"),
     ],
@@ -178,6 +181,19 @@ def test_stream_yields_the_same_tokens_as_generate(llm):
     assert [t for d in deltas for t in d.token_ids] == expected.token_ids
     assert "".join(d.text for d in deltas) == expected.text
     assert deltas[-1].finished and not any(d.finished for d in deltas[:-1])
+
+
+def test_detokenize_off_streams_the_same_ids_without_text(llm):
+    expected = llm.generate(["ids only"], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+    assert expected.text  # the tiny model's byte tokenizer gives text for these ids
+    params = SamplingParams(max_tokens=6, ignore_eos=True, detokenize=False)
+    deltas = list(llm.stream("ids only", params))
+    assert [t for d in deltas for t in d.token_ids] == expected.token_ids
+    assert all(d.text == "" for d in deltas)
+    out = llm.generate(["ids only"], params)[0]
+    assert out.token_ids == expected.token_ids and out.text == ""
+    with pytest.raises(ValueError, match="detokenize"):
+        SamplingParams(detokenize="no")
 
 
 def test_steps_overlap_tokens_are_read_back_one_step_late(llm):

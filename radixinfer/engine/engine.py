@@ -14,6 +14,7 @@ token reaches the caller one step after it is sampled.
 from __future__ import annotations
 
 import itertools
+import random
 import time
 from collections import deque
 from collections.abc import Hashable
@@ -128,7 +129,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._round = itertools.count()
-        self._seeds = torch.Generator().manual_seed(config.seed)
+        self._seeds = random.Random(config.seed)  # per-request sampling seeds when params.seed is None
         self._unread: list[_Launch] = []  # forwards launched this step, their tokens not read back yet
 
     # ------------------------------------------------------------------ requests
@@ -140,14 +141,15 @@ class LLMEngine:
         request_id: str | None = None,
     ) -> str:
         """Validate and enqueue. Raises ``ValueError`` naming the bad field; nothing is allocated then."""
-        prompt_ids = self._validate_prompt(prompt)
+        prompt_array = self._validate_prompt(prompt)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        total = min(len(prompt_ids) + params.max_tokens, self.max_context_len)
+        prompt_len = len(prompt_array)
+        total = min(prompt_len + params.max_tokens, self.max_context_len)
         blocks = -(-total // self.cache.block_size) + 1  # +1: a copy-on-write of the boundary block
         if blocks > self.cache.num_blocks:
             raise ValueError(
-                f"max_tokens: prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) needs "
+                f"max_tokens: prompt ({prompt_len} tokens) plus max_tokens ({params.max_tokens}) needs "
                 f"{blocks} KV blocks, more than the whole pool ({self.cache.num_blocks})"
             )
         arrival = next(self._arrivals)
@@ -155,44 +157,51 @@ class LLMEngine:
             request_id = str(arrival)
         elif request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        seed = params.seed if params.seed is not None else int(torch.randint(2**31, (1,), generator=self._seeds))
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(31)
         stop_ids = frozenset(params.stop_token_ids or ()) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         req = Request(
             request_id=request_id,
-            prompt_ids=prompt_ids,
+            prompt_ids=prompt_array.tolist(),
+            prompt_array=prompt_array,
             params=params,
             salt=cache_salt,
             seed=seed,
             arrival_index=arrival,
-            detokenizer=IncrementalDetokenizer(self.tokenizer),
+            detokenizer=IncrementalDetokenizer(self.tokenizer) if params.detokenize else None,
             arrival_time=time.perf_counter(),
             stop_ids=stop_ids,
-            max_output_len=min(params.max_tokens, self.max_context_len - len(prompt_ids)),
+            max_output_len=min(params.max_tokens, self.max_context_len - prompt_len),
         )
         self.requests[request_id] = req
         self.waiting.append(req)
         return request_id
 
-    def _validate_prompt(self, prompt: str | list[int]) -> list[int]:
+    def _validate_prompt(self, prompt: str | list[int]) -> np.ndarray:
+        """The prompt's token ids as the int64 array the request keeps (`Request.token_array`): converted once
+        here, where checking the ids needs an array anyway."""
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)):
-            ids = list(prompt)
-            array = np.asarray(ids)
-            if ids and (array.ndim != 1 or array.dtype.kind not in "iu" or any(isinstance(t, bool) for t in ids[:1])):
+            ids = prompt
+            # the element types first (a handful of distinct ones): fromiter would truncate floats and bools
+            if not all(issubclass(kind, (int, np.integer)) and kind is not bool for kind in set(map(type, ids))):
                 raise ValueError("prompt: token ids must be integers")
-            if ids and not (0 <= array.min() and array.max() < self.vocab_size):
-                bad = int(array[(array < 0) | (array >= self.vocab_size)][0])
-                raise ValueError(f"prompt: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         else:
             raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        if not ids:
+        if not len(ids):
             raise ValueError("prompt must not be empty")
         if len(ids) > self.max_context_len:
             raise ValueError(
                 f"prompt has {len(ids)} tokens, longer than the model's context of {self.max_context_len}"
             )
-        return ids
+        try:
+            array = np.fromiter(ids, dtype=np.int64, count=len(ids))
+        except OverflowError:
+            raise ValueError(f"prompt: a token id is outside the vocabulary [0, {self.vocab_size})") from None
+        if not (0 <= array.min() and array.max() < self.vocab_size):
+            bad = int(array[(array < 0) | (array >= self.vocab_size)][0])
+            raise ValueError(f"prompt: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        return array
 
     def abort(self, request_id: str) -> StreamDelta | None:
         """Stop a request wherever it is; its blocks are released at once. Returns its final delta."""
@@ -472,7 +481,8 @@ class LLMEngine:
                     reason = "stop"
                 elif len(out) >= req.max_output_len:
                     reason = "length"
-                text = req.detokenizer.add(token)
+                detokenizer = req.detokenizer
+                text = detokenizer.add(token) if detokenizer is not None else ""
                 if reason is None:
                     req.text += text
                     deltas.append(StreamDelta(req.request_id, [token], text, False, None, req.num_cached_tokens, now))
@@ -511,7 +521,8 @@ class LLMEngine:
     def _finish(
         self, req: Request, reason: str, token_ids: list[int], text: str = "", now: float | None = None
     ) -> StreamDelta:
-        text += req.detokenizer.flush()
+        if req.detokenizer is not None:
+            text += req.detokenizer.flush()
         req.text += text
         req.status = Status.FINISHED
         req.finish_reason = reason

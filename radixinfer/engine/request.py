@@ -31,11 +31,12 @@ class Request:
 
     request_id: str
     prompt_ids: list[int]
+    prompt_array: np.ndarray  # the same ids, int64 (validation converts the prompt once)
     params: SamplingParams
     salt: Hashable
     seed: int  # the sampling seed: params.seed, or one drawn from the engine's seed
     arrival_index: int
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None  # None: params.detokenize is off, text stays empty
     arrival_time: float
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)
@@ -51,8 +52,11 @@ class Request:
     max_output_len: int = 0  # max_tokens, capped so prompt + output fit the model's context
     text: str = ""
     # `token_array`'s cache and the output length it was built at
-    _array: np.ndarray | None = field(default=None, repr=False)
-    _array_outputs: int = -1
+    _array: np.ndarray = field(init=False, repr=False)
+    _array_outputs: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        self._array = self.prompt_array
 
     @property
     def num_tokens(self) -> int:
@@ -63,10 +67,7 @@ class Request:
         admission matches, publishes and slices the same prompt several times a round, release publishes it
         once more, and converting ~1,000 Python ints costs ~25 µs."""
         built, out = self._array_outputs, self.output_ids
-        if built != len(out):
-            if self._array is None:
-                self._array = np.asarray(self.prompt_ids + out, dtype=np.int64)
-            else:  # the output only grows: convert just the new tokens
-                self._array = np.concatenate([self._array, np.asarray(out[built:], dtype=np.int64)])
+        if built != len(out):  # the output only grows: convert just the new tokens
+            self._array = np.concatenate([self._array, np.asarray(out[built:], dtype=np.int64)])
             self._array_outputs = len(out)
         return self._array
