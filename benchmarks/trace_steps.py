@@ -171,7 +171,7 @@ def main() -> None:
     offsets = arrival_offsets(len(sessions), args.request_rate, args.submit_interval_ms,
                               np.random.default_rng(args.seed + 1))
     prompts = [s.prompt for s in sessions]
-    params = [SamplingParams(max_tokens=s.max_tokens, ignore_eos=args.ignore_eos) for s in sessions]
+    params = [SamplingParams(max_tokens=s.max_tokens, ignore_eos=args.ignore_eos, detokenize=False) for s in sessions]
 
     def served() -> float:
         return run_workload(backend, sessions, offsets, args, "trace")[1]

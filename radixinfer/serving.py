@@ -27,7 +27,7 @@ import threading
 from collections.abc import Callable, Hashable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from radixinfer.engine.engine import LLMEngine
 from radixinfer.outputs import StreamDelta
@@ -46,6 +46,9 @@ class StreamFailure:
 
     request_id: str
     error: BaseException
+    # Like a delta's flag: nothing follows it. A consumer of many requests checks ``event.finished`` on every
+    # event and tells failures apart only then.
+    finished: ClassVar[bool] = True
 
 
 StreamEvent = StreamDelta | StreamFailure

@@ -1,6 +1,6 @@
 """The benchmark's parts on plain data: metric definitions, arrivals, workloads (incl. the old benchmark's
-prompt lengths with the peer tokenizer), variants, speedups, and the run loop against a scripted backend
-(multi-turn chaining, context caps, failures)."""
+prompt lengths with the peer tokenizer), variants, speedups, the run loop against a scripted backend
+(multi-turn chaining, context caps, failures), and how variants run side by side (all open, paired rounds)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,15 @@ import math
 import queue
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from radixinfer.bench.metrics import RequestRecord, cache_delta, latency_ms, summarize
+from radixinfer.bench import backends, runner
 from radixinfer.bench.report import comparisons, format_report, speedups
-from radixinfer.bench.runner import Variant, plan_variants, run_workload
+from radixinfer.bench.runner import Variant, open_backend, plan_variants, round_orders, run_workload
 from radixinfer.bench.workloads import (
     arrival_offsets, build_workload, fit_to_context, fixed_prompt_texts, parse_repeats,
 )
@@ -250,3 +252,126 @@ def test_first_turns_are_submitted_at_their_arrival_offsets():
     submits = sorted(r.submit_time for r in records)
     gaps = [b - submits[0] for b in submits]
     assert gaps[1] == pytest.approx(0.05, abs=0.02) and gaps[2] == pytest.approx(0.1, abs=0.02)
+
+
+# ---------------------------------------------------------------------------------------------- variants side by side
+SMALL = ("--num-requests", "2", "--prompt-repeats", "2", "--max-new-tokens", "2")  # fits ScriptedBackend's context
+ON, OFF = "radixinfer cache=on fifo", "radixinfer cache=off fifo"
+
+
+class VariantBackend(ScriptedBackend):
+    """A ScriptedBackend that logs its prefix-cache resets and knows whether it is closed."""
+
+    def __init__(self, label: str, events: list) -> None:
+        super().__init__()
+        self.label, self.events, self.closed = label, events, False
+        self.info = {"kv_blocks": 123}  # the pool size a real backend reports
+
+    def reset_cache(self) -> None:
+        self.events.append((self.label, "reset"))
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.fixture
+def bench_log(monkeypatch):
+    """`run_bench` with VariantBackends: logs the KV fraction each backend opens with, and each workload run
+    as (label, "run", backends open at that moment); ``fail_open`` / ``fail_run`` make the n-th open / run
+    (counted from 0) raise."""
+    log = SimpleNamespace(opened=[], fractions=[], blocks=[], events=[], fail_open=None, fail_run=None)
+
+    def fake_open(variant, model, args, kv_memory_fraction, num_blocks):
+        if len(log.opened) == log.fail_open:
+            raise RuntimeError("open failed")
+        log.fractions.append(kv_memory_fraction)
+        log.blocks.append(num_blocks)
+        log.opened.append(VariantBackend(variant.label, log.events))
+        return log.opened[-1]
+
+    def logged_run(backend, *rest):
+        runs = sum(kind == "run" for _, kind, *_ in log.events)
+        log.events.append((backend.label, "run", sum(not b.closed for b in log.opened)))
+        if runs == log.fail_run:
+            raise RuntimeError("run failed")
+        return real_run(backend, *rest)
+
+    real_run = runner.run_workload
+    monkeypatch.setattr(runner, "open_backend", fake_open)
+    monkeypatch.setattr(runner, "run_workload", logged_run)
+    return log
+
+
+def test_round_orders_alternate():
+    assert round_orders(2, 3) == [[0, 1], [1, 0], [0, 1]]
+    assert round_orders(3, 2) == [[0, 1, 2], [2, 1, 0]]
+    assert round_orders(1, 2) == [[0], [0]]
+
+
+def test_warmups_come_first_then_abba_rounds_with_every_backend_open(bench_log):
+    result = runner.run_bench(bench_args(*SMALL, "--compare-no-cache", "--warmup-runs", "1", "--repeat-runs", "3",
+                                         "--cold-cache"))
+    measured = [[(label, "reset"), (label, "run", 2)] for label in (ON, OFF, OFF, ON, ON, OFF)]
+    assert bench_log.events == [(ON, "run", 2), (OFF, "run", 2), *(e for pair in measured for e in pair)]
+    assert all(b.closed for b in bench_log.opened)
+    assert bench_log.fractions == [pytest.approx(0.85 / 2)] * 2
+    on, off = result["runs"]
+    assert on["label"] == ON and len(on["repeats"]) == len(off["repeats"]) == 3
+    assert on["metrics"]["requests"] == 3 * 2 and on["repeats"][0]["requests"] == 2
+    paired = result["comparisons"][0]["paired_output_throughput"]
+    assert len(paired["ratios"]) == 3 and paired["min"] <= paired["median"] <= paired["max"]
+    assert set(result["comparisons"][0]["speedup"]) == set(speedups(on["metrics"], off["metrics"]))
+
+
+def test_kv_fraction_is_split_between_variants_only_and_every_pool_has_the_first_ones_size(bench_log):
+    runner.run_bench(bench_args(*SMALL, "--kv-memory-fraction", "0.6", "--compare-policies", "fifo,pack,lpm"))
+    runner.run_bench(bench_args(*SMALL, "--kv-memory-fraction", "0.6"))
+    runner.run_bench(bench_args(*SMALL, "--num-blocks", "64", "--compare-no-cache"))
+    assert bench_log.fractions[:4] == [pytest.approx(0.2)] * 3 + [0.6]
+    first = bench_log.opened[0].info["kv_blocks"]
+    assert bench_log.blocks == [None, first, first, None, 64, 64]
+
+
+@pytest.mark.parametrize("failure", [{"fail_open": 1}, {"fail_run": 0}, {"fail_run": 3}])
+def test_every_opened_backend_is_closed_when_something_fails(bench_log, failure):
+    vars(bench_log).update(failure)
+    with pytest.raises(RuntimeError, match="failed"):
+        runner.run_bench(bench_args(*SMALL, "--compare-no-cache", "--warmup-runs", "1", "--repeat-runs", "2"))
+    assert bench_log.opened and all(b.closed for b in bench_log.opened)
+
+
+@pytest.mark.parametrize("kind", ["radixinfer", "hf"])
+def test_open_backend_hands_the_given_kv_fraction_to_the_backend(monkeypatch, kind):
+    seen = {}
+
+    def capture(*args, **kwargs):
+        seen.update(kwargs)
+        raise StopIteration
+
+    monkeypatch.setattr(backends, "LLM", capture)
+    monkeypatch.setattr(runner, "HFBackend", capture)
+    with pytest.raises(StopIteration):
+        open_backend(Variant(kind, True, "fifo" if kind == "radixinfer" else None), "tiny", bench_args(), 0.25)
+    assert seen["kv_memory_fraction"] == 0.25
+    with pytest.raises(StopIteration):
+        open_backend(Variant(kind, True, "fifo" if kind == "radixinfer" else None), "tiny", bench_args(), 0.25, 10)
+    assert (seen["num_blocks"] if kind == "radixinfer" else seen["kv_tokens"] // 16) == 10  # --block-size 16
+
+
+def test_paired_rounds_give_one_ratio_per_round_and_show_their_spread():
+    metrics = summarize([record(0.0, [0.1, 0.2])], 1.0, None)
+
+    def run(label, throughputs):
+        rounds = [{**metrics, "output_throughput": t} for t in throughputs]
+        return {"label": label, "metrics": {**metrics, "output_throughput": sum(throughputs)}, "repeats": rounds}
+
+    runs = [run("a", [100.0, 110.0, 90.0]), run("b", [50.0, 100.0, 100.0])]
+    (comparison,) = comparisons(runs)
+    paired = comparison["paired_output_throughput"]
+    assert paired["ratios"] == pytest.approx([2.0, 1.1, 0.9])
+    assert (paired["min"], paired["median"], paired["max"]) == pytest.approx((0.9, 1.1, 2.0))
+    assert comparison["speedup"]["output_throughput"] == pytest.approx(300 / 250)
+    assert "1.20x (0.90–2.00)" in format_report({"runs": runs, "comparisons": [comparison]})
+    single = [{**r, "repeats": []} for r in runs]  # one round: the pooled metrics are that round's
+    assert comparisons(single)[0]["paired_output_throughput"]["ratios"] == pytest.approx([1.2])
+    assert "(" not in format_report({"runs": single, "comparisons": comparisons(single)}).split("speedup of")[1]

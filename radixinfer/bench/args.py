@@ -37,7 +37,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--block-size", type=int, default=16, help="tokens per KV block [16]")
     model.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from --kv-memory-fraction)")
     model.add_argument("--kv-memory-fraction", type=float, default=0.85,
-                       help="fraction of free GPU memory for KV when --num-blocks is not given [0.85]")
+                       help="fraction of free GPU memory for KV when --num-blocks is not given; compared variants "
+                            "are open at once: the first takes its share (fraction / variants), the others as "
+                            "many blocks [0.85]")
     model.add_argument("--max-batch-size", type=int, default=64, help="sequences decoded per step [64]")
     model.add_argument("--max-num-seqs", type=int, default=None,
                        help="requests holding KV at once [unbounded: KV memory decides]")

@@ -66,14 +66,17 @@ class RadixBackend:
         self._server.close()
 
 
-def open_radixinfer(model: str, args: argparse.Namespace, prefix_cache: bool, policy: str) -> RadixBackend:
-    """An `LLM` configured from the bench flags, with ``prefix_cache`` and admission ``policy`` per variant."""
+def open_radixinfer(model: str, args: argparse.Namespace, prefix_cache: bool, policy: str,
+                    kv_memory_fraction: float | None = None, num_blocks: int | None = None) -> RadixBackend:
+    """An `LLM` configured from the bench flags, with ``prefix_cache`` and admission ``policy`` per variant, and
+    a KV pool of ``num_blocks`` or else ``kv_memory_fraction`` of free GPU memory (variants open side by side
+    share the GPU; None: ``--num-blocks`` / ``--kv-memory-fraction``, for a backend alone)."""
     llm = LLM(
         model,
         device=args.device,
         dtype=args.dtype,
         block_size=args.block_size,
-        num_blocks=args.num_blocks,
+        num_blocks=args.num_blocks if num_blocks is None else num_blocks,
         max_batch_size=args.max_batch_size,
         max_num_seqs=args.max_num_seqs,
         enable_prefix_cache=prefix_cache,
@@ -85,6 +88,6 @@ def open_radixinfer(model: str, args: argparse.Namespace, prefix_cache: bool, po
         prefill_force_fifo_every=args.prefill_force_fifo_every,
         chunked_prefill=not args.no_chunked_prefill,
         decode_first=args.decode_first,
-        kv_memory_fraction=args.kv_memory_fraction,
+        kv_memory_fraction=args.kv_memory_fraction if kv_memory_fraction is None else kv_memory_fraction,
     )
     return RadixBackend(llm)

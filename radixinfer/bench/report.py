@@ -2,12 +2,15 @@
 compact one-line-per-run table over many ``--json`` files (``python -m radixinfer.bench.report F...``).
 
 A speedup is > 1 when the first variant is better: ``other / first`` for latencies and wall time,
-``first / other`` for throughputs.
+``first / other`` for throughputs. Beside the pooled speedups, each comparison pairs the measured rounds
+(round r of every variant ran back to back, see `radixinfer.bench.runner`): the per-round output-throughput
+ratios and their min / median / max show how far the pooled speedup stands above the noise.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -29,21 +32,36 @@ def metric(metrics: dict, path: str) -> float | None:
     return value
 
 
+def speedup(first: dict, other: dict, path: str, higher_is_better: bool) -> float | None:
+    a, b = metric(first, path), metric(other, path)
+    if not a or not b:
+        return None
+    return a / b if higher_is_better else b / a
+
+
 def speedups(first: dict, other: dict) -> dict[str, float | None]:
-    out = {}
-    for path, higher_is_better in SPEEDUP_KEYS:
-        a, b = metric(first, path), metric(other, path)
-        if not a or not b:
-            out[path] = None
-        else:
-            out[path] = a / b if higher_is_better else b / a
-    return out
+    return {path: speedup(first, other, path, higher_is_better) for path, higher_is_better in SPEEDUP_KEYS}
+
+
+def _rounds(run: dict) -> list[dict]:
+    """A run's metrics per measured round: its ``repeats``, or with one round the pooled metrics (that round's)."""
+    return run.get("repeats") or [run["metrics"]]
+
+
+def paired_output_throughput(first: dict, other: dict) -> dict:
+    """``first / other`` output throughput of each round (round r of both runs ran back to back, so process
+    drift mostly cancels within a pair), and their min / median / max (None where a ratio is undefined)."""
+    ratios = [speedup(a, b, "output_throughput", True) for a, b in zip(_rounds(first), _rounds(other))]
+    known = [r for r in ratios if r is not None]
+    spread = (min(known), statistics.median(known), max(known)) if known else (None, None, None)
+    return {"ratios": ratios, **dict(zip(("min", "median", "max"), spread))}
 
 
 def comparisons(runs: list[dict]) -> list[dict]:
-    """Speedups of the first run over each other run."""
+    """Speedups of the first run over each other run: pooled over all rounds, and output throughput per round."""
     return [
-        {"baseline": runs[0]["label"], "other": run["label"], "speedup": speedups(runs[0]["metrics"], run["metrics"])}
+        {"baseline": runs[0]["label"], "other": run["label"], "speedup": speedups(runs[0]["metrics"], run["metrics"]),
+         "paired_output_throughput": paired_output_throughput(runs[0], run)}
         for run in runs[1:]
     ]
 
@@ -76,16 +94,28 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
 
 
+def _round_spread(comparison: dict) -> str:
+    """`` (min–max)`` of the per-round output-throughput ratios; empty with a single round (nothing to add)."""
+    paired = comparison["paired_output_throughput"]
+    return f" ({_fmt(paired['min'])}–{_fmt(paired['max'])})" if len(paired["ratios"]) > 1 else ""
+
+
 def format_report(result: dict) -> str:
-    """Every metric, one column per run, then the speedups of the first run over the others."""
-    runs = result["runs"]
+    """Every metric, one column per run, then the speedups of the first run over the others (output
+    throughput with the min–max of its per-round ratios beside it)."""
+    runs, comps = result["runs"], result["comparisons"]
     columns = [dict(_rows(run["metrics"])) for run in runs]
     names = [name for name, _ in _rows(runs[0]["metrics"])]
     text = _table(["metric", *(r["label"] for r in runs)], [[n, *(c[n] for c in columns)] for n in names])
-    if result["comparisons"]:
-        header = ["speedup of " + runs[0]["label"], *(c["other"] for c in result["comparisons"])]
-        rows = [[path, *(_fmt(c["speedup"][path]) + "x" for c in result["comparisons"])] for path, _ in SPEEDUP_KEYS]
+    if comps:
+        header = ["speedup of " + runs[0]["label"], *(c["other"] for c in comps)]
+        rows = [[path, *(_fmt(c["speedup"][path]) + "x" for c in comps)] for path, _ in SPEEDUP_KEYS]
+        spreads = [_round_spread(c) for c in comps]
+        throughput = next(row for row in rows if row[0] == "output_throughput")
+        throughput[1:] = [cell + spread for cell, spread in zip(throughput[1:], spreads)]
         text += "\n\n" + _table(header, rows)
+        if any(spreads):
+            text += "\n(in parentheses beside output_throughput: min–max of the paired rounds' ratios)"
     return text
 
 

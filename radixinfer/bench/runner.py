@@ -1,14 +1,26 @@
-"""The benchmark: one run loop, driven once per variant (backend x prefix cache x admission policy).
+"""The benchmark: one run loop, driven over every variant (backend x prefix cache x admission policy) at once.
 
-For each variant: open the backend, build the workload with its tokenizer, run the workload
-``--warmup-runs`` times unmeasured, then ``--repeat-runs`` times measured (emptying the prefix cache
-first with ``--cold-cache``), take cache counters as ``cache_stats()`` deltas over the measured runs, and
-close the backend before the next variant opens (each may claim most of the GPU's memory).
+Measured one after another (open, warm up, measure, close, next), the ratios between variants drifted by
+10-14% with process state and order: the first variant of a process always ran first. That is far more than
+the effects compared (a cache that costs < 2% throughput), so every variant now runs side by side:
+
+1. every variant's backend opens up front and stays open to the end (all close in a ``finally``). They share
+   the GPU: without ``--num-blocks`` the first sizes its KV pool from ``--kv-memory-fraction / len(variants)``
+   of free memory and the others take as many blocks, so every variant runs with the same pool;
+2. every variant's ``--warmup-runs`` unmeasured runs, before any measured run;
+3. ``--repeat-runs`` rounds; round r runs one measured repeat of each variant, in variant order for even r
+   and reversed for odd r (A B, B A, A B, ...): the variants of a round run back to back in the same process
+   state, and alternating the order cancels a steady drift over each two rounds. The report pairs the
+   rounds (`radixinfer.bench.report.comparisons`): their spread shows how far a pooled speedup is resolved.
+
+Each measured run empties the prefix cache first with ``--cold-cache``, moves what earlier runs left alive
+out of the collector's reach, records GC pauses, and takes cache counters as ``cache_stats()`` deltas.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
@@ -16,7 +28,7 @@ import queue
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +48,7 @@ from radixinfer.bench.metrics import (
 from radixinfer.bench.report import comparisons, format_report
 from radixinfer.bench.workloads import Session, arrival_offsets, build_workload, fit_to_context
 from radixinfer.models import PRESET_NAMES
+from radixinfer.outputs import StreamDelta
 from radixinfer.sampling_params import SamplingParams
 from radixinfer.serving import StreamFailure
 
@@ -71,6 +84,10 @@ class _Turn:
     index: int
     prompt: list[int]
     record: RequestRecord
+    deltas: list[StreamDelta] = field(default_factory=list)  # as they arrive; the record is filled after the run
+
+    def token_ids(self) -> list[int]:
+        return [t for delta in self.deltas for t in delta.token_ids]
 
 
 def run_workload(
@@ -78,11 +95,16 @@ def run_workload(
 ) -> tuple[list[RequestRecord], float]:
     """Submit each session's first turn at its offset and each later turn as soon as the previous answer is
     complete; collect every token's timestamp. Returns the records (one per turn) and the wall time from
-    the first submit to the last token. A failed request raises RuntimeError."""
+    the first submit to the last token. A failed request raises RuntimeError.
+
+    While requests run, this thread only files each delta under its turn and looks for finished ones: it
+    shares the GIL with the engine's thread, so per-token work here would slow the engine it measures
+    (timestamps come from the engine, so filling the records after the run changes no number). Requests
+    ask for token ids only (``detokenize=False``): nothing here reads text."""
     events: queue.SimpleQueue = queue.SimpleQueue()
     arrivals = sorted(range(len(sessions)), key=offsets.__getitem__)
     inflight: dict[str, _Turn] = {}
-    records: list[RequestRecord] = []
+    done: list[_Turn] = []
     progress = tqdm(total=sum(s.num_turns for s in sessions), desc=desc, unit="req", file=sys.stderr, leave=False)
 
     def submit(session: Session, index: int, prompt: list[int]) -> None:
@@ -90,8 +112,8 @@ def run_workload(
         # like the engine, never ask for more than the context holds (a model could not index its positions)
         max_tokens = min(session.max_tokens, max(1, backend.max_context_len - len(prompt)))
         record = RequestRecord(time.perf_counter(), len(prompt))
-        request_id = backend.submit(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=args.ignore_eos), events)
-        inflight[request_id] = _Turn(session, index, prompt, record)
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=args.ignore_eos, detokenize=False)
+        inflight[backend.submit(prompt, params, events)] = _Turn(session, index, prompt, record)
 
     start = time.perf_counter()
     next_arrival = 0
@@ -109,60 +131,112 @@ def run_workload(
             except queue.Empty:
                 continue
             for event in batch:
+                if not event.finished:
+                    inflight[event.request_id].deltas.append(event)
+                    continue
                 if isinstance(event, StreamFailure):
                     raise RuntimeError(f"request {event.request_id} failed: {event.error}") from event.error
-                turn = inflight[event.request_id]
-                turn.record.add(event)
-                if not event.finished:
-                    continue
-                del inflight[event.request_id]
-                records.append(turn.record)
+                turn = inflight.pop(event.request_id)
+                turn.deltas.append(event)
+                done.append(turn)
                 progress.update(1)
                 session, index = turn.session, turn.index
                 if index + 1 < session.num_turns:
-                    submit(session, index + 1, session.next_prompt(index, turn.prompt, turn.record.token_ids))
+                    submit(session, index + 1, session.next_prompt(index, turn.prompt, turn.token_ids()))
+    records = []
+    for turn in done:
+        for delta in turn.deltas:
+            turn.record.add(delta)
+        records.append(turn.record)
     first_submit = min(r.submit_time for r in records)
     last_token = max((r.token_times[-1] for r in records if r.token_times), default=first_submit)
     return records, last_token - first_submit
 
 
-def measure(backend: Backend, args: argparse.Namespace, label: str) -> dict:
-    """Warm-up and measured runs of the workload on one backend; the pooled summary and, with several
-    measured runs, each run's own."""
-    sessions = build_workload(args, backend.tokenizer, backend.vocab_size)
-    for session in sessions:  # fail before any run, not in the middle of one
-        fit_to_context(session.prompt, backend.max_context_len, args.truncate_prompts)
-    offsets = arrival_offsets(len(sessions), args.request_rate, args.submit_interval_ms,
-                              np.random.default_rng(args.seed + 1))
-    for i in range(args.warmup_runs):
-        run_workload(backend, sessions, offsets, args, f"{label} warmup {i + 1}/{args.warmup_runs}")
-    runs = []
-    for i in range(args.repeat_runs):
+@dataclass
+class _Arm:
+    """One variant while the benchmark runs: its open backend, its workload and its measured runs so far."""
+
+    variant: Variant
+    backend: Backend
+    sessions: list[Session]
+    offsets: list[float]
+    runs: list[tuple[list[RequestRecord], float, dict | None, GCPauses]] = field(default_factory=list)
+
+    @classmethod
+    def prepare(cls, variant: Variant, backend: Backend, args: argparse.Namespace) -> _Arm:
+        """The workload in the backend's own tokens; fails before any run if a prompt cannot fit."""
+        sessions = build_workload(args, backend.tokenizer, backend.vocab_size)
+        for session in sessions:
+            fit_to_context(session.prompt, backend.max_context_len, args.truncate_prompts)
+        offsets = arrival_offsets(len(sessions), args.request_rate, args.submit_interval_ms,
+                                  np.random.default_rng(args.seed + 1))
+        return cls(variant, backend, sessions, offsets)
+
+    def run(self, args: argparse.Namespace, what: str) -> tuple[list[RequestRecord], float]:
+        return run_workload(self.backend, self.sessions, self.offsets, args, f"{self.variant.label} {what}")
+
+    def measure(self, args: argparse.Namespace, what: str) -> None:
         if args.cold_cache:
-            backend.reset_cache()
-        before = backend.cache_stats()
-        # What earlier runs left behind (their records, the workload) stays alive: move it out of the
+            self.backend.reset_cache()
+        before = self.backend.cache_stats()
+        # What earlier runs left behind (their records, the workloads) stays alive: move it out of the
         # collector's reach so each run's collections scan only that run's objects, not every run's so far.
         gc.collect()
         gc.freeze()
         with GCPauses() as gc_pauses:
-            records, wall = run_workload(backend, sessions, offsets, args, f"{label} run {i + 1}/{args.repeat_runs}")
-        runs.append((records, wall, cache_delta(before, backend.cache_stats()), gc_pauses))
-    pooled = summarize([r for records, _, _, _ in runs for r in records], sum(w for _, w, _, _ in runs),
-                       add_cache_deltas([c for _, _, c, _ in runs]))
-    pooled["gc_pauses"] = gc_pause_summary([p for *_, pauses in runs for p in pauses.pauses_ms])
-    repeats = [{**summarize(*run[:3]), "gc_pauses": gc_pause_summary(run[3].pauses_ms)} for run in runs]
-    return {"metrics": pooled, "repeats": repeats if len(runs) > 1 else []}
+            records, wall = self.run(args, what)
+        self.runs.append((records, wall, cache_delta(before, self.backend.cache_stats()), gc_pauses))
+
+    def result(self) -> dict:
+        """The pooled summary and, with several measured runs, each run's own (in round order)."""
+        runs = self.runs
+        pooled = summarize([r for records, _, _, _ in runs for r in records], sum(w for _, w, _, _ in runs),
+                           add_cache_deltas([c for _, _, c, _ in runs]))
+        pooled["gc_pauses"] = gc_pause_summary([p for *_, pauses in runs for p in pauses.pauses_ms])
+        repeats = [{**summarize(*run[:3]), "gc_pauses": gc_pause_summary(run[3].pauses_ms)} for run in runs]
+        return {"label": self.variant.label, **asdict(self.variant), "info": self.backend.info,
+                "metrics": pooled, "repeats": repeats if len(runs) > 1 else []}
 
 
-def open_backend(variant: Variant, model: str, args: argparse.Namespace) -> Backend:
+def round_orders(num_variants: int, rounds: int) -> list[list[int]]:
+    """Variant indices per measured round: in order for even rounds, reversed for odd ones (ABBA...), so a
+    drift over the process's life favours no variant."""
+    order = list(range(num_variants))
+    return [order if r % 2 == 0 else order[::-1] for r in range(rounds)]
+
+
+def measure(variants: list[Variant], backends: list[Backend], args: argparse.Namespace) -> list[dict]:
+    """Every variant's warm-up runs, then ``--repeat-runs`` rounds of one measured run of each variant (see
+    `round_orders`); one result per variant, in variant order."""
+    arms = [_Arm.prepare(variant, backend, args) for variant, backend in zip(variants, backends)]
+    for arm in arms:
+        for i in range(args.warmup_runs):
+            arm.run(args, f"warmup {i + 1}/{args.warmup_runs}")
+    for r, order in enumerate(round_orders(len(arms), args.repeat_runs)):
+        for i in order:
+            arms[i].measure(args, f"run {r + 1}/{args.repeat_runs}")
+    return [arm.result() for arm in arms]
+
+
+def open_backend(variant: Variant, model: str, args: argparse.Namespace, kv_memory_fraction: float,
+                 num_blocks: int | None = None) -> Backend:
+    """The variant's backend with a KV pool of ``num_blocks`` (of ``--block-size`` tokens), or when None of
+    ``kv_memory_fraction`` of free GPU memory."""
     if variant.backend == "hf":
         return HFBackend(model, device=args.device, dtype=args.dtype, max_batch_size=args.max_batch_size,
                          prefix_cache=variant.prefix_cache,
-                         kv_tokens=args.num_blocks * args.block_size if args.num_blocks else None,
-                         kv_memory_fraction=args.kv_memory_fraction, attn_implementation=args.hf_attn_implementation,
+                         kv_tokens=num_blocks * args.block_size if num_blocks else None,
+                         kv_memory_fraction=kv_memory_fraction, attn_implementation=args.hf_attn_implementation,
                          batching=args.hf_batching, seed=args.seed)
-    return open_radixinfer(model, args, variant.prefix_cache, variant.policy)
+    return open_radixinfer(model, args, variant.prefix_cache, variant.policy, kv_memory_fraction, num_blocks)
+
+
+def _close_all(backends: list[Backend]) -> None:
+    """Close every backend, even when closing one fails (that error is raised once the rest are closed)."""
+    with contextlib.ExitStack() as stack:
+        for backend in backends:
+            stack.callback(backend.close)
 
 
 def _release_device_memory() -> None:
@@ -174,20 +248,24 @@ def _release_device_memory() -> None:
 def run_bench(args: argparse.Namespace) -> dict:
     """Every variant's metrics and the speedups of the first over the others (also written to --json)."""
     variants = plan_variants(args)
+    # All backends are open at once, so they split the KV memory: the first sizes its pool from its share,
+    # the others take as many blocks (an even split of what is free when each opens would shrink later ones).
+    kv_memory_fraction = args.kv_memory_fraction / len(variants)
+    num_blocks = args.num_blocks
     with tempfile.TemporaryDirectory(prefix="radixinfer-bench-") as tmp:
         model = args.model
         if model in PRESET_NAMES and any(v.backend == "hf" for v in variants):
             model = str(export_checkpoint(model, Path(tmp), args.device, args.dtype, args.seed))
-        results = []
-        for variant in variants:
-            backend = open_backend(variant, model, args)
-            try:
-                results.append({"label": variant.label, **asdict(variant), "info": backend.info,
-                                **measure(backend, args, variant.label)})
-            finally:
-                backend.close()
-                del backend
-                _release_device_memory()
+        backends: list[Backend] = []
+        try:
+            for variant in variants:
+                backends.append(open_backend(variant, model, args, kv_memory_fraction, num_blocks))
+                num_blocks = num_blocks or backends[-1].info.get("kv_blocks")
+            results = measure(variants, backends, args)
+        finally:
+            _close_all(backends)
+            backends.clear()  # the last references: the release below can free their memory
+            _release_device_memory()
     config = {k: str(v) if isinstance(v, float) and math.isinf(v) else v for k, v in vars(args).items()}  # strict JSON
     return {"config": config, "runs": results, "comparisons": comparisons(results)}
 
