@@ -374,3 +374,50 @@ def test_copy_of_a_rewritten_stale_slot_waits_for_the_forward():
     assert z.num_cached == 7
     assert mgr.needs_copy_of_unwritten(z, 8)  # z's copy would read slot 2, which x's forward has not written
     mgr.check_integrity([x, z])
+
+
+@pytest.fixture
+def counted_walks(monkeypatch):
+    """Counts `RadixTree._walk` calls (walks from a root) while still walking."""
+    from radixinfer.cache.radix_tree import RadixTree
+
+    calls = []
+    real = RadixTree._walk
+    monkeypatch.setattr(RadixTree, "_walk", lambda self, *a: calls.append(1) or real(self, *a))
+    return calls
+
+
+def test_peek_then_admit_then_publish_walk_the_tree_once(counted_walks):
+    mgr = KVCacheManager(num_blocks=64, block_size=4)
+    finish(mgr, run_prompt(mgr, list(range(10))), list(range(10)))
+    tokens = as_token_array(list(range(8)) + [50, 51, 52])
+    counted_walks.clear()
+    assert mgr.cached_prefix_len(tokens) == 8
+    seq = mgr.admit(tokens)
+    assert (seq.num_kv, len(seq.table)) == (8, 2)
+    assert mgr.reserve([seq], [len(tokens)]) is not None
+    mgr.mark_written()
+    mgr.publish(seq, tokens, prompt_end=True)
+    assert len(counted_walks) == 1
+    assert cached_len(mgr, tokens) == len(tokens) and cached_len(mgr, list(range(10))) == 10
+    finish(mgr, seq, tokens.tolist())
+    mgr.check_integrity([])
+
+
+def test_a_tree_change_after_the_peek_makes_admit_and_publish_walk_again(counted_walks):
+    mgr = KVCacheManager(num_blocks=64, block_size=4)
+    tokens = as_token_array(list(range(12)))
+    assert mgr.cached_prefix_len(tokens) == 0
+    other = run_prompt(mgr, list(range(9)))  # publishes 9 of the peeked prompt's tokens
+    counted_walks.clear()
+    seq = mgr.admit(tokens)
+    assert seq.num_kv == 9 and len(counted_walks) == 1  # the stale peek was not used
+    assert mgr.reserve([seq], [12]) is not None
+    finish(mgr, other, list(range(9)))  # changes the tree between admission and publish
+    mgr.mark_written()
+    counted_walks.clear()
+    mgr.publish(seq, tokens, prompt_end=True)
+    assert len(counted_walks) == 1
+    finish(mgr, seq, tokens.tolist())
+    mgr.check_integrity([])
+    assert cached_len(mgr, tokens) == 12

@@ -28,7 +28,7 @@ from typing import Any
 
 
 from radixinfer.cache.block_pool import BlockPool
-from radixinfer.cache.radix_tree import Node, RadixTree, TokenArray, as_token_array
+from radixinfer.cache.radix_tree import MatchResult, Node, RadixTree, TokenArray, as_token_array
 
 
 @dataclass(eq=False)
@@ -43,6 +43,10 @@ class SeqKV:
     payload: Any  # the cached final hidden state when the whole prompt was an exact repeat, else None
     node: Node | None  # the locked tree node, or None
     released: bool = False
+    # The admission match and the tree version it holds for: the first `publish` reuses it as its walk while
+    # the tree is unchanged (the same path from the root).
+    match: MatchResult | None = None
+    match_version: int = -1
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,9 @@ class KVCacheManager:
     counters: CacheCounters = field(init=False, default_factory=CacheCounters)
     # Blocks touched since the last forward was issued -> their fill before that (slots below it are written).
     _written_fill: dict[int, int] = field(init=False, default_factory=dict)
+    # The last `cached_prefix_len` walk: (token array, salt, tree version, result). A scheduler peeks at a
+    # request's cost and then admits it with nothing changed in between: `admit` takes the peek as its match.
+    _last_peek: tuple[TokenArray, Hashable, int, MatchResult] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.pool = BlockPool(self.num_blocks, self.block_size)
@@ -88,17 +95,29 @@ class KVCacheManager:
         allocation yet, so admission itself never fails). The caller then `reserve`s the positions to compute."""
         if not self.enable_prefix_cache:
             return SeqKV(salt, [], 0, 0, None, None)
-        match = self.tree.match(as_token_array(tokens), salt)
+        tokens = as_token_array(tokens)
+        match = self.tree.match(tokens, salt, peeked=self._peeked(tokens, salt))
         self.tree.lock(match.node)
         self.pool.incref(match.blocks)
         node = match.node if match.length else None  # an empty match reaches only the root: nothing to lock
-        return SeqKV(salt, list(match.blocks), match.length, match.length, match.payload, node)
+        return SeqKV(salt, list(match.blocks), match.length, match.length, match.payload, node, match=match,
+                     match_version=self.tree.version)
 
     def cached_prefix_len(self, tokens: Sequence[int] | TokenArray, salt: Hashable = None) -> int:
         """How many leading tokens `admit` would find cached right now (changes nothing, counts nothing)."""
         if not self.enable_prefix_cache:
             return 0
-        return self.tree.peek(as_token_array(tokens), salt).length
+        tokens = as_token_array(tokens)
+        peek = self._peeked(tokens, salt) or self.tree.peek(tokens, salt)
+        self._last_peek = (tokens, salt, self.tree.version, peek)
+        return peek.length
+
+    def _peeked(self, tokens: TokenArray, salt: Hashable) -> MatchResult | None:
+        """The last peek, when it was of this very array under this salt and the tree has not changed since."""
+        last = self._last_peek
+        if last is not None and last[0] is tokens and last[1] == salt and last[2] == self.tree.version:
+            return last[3]
+        return None
 
     def blocks_needed(self, seq: SeqKV, new_len: int) -> int:
         """Fresh blocks `reserve` would take to grow ``seq`` to ``new_len`` positions (copy included)."""
@@ -228,7 +247,11 @@ class KVCacheManager:
         if not self.enable_prefix_cache or len(tokens) == 0:
             return 0
         assert len(tokens) <= seq.num_kv, "publishing positions whose KV is not stored"
-        result = self.tree.insert(as_token_array(tokens), seq.table, seq.salt, end_node=prompt_end)
+        walked = seq.match
+        if walked is not None and (seq.match_version != self.tree.version or walked.length > len(tokens)):
+            walked = None
+        seq.match = None
+        result = self.tree.insert(as_token_array(tokens), seq.table, seq.salt, end_node=prompt_end, walked=walked)
         # A duplicate the current forward still has to write stays until a later publish: freed now, it could
         # be handed out again and written twice by one forward.
         remap = [(k, b) for k, b in result.remap if seq.table[k] not in self._written_fill]
@@ -248,7 +271,7 @@ class KVCacheManager:
         """Store the final hidden state of the prompt's last position on the node ending there (published
         with ``prompt_end=True``), so an exact repeat computes no attention or MLP."""
         if seq.node is not None and seq.node.end == seq.num_kv:
-            seq.node.payload = payload
+            self.tree.attach_payload(seq.node, payload)
 
     # ------------------------------------------------------------------ release
     def release(self, seq: SeqKV) -> None:
@@ -266,6 +289,7 @@ class KVCacheManager:
         """Empty the prefix cache. Only valid when no sequence is live."""
         self.tree.reset()
         self._written_fill.clear()
+        self._last_peek = None
 
     # ------------------------------------------------------------------ inspection
     @property

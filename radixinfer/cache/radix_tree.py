@@ -110,12 +110,16 @@ class RadixTree:
         self._clock = itertools.count(1)
         self._roots: dict[Hashable, Node] = {}
         self._evictable = SortedKeyList(key=lambda n: (n.last_access, n.id))
+        # Bumped by every change of what a walk finds (insert, split, evict, reset; not locks or LRU times):
+        # a walk taken at the current version is still exact, so callers may reuse it (see `insert`).
+        self.version = 0
 
     # ------------------------------------------------------------------ queries
-    def match(self, tokens: TokenArray, salt: Hashable = None) -> MatchResult:
+    def match(self, tokens: TokenArray, salt: Hashable = None, peeked: MatchResult | None = None) -> MatchResult:
         """Longest cached prefix of ``tokens`` under ``salt``. Does not change the tree; the caller locks
-        ``result.node`` before anything can evict it. Counts the query in the counters."""
-        result = self.peek(tokens, salt)
+        ``result.node`` before anything can evict it. Counts the query in the counters. ``peeked``: this
+        query's `peek` taken at the current `version` (then it is the answer, and nothing is walked again)."""
+        result = peeked if peeked is not None else self.peek(tokens, salt)
         self.counters.queried_tokens += len(tokens)
         self.counters.hit_tokens += result.length
         return result
@@ -185,7 +189,8 @@ class RadixTree:
 
     # ------------------------------------------------------------------ insertion
     def insert(
-        self, tokens: TokenArray, blocks: Sequence[int], salt: Hashable = None, *, end_node: bool = False
+        self, tokens: TokenArray, blocks: Sequence[int], salt: Hashable = None, *, end_node: bool = False,
+        walked: MatchResult | None = None,
     ) -> InsertResult:
         """Insert the path ``tokens`` whose KV lives in ``blocks`` (a sequence's block table covering at least
         ``len(tokens)`` positions). New nodes take a reference on the blocks they list.
@@ -193,13 +198,24 @@ class RadixTree:
         Full blocks the tree already holds for this path come back in ``remap``; the boundary block where
         the path leaves the tree is never remapped (the caller may still write past the shared part).
         With ``end_node`` a node is split so one ends exactly at ``len(tokens)`` (to carry a payload).
+
+        ``walked``: a `match` / `peek` of ``tokens`` or of a longer query starting with them, taken at the
+        current `version` and no longer than ``tokens`` (then the walk from the root is exactly that one: a
+        request publishing the prompt it was just admitted with does not walk its ~1,000 tokens again).
         """
         bs = self.block_size
         n = len(tokens)
-        node, pos, tree_blocks = self._walk(tokens, self._root(salt))
+        self.version += 1
+        if walked is not None:
+            assert walked.length <= n, "a reused walk must not reach past the inserted tokens"
+            node, pos, tree_blocks = walked.node, walked.length, walked.blocks
+        else:
+            node, pos, tree_blocks = self._walk(tokens, self._root(salt))
         if pos < n or end_node:
             node = self._split_for(node, pos)
-        remap = [(k, tb) for k, tb in enumerate(tree_blocks[: pos // bs]) if blocks[k] != tb]
+        full = pos // bs
+        remap = [] if list(blocks[:full]) == tree_blocks[:full] else [  # equal (one C comparison): the usual case
+            (k, tb) for k, tb in enumerate(tree_blocks[:full]) if blocks[k] != tb]
         new_tokens = n - pos
         if new_tokens:
             leaf_blocks = list(blocks[pos // bs : -(-n // bs)])
@@ -212,6 +228,11 @@ class RadixTree:
             self._evictable.add(leaf)  # unlocked leaf until the caller locks it
         self._touch(node)
         return InsertResult(node, remap, new_tokens)
+
+    def attach_payload(self, node: Node, payload: Any) -> None:
+        """Store ``payload`` (a prompt's final hidden state) on ``node``; walks report it from now on."""
+        node.payload = payload
+        self.version += 1
 
     def _split_for(self, node: Node, pos: int) -> Node:
         """Return a node ending exactly at ``pos`` on ``node``'s path, splitting ``node`` if ``pos`` is inside its
@@ -258,6 +279,7 @@ class RadixTree:
         evictable = self._evictable
         while freed < num_blocks and evictable:
             leaf = evictable.pop(0)
+            self.version += 1
             freed += self.pool.decref(leaf.blocks)
             parent = leaf.parent
             del parent.children[int(leaf.key[0])]
@@ -281,6 +303,7 @@ class RadixTree:
                 node.payload = None
         self._roots.clear()
         self._evictable.clear()
+        self.version += 1
 
     # ------------------------------------------------------------------ inspection
     def _nodes_below(self, root: Node) -> list[Node]:
