@@ -197,6 +197,39 @@ def test_detokenize_off_streams_the_same_ids_without_text(llm):
         SamplingParams(detokenize="no")
 
 
+def test_steady_decode_steps_derive_inputs_from_the_last_step_exactly():
+    """A decode step of the same batch as the last one takes its inputs from that step (no pass over the
+    requests); they must equal what the full pass builds, through joins, finishes and block crossings."""
+
+    def run(fast: bool) -> tuple[list, list, int]:
+        llm = LLM("tiny", block_size=4, num_blocks=512, max_batch_size=8)
+        engine, calls, full_passes = llm.engine, [], []
+        real_decode, real_inputs = engine.runner.decode, engine._decode_inputs
+        engine._decode_inputs = lambda batch: full_passes.append(1) or real_inputs(batch)
+
+        def decode(input_ids, positions, slots, tables, context_lens, carried=None, carried_rows=None):
+            calls.append((list(map(int, positions)), list(map(int, context_lens)), [list(t) for t in tables]))
+            return real_decode(input_ids, positions, slots, tables, context_lens, carried, carried_rows)
+
+        engine.runner.decode = decode
+        rng = random.Random(3)
+        for i in range(12):
+            engine.add_request([rng.randrange(256) for _ in range(rng.randrange(3, 20))],
+                               SamplingParams(max_tokens=rng.randrange(2, 30), ignore_eos=True))
+        outputs = {}
+        while engine.has_unfinished():
+            if not fast:
+                engine._last_decode = None
+            for delta in engine.step():
+                outputs.setdefault(delta.request_id, []).extend(delta.token_ids)
+        return calls, sorted(outputs.items()), len(full_passes)
+
+    fast_calls, fast_out, fast_passes = run(fast=True)
+    slow_calls, slow_out, slow_passes = run(fast=False)
+    assert fast_calls == slow_calls and fast_out == slow_out
+    assert slow_passes == len(slow_calls) and fast_passes <= len(fast_calls) // 2  # the fast path ran
+
+
 def test_steps_overlap_tokens_are_read_back_one_step_late(llm):
     engine = llm.engine
     request_id = engine.add_request([1, 2, 3, 4, 5], SamplingParams(max_tokens=3, ignore_eos=True))

@@ -105,6 +105,17 @@ class _Launch:
         return self.host.tolist()
 
 
+@dataclass
+class _DecodeStep:
+    """The last decode launch: its batch and context lengths. While the next step decodes the same requests
+    in the same order (the steady state) each sequence grew by exactly one position and decodes the token
+    that launch sampled, so the next inputs follow from these without a pass over the requests."""
+
+    batch: list[Request]
+    launch: _Launch
+    context_lens: np.ndarray
+
+
 _DEFER = object()  # `_plan_item`: must wait for the current pass's K/V writes
 
 
@@ -132,6 +143,7 @@ class LLMEngine:
         self._round = itertools.count()
         self._seeds = random.Random(config.seed)  # per-request sampling seeds when params.seed is None
         self._unread: list[_Launch] = []  # forwards launched this step, their tokens not read back yet
+        self._last_decode: _DecodeStep | None = None
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -389,17 +401,27 @@ class LLMEngine:
         if batch and plan is None:
             # Preemption publishes each victim's tokens: read back every launch first.
             self._read_back(previous + self._unread, deltas)
-            previous, self._unread = [], []
+            previous, self._unread, self._last_decode = [], [], None
             batch, plan = self._preempt_until_reserved()
         if batch:
             self.runner.kv.copy_blocks(plan.copies)
-            input_ids, positions, tables, context_lens, carried, carried_rows = self._decode_inputs(batch)
+            last = self._last_decode
+            if last is not None and last.batch == batch:  # the same requests (identity), in the same order
+                n = len(batch)
+                input_ids, positions, context_lens = np.zeros(n, np.int64), last.context_lens, last.context_lens + 1
+                tables = [r.seq.table for r in batch]
+                carried, carried_rows = last.launch.tokens, np.arange(n)
+            else:
+                input_ids, positions, tables, context_lens, carried, carried_rows = self._decode_inputs(batch)
             logits = self.runner.decode(
                 input_ids, positions, plan.slots, tables, context_lens, carried=carried, carried_rows=carried_rows
             )
             self.cache.mark_written()
             self.counters.decode_forwards += 1
-            self._launch(batch, self._sample(batch, logits))
+            launch = self._launch(batch, self._sample(batch, logits))
+            self._last_decode = _DecodeStep(batch, launch, np.asarray(context_lens, dtype=np.int64))
+        else:
+            self._last_decode = None
         self._read_back(previous, deltas)
 
     @staticmethod
@@ -454,13 +476,14 @@ class LLMEngine:
                 return batch, plan
             self._preempt(max(self.active, key=lambda r: r.arrival_index))
 
-    def _launch(self, reqs: list[Request], tokens: torch.Tensor) -> None:
+    def _launch(self, reqs: list[Request], tokens: torch.Tensor) -> _Launch:
         """Record that ``tokens`` (sampled on the device, one per request) will be read back next step."""
         launch = _Launch(reqs, tokens)
         for row, req in enumerate(reqs):
             req.pending += 1
             req.carry = (launch, row)
         self._unread.append(launch)
+        return launch
 
     def _read_back(self, launches: list[_Launch], deltas: list[StreamDelta]) -> None:
         """Read back the tokens of ``launches``, oldest first: append each to its request, stream it, and
