@@ -251,7 +251,8 @@ class KVCacheManager:
         if walked is not None and (seq.match_version != self.tree.version or walked.length > len(tokens)):
             walked = None
         seq.match = None
-        result = self.tree.insert(as_token_array(tokens), seq.table, seq.salt, end_node=prompt_end, walked=walked)
+        result = self.tree.insert(as_token_array(tokens), seq.table, seq.salt, end_node=prompt_end, walked=walked,
+                                  lock=True)
         # A duplicate the current forward still has to write stays until a later publish: freed now, it could
         # be handed out again and written twice by one forward.
         remap = [(k, b) for k, b in result.remap if seq.table[k] not in self._written_fill]
@@ -261,7 +262,6 @@ class KVCacheManager:
             for k, b in remap:
                 seq.table[k] = b
             self.pool.decref(old)  # remap first, then free (invariant 7)
-        self.tree.lock(result.node)
         if seq.node is not None:
             self.tree.unlock(seq.node)
         seq.node = result.node

@@ -190,7 +190,7 @@ class RadixTree:
     # ------------------------------------------------------------------ insertion
     def insert(
         self, tokens: TokenArray, blocks: Sequence[int], salt: Hashable = None, *, end_node: bool = False,
-        walked: MatchResult | None = None,
+        walked: MatchResult | None = None, lock: bool = False,
     ) -> InsertResult:
         """Insert the path ``tokens`` whose KV lives in ``blocks`` (a sequence's block table covering at least
         ``len(tokens)`` positions). New nodes take a reference on the blocks they list.
@@ -202,6 +202,7 @@ class RadixTree:
         ``walked``: a `match` / `peek` of ``tokens`` or of a longer query starting with them, taken at the
         current `version` and no longer than ``tokens`` (then the walk from the root is exactly that one: a
         request publishing the prompt it was just admitted with does not walk its ~1,000 tokens again).
+        ``lock``: also `lock` the returned node (a new leaf then does not enter the LRU set only to leave it).
         """
         bs = self.block_size
         n = len(tokens)
@@ -225,8 +226,12 @@ class RadixTree:
                 self._evictable.discard(node)
             node.children[int(tokens[pos])] = leaf
             node = leaf
-            self._evictable.add(leaf)  # unlocked leaf until the caller locks it
-        self._touch(node)
+            if not lock:
+                self._evictable.add(leaf)  # an unlocked leaf
+        if lock:
+            self.lock(node)
+        else:
+            self._touch(node)
         return InsertResult(node, remap, new_tokens)
 
     def attach_payload(self, node: Node, payload: Any) -> None:
