@@ -405,14 +405,8 @@ class LLMEngine:
             batch, plan = self._preempt_until_reserved()
         if batch:
             self.runner.kv.copy_blocks(plan.copies)
-            last = self._last_decode
-            if last is not None and last.batch == batch:  # the same requests (identity), in the same order
-                n = len(batch)
-                input_ids, positions, context_lens = np.zeros(n, np.int64), last.context_lens, last.context_lens + 1
-                tables = [r.seq.table for r in batch]
-                carried, carried_rows = last.launch.tokens, np.arange(n)
-            else:
-                input_ids, positions, tables, context_lens, carried, carried_rows = self._decode_inputs(batch)
+            inputs = self._repeated_decode_inputs(batch) or self._decode_inputs(batch)
+            input_ids, positions, tables, context_lens, carried, carried_rows = inputs
             logits = self.runner.decode(
                 input_ids, positions, plan.slots, tables, context_lens, carried=carried, carried_rows=carried_rows
             )
@@ -423,6 +417,16 @@ class LLMEngine:
         else:
             self._last_decode = None
         self._read_back(previous, deltas)
+
+    def _repeated_decode_inputs(self, batch: list[Request]) -> tuple | None:
+        """`_decode_inputs` without a pass over the requests when ``batch`` is the last decode's batch (the same
+        requests, by identity, in the same order): see `_DecodeStep`. None otherwise."""
+        last = self._last_decode
+        if last is None or last.batch != batch:
+            return None
+        n = len(batch)
+        tables = [r.seq.table for r in batch]
+        return np.zeros(n, np.int64), last.context_lens, tables, last.context_lens + 1, last.launch.tokens, np.arange(n)
 
     @staticmethod
     def _decode_inputs(batch: list[Request]) -> tuple[list[int], list[int], list[list[int]], list[int],
