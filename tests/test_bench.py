@@ -251,7 +251,8 @@ def test_first_turns_are_submitted_at_their_arrival_offsets():
     records, _ = run_workload(backend, sessions, offsets, args, "t")
     submits = sorted(r.submit_time for r in records)
     gaps = [b - submits[0] for b in submits]
-    assert gaps[1] == pytest.approx(0.05, abs=0.02) and gaps[2] == pytest.approx(0.1, abs=0.02)
+    # Never early; late by at most a scheduling hiccup (a loaded 2-core CI machine has shown 30 ms).
+    assert 0.05 - 1e-3 <= gaps[1] < 0.05 + 0.2 and 0.1 - 1e-3 <= gaps[2] < 0.1 + 0.2
 
 
 # ---------------------------------------------------------------------------------------------- variants side by side

@@ -421,3 +421,40 @@ def test_a_tree_change_after_the_peek_makes_admit_and_publish_walk_again(counted
     finish(mgr, seq, tokens.tolist())
     mgr.check_integrity([])
     assert cached_len(mgr, tokens) == 12
+
+
+def test_publishing_past_a_fully_cached_prompt_walks_again(counted_walks):
+    """A prompt the tree holds to its end says nothing about the tokens after it: publishing the prompt plus
+    its output must walk on (the tree holds [0, 0, 0]; the reused admission walk of [0] would have hung a
+    second child for token 0 under the root's edge, orphaning the cached [0, 0, 0] and its blocks)."""
+    mgr = KVCacheManager(num_blocks=4, block_size=1)
+    first = mgr.admit([0])
+    assert mgr.reserve([first], [3]) is not None
+    mgr.mark_written()
+    finish(mgr, first, [0, 0, 0])
+    seq = mgr.admit([0])
+    assert seq.num_kv == 1
+    assert mgr.reserve([seq], [2]) is not None
+    mgr.mark_written()
+    counted_walks.clear()
+    assert mgr.publish(seq, [0, 0]) == 0  # nothing new: the tree held [0, 0] already
+    assert len(counted_walks) == 1
+    mgr.check_integrity([seq])
+    finish(mgr, seq, [0, 0])
+    assert cached_len(mgr, [0, 0, 0]) == 3
+    mgr.check_integrity([])
+
+
+def test_publishing_past_a_prompt_the_tree_diverged_from_reuses_the_admission_walk(counted_walks):
+    mgr = KVCacheManager(num_blocks=64, block_size=4)
+    finish(mgr, run_prompt(mgr, list(range(10))), list(range(10)))
+    tokens = list(range(6)) + [50, 51]  # the tree diverges at 6, before the prompt's end
+    seq = mgr.admit(tokens)
+    assert mgr.reserve([seq], [10]) is not None
+    mgr.mark_written()
+    counted_walks.clear()
+    assert mgr.publish(seq, tokens + [52, 53]) == 4  # prompt plus output: the walk still stops at 6
+    assert len(counted_walks) == 0
+    finish(mgr, seq, tokens + [52, 53])
+    assert cached_len(mgr, tokens + [52, 53]) == 10
+    mgr.check_integrity([])

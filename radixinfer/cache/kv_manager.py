@@ -43,10 +43,30 @@ class SeqKV:
     payload: Any  # the cached final hidden state when the whole prompt was an exact repeat, else None
     node: Node | None  # the locked tree node, or None
     released: bool = False
-    # The admission match and the tree version it holds for: the first `publish` reuses it as its walk while
-    # the tree is unchanged (the same path from the root).
-    match: MatchResult | None = None
-    match_version: int = -1
+    # The admission walk: the first `publish` reuses it while it stands for the published path's walk.
+    match: AdmissionWalk | None = None
+
+
+@dataclass(frozen=True)
+class AdmissionWalk:
+    """A sequence's admission match of its ``query_len`` tokens, taken at tree ``version``.
+
+    While the tree is unchanged it is also the walk of a path that starts with the query's first
+    ``min(n, query_len)`` tokens, for a path of ``n`` tokens where either ``n <= query_len`` (the walk of a
+    prefix stops where the query's did, or earlier) or the query's walk stopped short of its end (the tree
+    diverges there, so tokens past the query cannot extend it). A path that goes on past a query the tree
+    matched to its end may go on matching: it must be walked."""
+
+    result: MatchResult
+    query_len: int
+    version: int
+
+    def walk_of(self, n: int, version: int) -> MatchResult | None:
+        """The walk of the sequence's first ``n`` tokens at tree ``version``, when this one stands for it."""
+        length = self.result.length
+        if version == self.version and length <= n and (n <= self.query_len or length < self.query_len):
+            return self.result
+        return None
 
 
 @dataclass(frozen=True)
@@ -100,8 +120,8 @@ class KVCacheManager:
         self.tree.lock(match.node)
         self.pool.incref(match.blocks)
         node = match.node if match.length else None  # an empty match reaches only the root: nothing to lock
-        return SeqKV(salt, list(match.blocks), match.length, match.length, match.payload, node, match=match,
-                     match_version=self.tree.version)
+        return SeqKV(salt, list(match.blocks), match.length, match.length, match.payload, node,
+                     match=AdmissionWalk(match, len(tokens), self.tree.version))
 
     def cached_prefix_len(self, tokens: Sequence[int] | TokenArray, salt: Hashable = None) -> int:
         """How many leading tokens `admit` would find cached right now (changes nothing, counts nothing)."""
@@ -247,9 +267,7 @@ class KVCacheManager:
         if not self.enable_prefix_cache or len(tokens) == 0:
             return 0
         assert len(tokens) <= seq.num_kv, "publishing positions whose KV is not stored"
-        walked = seq.match
-        if walked is not None and (seq.match_version != self.tree.version or walked.length > len(tokens)):
-            walked = None
+        walked = seq.match.walk_of(len(tokens), self.tree.version) if seq.match is not None else None
         seq.match = None
         result = self.tree.insert(as_token_array(tokens), seq.table, seq.salt, end_node=prompt_end, walked=walked,
                                   lock=True)

@@ -199,9 +199,9 @@ class RadixTree:
         the path leaves the tree is never remapped (the caller may still write past the shared part).
         With ``end_node`` a node is split so one ends exactly at ``len(tokens)`` (to carry a payload).
 
-        ``walked``: a `match` / `peek` of ``tokens`` or of a longer query starting with them, taken at the
-        current `version` and no longer than ``tokens`` (then the walk from the root is exactly that one: a
-        request publishing the prompt it was just admitted with does not walk its ~1,000 tokens again).
+        ``walked``: the walk of ``tokens`` from the root, taken earlier at the current `version` (a request
+        publishing the prompt it was just admitted with does not walk its ~1,000 tokens again; which earlier
+        walks stand for this one: `AdmissionWalk`).
         ``lock``: also `lock` the returned node (a new leaf then does not enter the LRU set only to leave it).
         """
         bs = self.block_size
