@@ -164,7 +164,7 @@ class LLM:
     def _output(req) -> RequestOutput:
         return RequestOutput(
             request_id=req.request_id,
-            prompt_token_ids=req.prompt_ids,
+            prompt_token_ids=req.prompt_ids.tolist(),
             token_ids=req.output_ids,
             text=req.text,
             num_cached_tokens=max(req.num_cached_tokens, 0),

@@ -174,8 +174,7 @@ class LLMEngine:
         stop_ids = frozenset(params.stop_token_ids or ()) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         req = Request(
             request_id=request_id,
-            prompt_ids=prompt_array.tolist(),
-            prompt_array=prompt_array,
+            prompt_ids=prompt_array,
             params=params,
             salt=cache_salt,
             seed=seed,

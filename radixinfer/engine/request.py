@@ -27,11 +27,13 @@ class Request:
 
     ``prompt_done`` counts prompt positions computed or found cached so far; the prompt is complete when it
     equals ``len(prompt_ids)``.
+
+    The prompt is kept as an int64 array, never as a list: the garbage collector walks every element of a live
+    list on each full collection, and 512 prompts of 1,152 ids as lists made each such pause ~7 ms longer.
     """
 
     request_id: str
-    prompt_ids: list[int]
-    prompt_array: np.ndarray  # the same ids, int64 (validation converts the prompt once)
+    prompt_ids: np.ndarray  # int64 (validation converts the prompt once)
     params: SamplingParams
     salt: Hashable
     seed: int  # the sampling seed: params.seed, or one drawn from the engine's seed
@@ -56,7 +58,7 @@ class Request:
     _array_outputs: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
-        self._array = self.prompt_array
+        self._array = self.prompt_ids
 
     @property
     def num_tokens(self) -> int:
