@@ -39,6 +39,7 @@ the ``.tolist()`` sync overlaps it). The decode floor is (weight bytes + KV byte
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import statistics
@@ -313,7 +314,7 @@ def bench_admit(device: torch.device, vocab: int, reps: int, rng: np.random.Gene
             engine.step()
             t2 = time.perf_counter_ns()
         assert all(engine.requests[i].num_cached_tokens >= SHARED_PREFIX for i in ids)
-        assert all(engine.requests[i].pending == 1 for i in ids)  # first tokens sampled, read next step
+        assert all(engine.requests[i].num_sampled == 1 and not engine.requests[i].output_ids for i in ids)  # first tokens sampled, read next step
         abort_all(engine, ids)
         if rep < 2:  # warm-up
             continue
@@ -407,6 +408,11 @@ def print_decode(rows: list[dict], title: str) -> None:
             print(f"{name:<24}" + "".join(f"{r['phases_us'].get(name, 0.0):>10.1f}" for r in rows))
 
 
+def sampling_modes(args: argparse.Namespace) -> list[SamplingParams]:
+    modes = [GREEDY] if args.sampling == "greedy" else [GREEDY, RANDOM]
+    return [dataclasses.replace(m, detokenize=False) for m in modes] if args.ids_only else modes
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
@@ -416,6 +422,8 @@ def main() -> None:
     parser.add_argument("--admit-reps", type=int, default=40)
     parser.add_argument("--vocab", type=int, default=512, help="the stub model's vocabulary")
     parser.add_argument("--sampling", choices=("greedy", "both"), default="greedy")
+    parser.add_argument("--ids-only", action="store_true",
+                        help="requests stream token ids only (detokenize=False), as `radixinfer bench` asks")
     parser.add_argument("--model", help="also run this real model (preset or checkpoint dir) through api.LLM")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--model-steps", type=int, default=100)
@@ -438,7 +446,7 @@ def main() -> None:
         max_batch = max(batches)
         num_blocks = max_batch * -(-(PROMPT_LEN + args.warmup + 2 * args.steps + 16) // BLOCK_SIZE) + 64
         engine = build_stub_engine(device, args.vocab, max_batch, num_blocks)
-        modes = [GREEDY] if args.sampling == "greedy" else [GREEDY, RANDOM]
+        modes = sampling_modes(args)
         result["stub_decode"] = [bench_decode(engine, b, params, args.steps, args.warmup, rng)
                                  for params in modes for b in batches]
         print_decode(result["stub_decode"], f"stub model, {device}: host time per decode step")
@@ -460,7 +468,7 @@ def main() -> None:
         result["model_build_s"] = time.perf_counter() - t0
         engine = llm.engine
         rows = []
-        for params in [GREEDY] if args.sampling == "greedy" else [GREEDY, RANDOM]:
+        for params in sampling_modes(args):
             for b in batches:
                 try:  # one failing case (say, out of memory at the largest batch) keeps the others
                     if device.type == "cuda":

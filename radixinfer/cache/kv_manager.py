@@ -201,7 +201,16 @@ class KVCacheManager:
                     # Slots from `offset` on are written by this forward (a sole holder may rewrite stale ones).
                     written_fill[last] = offset
                 end = offset + new_len - start
-                fill[last] = end if end < bs else bs
+                if end <= bs:  # the growth stays inside the boundary block (a decode step, 15 times in 16)
+                    fill[last] = end
+                    base = last * bs
+                    if end - offset == 1:
+                        slots.append(base + offset)
+                    else:
+                        slots.extend(range(base + offset, base + end))
+                    seq.num_kv = new_len
+                    continue
+                fill[last] = bs
             num_fresh = -(-new_len // bs) - len(table)
             if num_fresh:
                 first_new = len(table)

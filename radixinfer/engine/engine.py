@@ -443,18 +443,17 @@ class LLMEngine:
             positions.append(num_kv - 1)
             context_lens.append(num_kv)
             tables.append(seq.table)
-            carry = req.carry
-            if carry is None:
+            launch = req.carry
+            if launch is None:
                 input_ids.append(req.output_ids[-1])
                 rows.append(-1)
                 continue
-            launch, row = carry
             offset = offsets.get(launch)
             if offset is None:
                 offset = offsets[launch] = total
                 total += len(launch.reqs)
             input_ids.append(0)
-            rows.append(offset + row)
+            rows.append(offset + req.carry_row)
         if not offsets:
             return input_ids, positions, tables, context_lens, None, None
         tokens = [launch.tokens for launch in offsets]
@@ -464,7 +463,7 @@ class LLMEngine:
     def _decode_batch(self) -> list[Request]:
         """Running requests with room for one more token, oldest first, at most ``max_batch_size``."""
         running = Status.RUNNING
-        batch = [r for r in self.active if r.status is running and len(r.output_ids) + r.pending < r.max_output_len]
+        batch = [r for r in self.active if r.status is running and r.num_sampled < r.max_output_len]
         del batch[self.config.max_batch_size :]  # the rest wait for a slot
         return batch
 
@@ -483,8 +482,9 @@ class LLMEngine:
         """Record that ``tokens`` (sampled on the device, one per request) will be read back next step."""
         launch = _Launch(reqs, tokens)
         for row, req in enumerate(reqs):
-            req.pending += 1
-            req.carry = (launch, row)
+            req.num_sampled += 1
+            req.carry = launch
+            req.carry_row = row
         self._unread.append(launch)
         return launch
 
@@ -493,32 +493,29 @@ class LLMEngine:
         finish requests that stop or reach their limit. Requests that finished or were aborted meanwhile
         are skipped (their later tokens were sampled for nothing)."""
         running = Status.RUNNING
+        finished = False
         for launch in launches:
             tokens = launch.read()
             now = time.perf_counter()
             for req, token in zip(launch.reqs, tokens):
-                req.pending -= 1
-                carry = req.carry
-                if carry is not None and carry[0] is launch:
+                if req.carry is launch:
                     req.carry = None
                 if req.status is not running:
                     continue
                 out = req.output_ids
                 out.append(token)
-                reason = None
-                if token in req.stop_ids:
-                    reason = "stop"
-                elif len(out) >= req.max_output_len:
-                    reason = "length"
                 detokenizer = req.detokenizer
                 text = detokenizer.add(token) if detokenizer is not None else ""
-                if reason is None:
-                    req.text += text
-                    deltas.append(StreamDelta(req.request_id, [token], text, False, None, req.num_cached_tokens, now))
-                else:
-                    self.active.remove(req)
+                if token in req.stop_ids or len(out) >= req.max_output_len:
                     self._release(req)
-                    deltas.append(self._finish(req, reason, [token], text, now))
+                    deltas.append(self._finish(req, "stop" if token in req.stop_ids else "length", [token], text, now))
+                    finished = True
+                else:
+                    if text:
+                        req.text += text
+                    deltas.append(StreamDelta(req.request_id, [token], text, False, None, req.num_cached_tokens, now))
+        if finished:  # one pass, not a list removal per finished request (a whole batch may finish at once)
+            self.active = [r for r in self.active if r.status is not Status.FINISHED]
 
     def _preempt(self, req: Request) -> None:
         """Free a request's blocks under memory pressure; its computed prefix stays in the tree, so its
@@ -540,7 +537,7 @@ class LLMEngine:
                 [r.params.top_p for r in reqs],
                 [r.params.top_k for r in reqs],
                 [r.seed for r in reqs],
-                [len(r.output_ids) + r.pending for r in reqs],
+                [r.num_sampled for r in reqs],
                 logits.device,
             )
         else:

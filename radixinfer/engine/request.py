@@ -47,10 +47,12 @@ class Request:
     num_cached_tokens: int = -1  # set at first admission
     finish_reason: str | None = None
     stop_ids: frozenset[int] = frozenset()
-    # Tokens sampled on the device whose values the host has not read back yet (those of the last step and
-    # this one's), and where the newest of them lies: (its launch, row), the input of the next decode.
-    pending: int = 0
-    carry: tuple[Any, int] | None = None
+    # Tokens sampled so far, read back or still on the device (the host reads a step's tokens a step later),
+    # and where the newest unread one lies, the input of the next decode: its launch (None once read back)
+    # and row there.
+    num_sampled: int = 0
+    carry: Any = None
+    carry_row: int = 0
     max_output_len: int = 0  # max_tokens, capped so prompt + output fit the model's context
     text: str = ""
     # `token_array`'s cache and the output length it was built at
