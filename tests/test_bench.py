@@ -4,6 +4,7 @@ prompt lengths with the peer tokenizer), variants, speedups, the run loop agains
 
 from __future__ import annotations
 
+import gc
 import math
 import queue
 import time
@@ -331,6 +332,25 @@ def test_kv_fraction_is_split_between_variants_only_and_every_pool_has_the_first
     assert bench_log.fractions[:4] == [pytest.approx(0.2)] * 3 + [0.6]
     first = bench_log.opened[0].info["kv_blocks"]
     assert bench_log.blocks == [None, first, first, None, 64, 64]
+
+
+@pytest.mark.parametrize(("flag", "young"), [((), 50_000), (("--gc-threshold", "1234"), 1234), (("--gc-threshold", "0"), None)])
+def test_runs_see_the_gc_threshold_asked_for(bench_log, monkeypatch, flag, young):
+    seen = []
+    logged_run = runner.run_workload
+    monkeypatch.setattr(runner, "run_workload", lambda *a: seen.append(gc.get_threshold()) or logged_run(*a))
+    before = gc.get_threshold()
+    runner.run_bench(bench_args(*SMALL, "--warmup-runs", "1", *flag))
+    assert seen == [(young or before[0], *before[1:])] * 2  # the warm-up and the measured run
+    assert gc.get_threshold() == before
+
+
+def test_the_gc_threshold_is_restored_when_a_run_fails(bench_log):
+    before = gc.get_threshold()
+    bench_log.fail_run = 0
+    with pytest.raises(RuntimeError, match="failed"):
+        runner.run_bench(bench_args(*SMALL, "--gc-threshold", "1234"))
+    assert gc.get_threshold() == before
 
 
 @pytest.mark.parametrize("failure", [{"fail_open": 1}, {"fail_run": 0}, {"fail_run": 3}])

@@ -90,6 +90,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                       help="unmeasured runs of the whole workload first (use 1 on GPU: kernels compile) [0]")
     runs.add_argument("--repeat-runs", type=int, default=1, help="measured runs, pooled in the report [1]")
     runs.add_argument("--cold-cache", action="store_true", help="empty the prefix cache before each measured run")
+    runs.add_argument("--gc-threshold", type=int, default=50_000, metavar="N",
+                      help="the garbage collector's young-generation threshold while the bench runs, as a serving "
+                           "process would set it (Python's default: 700; 0 leaves it alone) [50000]")
     runs.add_argument("--json", default=None, metavar="PATH", help="also write every metric as JSON to PATH")
 
     data = parser.add_argument_group("workloads")
@@ -117,6 +120,8 @@ def check_bench_arguments(parser: argparse.ArgumentParser, args: argparse.Namesp
         parser.error("give --request-rate or --submit-interval-ms, not both")
     if args.request_rate <= 0:
         parser.error("--request-rate must be > 0")
+    if args.gc_threshold < 0:
+        parser.error("--gc-threshold must be >= 0")
     if args.warmup_runs < 0 or args.repeat_runs < 1:
         parser.error("--warmup-runs must be >= 0 and --repeat-runs >= 1")
     for name in ("num_requests", "max_new_tokens", "input_len", "num_groups", "prompts_per_group", "question_len",
