@@ -183,6 +183,7 @@ class CacheDriver(RuleBasedStateMachine):
                     others = slot_readers.get(dst * bs + o, set()) - {("seq", req.rid)}
                     assert not others, f"copy into block {dst}, which {others} read"
         assert sorted(plan.copies) == sorted(want_copies), "copies do not match the tables' changes"
+        assert plan.changed == [i for i, (r, (table, _)) in enumerate(zip(reqs, before)) if r.seq.table != table]
 
         writes = []
         for req, (_, num_kv), tokens in zip(reqs, before, new_tokens):

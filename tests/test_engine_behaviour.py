@@ -199,7 +199,8 @@ def test_detokenize_off_streams_the_same_ids_without_text(llm):
 
 def test_steady_decode_steps_derive_inputs_from_the_last_step_exactly():
     """A decode step of the same batch as the last one takes its inputs from that step (no pass over the
-    requests); they must equal what the full pass builds, through joins, finishes and block crossings."""
+    requests) and rewrites only the block-table rows `reserve` changed; inputs and packed rows must equal what
+    the full pass builds, through joins, finishes and block crossings."""
 
     def run(fast: bool) -> tuple[list, list, int]:
         llm = LLM("tiny", block_size=4, num_blocks=512, max_batch_size=8)
@@ -207,9 +208,14 @@ def test_steady_decode_steps_derive_inputs_from_the_last_step_exactly():
         real_decode, real_inputs = engine.runner.decode, engine._decode_inputs
         engine._decode_inputs = lambda batch: full_passes.append(1) or real_inputs(batch)
 
-        def decode(input_ids, positions, slots, tables, context_lens, carried=None, carried_rows=None):
+        def decode(input_ids, positions, slots, tables, context_lens, carried=None, carried_rows=None,
+                   changed_tables=None):
             calls.append((list(map(int, positions)), list(map(int, context_lens)), [list(t) for t in tables]))
-            return real_decode(input_ids, positions, slots, tables, context_lens, carried, carried_rows)
+            logits = real_decode(input_ids, positions, slots, tables, context_lens, carried, carried_rows,
+                                 changed_tables)
+            rows = engine.runner._decode_buffers.tables
+            assert all(rows[i, : len(t)].tolist() == t and not rows[i, len(t) :].any() for i, t in enumerate(tables))
+            return logits
 
         engine.runner.decode = decode
         rng = random.Random(3)

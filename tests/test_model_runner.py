@@ -151,6 +151,20 @@ def test_block_table_rows_follow_every_kind_of_change():
     np.testing.assert_array_equal(rows.rows[3:], 0)  # rows past every batch were never written
 
 
+def test_block_table_rows_told_which_rows_changed_compare_only_those():
+    rows = BlockTableRows(np.zeros((4, 6), dtype=np.int32))
+    a, b, c = [3, 1], [9, 8, 7], [4]
+    rows.update([a, b, c])
+    a.append(2)
+    c[-1] = 5
+    assert rows.update([a, b, c], changed=[0, 2]) == 2
+    np.testing.assert_array_equal(rows.rows[:3], reference_rows([a, b, c], 6))
+    b.append(6)  # not reported: left alone (the caller vouches for the rows it does not name)
+    assert rows.update([a, b, c], changed=[]) == 0
+    np.testing.assert_array_equal(rows.rows[1], [9, 8, 7, 0, 0, 0])
+    assert rows.update([a, b, c]) == 1  # a full comparison still finds it
+
+
 def test_block_table_rows_match_a_full_pack_under_random_edits():
     rng = random.Random(1)
     rows = BlockTableRows(np.zeros((8, 10), dtype=np.int32))

@@ -71,11 +71,13 @@ class AdmissionWalk:
 
 @dataclass(frozen=True)
 class ReservePlan:
-    """Slots to write, in order (per sequence, its positions ``old num_kv .. new num_kv - 1``), and the
-    block copies ``(src, dst)`` to perform before those writes."""
+    """Slots to write, in order (per sequence, its positions ``old num_kv .. new num_kv - 1``), the block
+    copies ``(src, dst)`` to perform before those writes, and which sequences' block tables changed (their
+    indices in the call, ascending): they took a fresh block or copied their boundary block."""
 
     slots: list[int]
     copies: list[tuple[int, int]]
+    changed: list[int]
 
 
 @dataclass
@@ -183,8 +185,9 @@ class KVCacheManager:
         fill, refcount = pool.fill, pool.refcount
         slots: list[int] = []
         copies: list[tuple[int, int]] = []
+        changed: list[int] = []
         written_fill = self._written_fill
-        for seq, new_len in zip(seqs, new_lens):
+        for i, (seq, new_len) in enumerate(zip(seqs, new_lens)):
             start = seq.num_kv
             if new_len <= start:
                 continue
@@ -195,6 +198,7 @@ class KVCacheManager:
                 if fill[last] != offset and refcount[last] > 1:
                     copy = pool.fork(last)
                     copies.append((last, copy))
+                    changed.append(i)
                     table[-1] = last = copy
                     written_fill[copy] = 0  # even its first `offset` slots arrive only with the copy
                 elif written_fill.get(last, bs) > offset:
@@ -213,6 +217,8 @@ class KVCacheManager:
                 fill[last] = bs
             num_fresh = -(-new_len // bs) - len(table)
             if num_fresh:
+                if not changed or changed[-1] != i:
+                    changed.append(i)
                 first_new = len(table)
                 fresh = pool.allocate(num_fresh)
                 table.extend(fresh)
@@ -227,7 +233,7 @@ class KVCacheManager:
                     slots.extend(range(max(start, index * bs) + shift, min(new_len, (index + 1) * bs) + shift))
             seq.num_kv = new_len
         self.counters.cow_copies += len(copies)
-        return ReservePlan(slots, copies)
+        return ReservePlan(slots, copies, changed)
 
     def _blocks_needed(self, seqs: Sequence[SeqKV], new_lens: Sequence[int]) -> int:
         """Fresh blocks `reserve` takes for the batch, copies included. The batch is replayed in order, as

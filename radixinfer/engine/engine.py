@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from radixinfer.cache.kv_manager import KVCacheManager, ReservePlan
+from radixinfer.cache.kv_manager import KVCacheManager, ReservePlan, SeqKV
 from radixinfer.engine.admission import AdmissionConfig, Grant, plan_admission
 from radixinfer.engine.model_runner import ModelRunner
 from radixinfer.engine.request import Request, Status
@@ -107,11 +107,16 @@ class _Launch:
 
 @dataclass
 class _DecodeStep:
-    """The last decode launch: its batch and context lengths. While the next step decodes the same requests
-    in the same order (the steady state) each sequence grew by exactly one position and decodes the token
-    that launch sampled, so the next inputs follow from these without a pass over the requests."""
+    """The last decode launch: its batch, their sequences and block tables, and context lengths. While the
+    next step decodes the same requests in the same order (the steady state) each sequence grew by exactly
+    one position and decodes the token that launch sampled, so the next inputs follow from these without a
+    pass over the requests. The tables are the sequences' own lists, and between two steps of one batch
+    only `reserve` changes them (publishing and releasing happen to requests outside a decode batch), so
+    the runner rewrites only the rows that reserve reports changed."""
 
     batch: list[Request]
+    seqs: list[SeqKV]
+    tables: list[list[int]]
     launch: _Launch
     context_lens: np.ndarray
 
@@ -396,36 +401,37 @@ class LLMEngine:
         nothing; its extra K/V is for a real position of its path (the stop token's), so it stays valid.
         """
         batch = self._decode_batch()
-        plan = self.cache.reserve([r.seq for r in batch]) if batch else None
+        last = self._last_decode
+        repeated = last is not None and last.batch == batch  # the same requests, by identity, in the same order
+        seqs = last.seqs if repeated else [r.seq for r in batch]
+        plan = self.cache.reserve(seqs) if batch else None
         if batch and plan is None:
             # Preemption publishes each victim's tokens: read back every launch first.
             self._read_back(previous + self._unread, deltas)
-            previous, self._unread, self._last_decode = [], [], None
+            previous, self._unread, repeated = [], [], False
             batch, plan = self._preempt_until_reserved()
+            seqs = [r.seq for r in batch]
         if batch:
             self.runner.kv.copy_blocks(plan.copies)
-            inputs = self._repeated_decode_inputs(batch) or self._decode_inputs(batch)
+            inputs = self._repeated_decode_inputs(last) if repeated else self._decode_inputs(batch)
             input_ids, positions, tables, context_lens, carried, carried_rows = inputs
             logits = self.runner.decode(
-                input_ids, positions, plan.slots, tables, context_lens, carried=carried, carried_rows=carried_rows
+                input_ids, positions, plan.slots, tables, context_lens, carried=carried, carried_rows=carried_rows,
+                changed_tables=plan.changed if repeated else None,
             )
             self.cache.mark_written()
             self.counters.decode_forwards += 1
             launch = self._launch(batch, self._sample(batch, logits))
-            self._last_decode = _DecodeStep(batch, launch, np.asarray(context_lens, dtype=np.int64))
+            self._last_decode = _DecodeStep(batch, seqs, tables, launch, np.asarray(context_lens, dtype=np.int64))
         else:
             self._last_decode = None
         self._read_back(previous, deltas)
 
-    def _repeated_decode_inputs(self, batch: list[Request]) -> tuple | None:
-        """`_decode_inputs` without a pass over the requests when ``batch`` is the last decode's batch (the same
-        requests, by identity, in the same order): see `_DecodeStep`. None otherwise."""
-        last = self._last_decode
-        if last is None or last.batch != batch:
-            return None
-        n = len(batch)
-        tables = [r.seq.table for r in batch]
-        return np.zeros(n, np.int64), last.context_lens, tables, last.context_lens + 1, last.launch.tokens, np.arange(n)
+    @staticmethod
+    def _repeated_decode_inputs(last: _DecodeStep) -> tuple:
+        """`_decode_inputs` without a pass over the requests, for a step that decodes ``last``'s batch again."""
+        n = len(last.batch)
+        return np.zeros(n, np.int64), last.context_lens, last.tables, last.context_lens + 1, last.launch.tokens, np.arange(n)
 
     @staticmethod
     def _decode_inputs(batch: list[Request]) -> tuple[list[int], list[int], list[list[int]], list[int],

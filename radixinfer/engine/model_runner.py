@@ -52,12 +52,15 @@ class BlockTableRows:
         self.rows = rows  # [num_rows, width] int32, zero-filled by the caller
         self._written: list[list[int]] = [[] for _ in range(rows.shape[0])]  # row -> the table it holds
 
-    def update(self, tables: Sequence[list[int]]) -> int:
-        """Make rows ``0 .. len(tables) - 1`` hold ``tables``. Returns how many rows were rewritten."""
+    def update(self, tables: Sequence[list[int]], changed: Sequence[int] | None = None) -> int:
+        """Make rows ``0 .. len(tables) - 1`` hold ``tables``. Returns how many rows were rewritten.
+
+        ``changed``: the caller knows only these rows can differ (the same tables in the same rows as the last
+        call, only these altered since): the others are not compared."""
         rows, written = self.rows, self._written
         rewritten = 0
-        for i, table in enumerate(tables):
-            old = written[i]
+        for i in range(len(tables)) if changed is None else changed:
+            table, old = tables[i], written[i]
             if old != table:
                 n = len(table)
                 rows[i, :n] = table
@@ -221,12 +224,14 @@ class ModelRunner:
         context_lens: Sequence[int],
         carried: torch.Tensor | None = None,
         carried_rows: Sequence[int] | None = None,
+        changed_tables: Sequence[int] | None = None,
     ) -> torch.Tensor:
         """One token per sequence; returns logits ``[num_seqs, vocab]`` in the model dtype.
 
         A sequence whose input token was sampled by the previous step and not yet read back takes it from
         ``carried`` (that step's device tensor of tokens) at row ``carried_rows[i]`` (-1: use ``input_ids[i]``),
-        so the next step can be launched before the host has seen the last one's tokens."""
+        so the next step can be launched before the host has seen the last one's tokens. ``changed_tables``:
+        the batch is the last decode's, and only these rows' tables changed since (see `BlockTableRows`)."""
         n = len(input_ids)
         if n > self.max_batch_size:
             raise ValueError(f"decode batch of {n} exceeds max_batch_size {self.max_batch_size}")
@@ -238,7 +243,7 @@ class ModelRunner:
         buf.positions[:n] = positions
         buf.slots[:n] = slots
         buf.slots[n:bucket] = -1  # padding rows store nothing ...
-        self._decode_tables.update(tables)
+        self._decode_tables.update(tables, changed_tables)
         buf.context_lens[:n] = context_lens
         buf.context_lens[n:bucket] = 0  # ... and attend to nothing
         shared = self._planner is not None and self._planner.plan(
