@@ -52,7 +52,7 @@ python -m radixinfer.bench.suite "$OUT" --run-timeout "$RUN_TIMEOUT" <<EOF
 a_fixed_hello65 $PEER --prompt Hello $A --max-new-tokens 2 --max-batch-size 16 --prefill-max-batch-size 16 --warmup-runs 1 --no-stop-on-eos
 b_shared_prompt $PEER --prompt "$SHARED" $B --unique-prompts --max-batch-size 256 --prefill-max-batch-size 64 --cold-cache --compare-no-cache --warmup-runs 1 --no-stop-on-eos
 c_head_of_line $PEER --prompt Hello $C --unique-prompts --max-batch-size 8 --prefill-max-batch-size 128 --prefill-force-fifo-every 8 --no-prefix-cache --truncate-prompts --compare-policies fifo,pack,lpm --warmup-runs 1 --no-stop-on-eos
-d1_shared_prefix_cache $QWEN --dataset shared-prefix $D --max-batch-size 512 --cold-cache --compare-no-cache --warmup-runs 1 --repeat-runs 4 --no-stop-on-eos
+d1_shared_prefix_cache $QWEN --dataset shared-prefix $D --max-batch-size 512 --cold-cache --compare-no-cache --warmup-runs 1 --repeat-runs 6 --no-stop-on-eos
 d2_shared_prefix_vs_hf $QWEN --dataset shared-prefix $D2 --max-batch-size 512 --cold-cache --compare-backends --hf-batching continuous --warmup-runs 1 --no-stop-on-eos
 e_random_cache_cost $PEER --dataset random $E --max-batch-size 128 --cold-cache --compare-no-cache --warmup-runs 1 --repeat-runs 6 --no-stop-on-eos
 EOF
