@@ -34,6 +34,7 @@ if [[ "${SMOKE:-0}" == 1 ]]; then
     D="--num-groups 2 --prompts-per-group 4 --system-prompt-len 64 --question-len 8 --output-len 4"
     D2="$D"
     E="--num-requests 8 --input-len 32 --output-len 4"
+    D1_ROUNDS=2 E_ROUNDS=2
     RUN_TIMEOUT=${RUN_TIMEOUT:-120}
 else
     PEER="--model checkpoints/gpt2-peer --dtype float16"
@@ -44,6 +45,7 @@ else
     D="--num-groups 16 --prompts-per-group 32 --system-prompt-len 1024 --question-len 128 --output-len 128"
     D2="--num-groups 16 --prompts-per-group 8 --system-prompt-len 1024 --question-len 128 --output-len 128"
     E="--num-requests 256 --input-len 512 --output-len 128"
+    D1_ROUNDS=8 E_ROUNDS=10  # the cache-on/off ratios are judged against 3x and 2%: pool enough rounds
     RUN_TIMEOUT=${RUN_TIMEOUT:-300}
 fi
 SHARED="You are a helpful assistant. Answer the question concisely and cite your sources."
@@ -52,7 +54,7 @@ python -m radixinfer.bench.suite "$OUT" --run-timeout "$RUN_TIMEOUT" <<EOF
 a_fixed_hello65 $PEER --prompt Hello $A --max-new-tokens 2 --max-batch-size 16 --prefill-max-batch-size 16 --warmup-runs 1 --no-stop-on-eos
 b_shared_prompt $PEER --prompt "$SHARED" $B --unique-prompts --max-batch-size 256 --prefill-max-batch-size 64 --cold-cache --compare-no-cache --warmup-runs 1 --no-stop-on-eos
 c_head_of_line $PEER --prompt Hello $C --unique-prompts --max-batch-size 8 --prefill-max-batch-size 128 --prefill-force-fifo-every 8 --no-prefix-cache --truncate-prompts --compare-policies fifo,pack,lpm --warmup-runs 1 --no-stop-on-eos
-d1_shared_prefix_cache $QWEN --dataset shared-prefix $D --max-batch-size 512 --cold-cache --compare-no-cache --warmup-runs 1 --repeat-runs 6 --no-stop-on-eos
+d1_shared_prefix_cache $QWEN --dataset shared-prefix $D --max-batch-size 512 --cold-cache --compare-no-cache --warmup-runs 1 --repeat-runs $D1_ROUNDS --no-stop-on-eos
 d2_shared_prefix_vs_hf $QWEN --dataset shared-prefix $D2 --max-batch-size 512 --cold-cache --compare-backends --hf-batching continuous --warmup-runs 1 --no-stop-on-eos
-e_random_cache_cost $PEER --dataset random $E --max-batch-size 128 --cold-cache --compare-no-cache --warmup-runs 1 --repeat-runs 6 --no-stop-on-eos
+e_random_cache_cost $PEER --dataset random $E --max-batch-size 128 --cold-cache --compare-no-cache --warmup-runs 1 --repeat-runs $E_ROUNDS --no-stop-on-eos
 EOF
