@@ -316,7 +316,7 @@ def test_warmups_come_first_then_abba_rounds_with_every_backend_open(bench_log):
     measured = [[(label, "reset"), (label, "run", 2)] for label in (ON, OFF, OFF, ON, ON, OFF)]
     assert bench_log.events == [(ON, "run", 2), (OFF, "run", 2), *(e for pair in measured for e in pair)]
     assert all(b.closed for b in bench_log.opened)
-    assert bench_log.fractions == [pytest.approx(0.85 / 2)] * 2
+    assert bench_log.fractions == [pytest.approx(0.85 / 2), 0.85]  # the second is given the first one's pool size
     on, off = result["runs"]
     assert on["label"] == ON and len(on["repeats"]) == len(off["repeats"]) == 3
     assert on["metrics"]["requests"] == 3 * 2 and on["repeats"][0]["requests"] == 2
@@ -329,7 +329,8 @@ def test_kv_fraction_is_split_between_variants_only_and_every_pool_has_the_first
     runner.run_bench(bench_args(*SMALL, "--kv-memory-fraction", "0.6", "--compare-policies", "fifo,pack,lpm"))
     runner.run_bench(bench_args(*SMALL, "--kv-memory-fraction", "0.6"))
     runner.run_bench(bench_args(*SMALL, "--num-blocks", "64", "--compare-no-cache"))
-    assert bench_log.fractions[:4] == [pytest.approx(0.2)] * 3 + [0.6]
+    # the first sizes the pool from its share; the others are given its size, the whole fraction a ceiling
+    assert bench_log.fractions == [pytest.approx(0.2), 0.6, 0.6, 0.6, 0.85, 0.85]
     first = bench_log.opened[0].info["kv_blocks"]
     assert bench_log.blocks == [None, first, first, None, 64, 64]
 

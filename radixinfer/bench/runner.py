@@ -258,7 +258,10 @@ def run_bench(args: argparse.Namespace) -> dict:
     variants = plan_variants(args)
     # All backends are open at once, so they split the KV memory: the first sizes its pool from its share,
     # the others take as many blocks (an even split of what is free when each opens would shrink later ones).
-    kv_memory_fraction = args.kv_memory_fraction / len(variants)
+    # A backend given its pool size gets the whole fraction as a ceiling only: transformers' continuous
+    # batching checks that pool against that fraction of what is free when it opens (its share alone, of
+    # what the first left, would refuse the pool the first took).
+    share = args.kv_memory_fraction / len(variants)
     num_blocks = args.num_blocks
     with tempfile.TemporaryDirectory(prefix="radixinfer-bench-") as tmp:
         model = args.model
@@ -267,7 +270,8 @@ def run_bench(args: argparse.Namespace) -> dict:
         backends: list[Backend] = []
         try:
             for variant in variants:
-                backends.append(open_backend(variant, model, args, kv_memory_fraction, num_blocks))
+                fraction = share if num_blocks is None else args.kv_memory_fraction
+                backends.append(open_backend(variant, model, args, fraction, num_blocks))
                 num_blocks = num_blocks or backends[-1].info.get("kv_blocks")
             with _gc_threshold(args.gc_threshold):
                 results = measure(variants, backends, args)
