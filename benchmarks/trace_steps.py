@@ -37,7 +37,7 @@ import torch
 from radixinfer.bench.args import add_bench_arguments, check_bench_arguments
 from radixinfer.bench.backends import open_radixinfer
 from radixinfer.bench.runner import run_workload
-from radixinfer.bench.workloads import arrival_offsets, build_workload
+from radixinfer.bench.workloads import arrival_offsets, build_workload, fit_to_context
 from radixinfer.engine.engine import LLMEngine
 from radixinfer.sampling_params import SamplingParams
 
@@ -170,8 +170,11 @@ def main() -> None:
         sys.exit("trace_steps: single-turn workloads only")
     offsets = arrival_offsets(len(sessions), args.request_rate, args.submit_interval_ms,
                               np.random.default_rng(args.seed + 1))
-    prompts = [s.prompt for s in sessions]
-    params = [SamplingParams(max_tokens=s.max_tokens, ignore_eos=args.ignore_eos, detokenize=False) for s in sessions]
+    # what run_workload submits: prompts fitted to the context (--truncate-prompts), max_tokens capped by it
+    ctx = backend.max_context_len
+    prompts = [fit_to_context(s.prompt, ctx, args.truncate_prompts) for s in sessions]
+    params = [SamplingParams(max_tokens=min(s.max_tokens, max(1, ctx - len(p))), ignore_eos=args.ignore_eos,
+                             detokenize=False) for s, p in zip(sessions, prompts)]
 
     def served() -> float:
         return run_workload(backend, sessions, offsets, args, "trace")[1]
