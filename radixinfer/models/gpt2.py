@@ -35,13 +35,19 @@ class GPT2Attention(nn.Module):
         return self.c_proj(out.flatten(1))
 
 
+# GPT-2's "gelu_new" is the tanh approximation of GELU written as seven element-wise ops (seven launches per
+# layer, ~0.5 ms of host time per eager prefill pass on an H200's host); torch computes the same function in
+# one kernel (fp32: equal within 3e-7; fp16: both within 0.0073 of the fp32 value).
+_ONE_KERNEL = {"gelu_new": "gelu_pytorch_tanh"}
+
+
 class GPT2MLP(nn.Module):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         inner = config.n_inner or 4 * config.hidden_size
         self.c_fc = nn.Linear(config.hidden_size, inner)
         self.c_proj = nn.Linear(inner, config.hidden_size)
-        self.act = ACT2FN[config.activation_function]
+        self.act = ACT2FN[_ONE_KERNEL.get(config.activation_function, config.activation_function)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         return self.c_proj(self.act(self.c_fc(x)))
