@@ -314,7 +314,8 @@ def bench_admit(device: torch.device, vocab: int, reps: int, rng: np.random.Gene
             engine.step()
             t2 = time.perf_counter_ns()
         assert all(engine.requests[i].num_cached_tokens >= SHARED_PREFIX for i in ids)
-        assert all(engine.requests[i].num_sampled == 1 and not engine.requests[i].output_ids for i in ids)  # first tokens sampled, read next step
+        first = [engine.requests[i] for i in ids]
+        assert all(r.num_sampled == 1 and not r.output_ids for r in first)  # first tokens sampled, read next step
         abort_all(engine, ids)
         if rep < 2:  # warm-up
             continue

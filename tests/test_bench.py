@@ -335,7 +335,8 @@ def test_kv_fraction_is_split_between_variants_only_and_every_pool_has_the_first
     assert bench_log.blocks == [None, first, first, None, 64, 64]
 
 
-@pytest.mark.parametrize(("flag", "young"), [((), 50_000), (("--gc-threshold", "1234"), 1234), (("--gc-threshold", "0"), None)])
+@pytest.mark.parametrize(("flag", "young"),
+                         [((), 50_000), (("--gc-threshold", "1234"), 1234), (("--gc-threshold", "0"), None)])
 def test_runs_see_the_gc_threshold_asked_for(bench_log, monkeypatch, flag, young):
     seen = []
     logged_run = runner.run_workload

@@ -431,7 +431,8 @@ class LLMEngine:
     def _repeated_decode_inputs(last: _DecodeStep) -> tuple:
         """`_decode_inputs` without a pass over the requests, for a step that decodes ``last``'s batch again."""
         n = len(last.batch)
-        return np.zeros(n, np.int64), last.context_lens, last.tables, last.context_lens + 1, last.launch.tokens, np.arange(n)
+        lens = last.context_lens
+        return np.zeros(n, np.int64), lens, last.tables, lens + 1, last.launch.tokens, np.arange(n)
 
     @staticmethod
     def _decode_inputs(batch: list[Request]) -> tuple[list[int], list[int], list[list[int]], list[int],
