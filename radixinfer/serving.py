@@ -118,8 +118,8 @@ class EngineServer:
         """Queue a request and return its handle at once (the loop adds it before its next step).
 
         ``sink``: a queue to receive this request's events instead of a private one, so one consumer can
-        wait on many requests: it gets lists of events (each list one step's, events carry ``request_id``). A prompt the engine rejects yields a
-        `StreamFailure` with the engine's ``ValueError``. Raises `EngineLoopError` if the loop has died and
+        wait on many requests: it gets lists of events (each list one step's, events carry ``request_id``).
+        A prompt the engine rejects yields a `StreamFailure` with the engine's ``ValueError``. Raises `EngineLoopError` if the loop has died and
         ``RuntimeError`` after `close`.
         """
         events: queue.SimpleQueue[StreamEvents] = sink if sink is not None else queue.SimpleQueue()
