@@ -28,6 +28,7 @@ import json
 import pstats
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,8 +37,8 @@ import torch
 
 from radixinfer.bench.args import add_bench_arguments, check_bench_arguments
 from radixinfer.bench.backends import open_radixinfer
-from radixinfer.bench.runner import run_workload
-from radixinfer.bench.workloads import arrival_offsets, build_workload, fit_to_context
+from radixinfer.bench.runner import request_for, run_workload
+from radixinfer.bench.workloads import arrival_offsets, build_workload
 from radixinfer.engine.engine import LLMEngine
 from radixinfer.sampling_params import SamplingParams
 
@@ -143,7 +144,7 @@ class StepTracer:
         return rows
 
 
-def drive_direct(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]) -> float:
+def drive_direct(engine: LLMEngine, prompts: Sequence[list[int]], params: Sequence[SamplingParams]) -> float:
     """Add every prompt, step until done; returns the wall seconds (burst arrival only)."""
     start = time.perf_counter()
     for prompt, p in zip(prompts, params):
@@ -170,11 +171,7 @@ def main() -> None:
         sys.exit("trace_steps: single-turn workloads only")
     offsets = arrival_offsets(len(sessions), args.request_rate, args.submit_interval_ms,
                               np.random.default_rng(args.seed + 1))
-    # what run_workload submits: prompts fitted to the context (--truncate-prompts), max_tokens capped by it
-    ctx = backend.max_context_len
-    prompts = [fit_to_context(s.prompt, ctx, args.truncate_prompts) for s in sessions]
-    params = [SamplingParams(max_tokens=min(s.max_tokens, max(1, ctx - len(p))), ignore_eos=args.ignore_eos,
-                             detokenize=False) for s, p in zip(sessions, prompts)]
+    prompts, params = zip(*(request_for(s, s.prompt, backend.max_context_len, args) for s in sessions))
 
     def served() -> float:
         return run_workload(backend, sessions, offsets, args, "trace")[1]

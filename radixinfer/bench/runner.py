@@ -91,6 +91,16 @@ class _Turn:
     record: RequestRecord
 
 
+def request_for(session: Session, prompt: list[int], max_context_len: int,
+                args: argparse.Namespace) -> tuple[list[int], SamplingParams]:
+    """What the bench submits for one turn of ``session``: the prompt fitted to the context (left-truncated with
+    ``--truncate-prompts``, else ValueError) and its sampling params. Like the engine, it never asks for more
+    tokens than the context holds (a model could not index their positions); ids only (``detokenize=False``)."""
+    prompt = fit_to_context(prompt, max_context_len, args.truncate_prompts)
+    max_tokens = min(session.max_tokens, max(1, max_context_len - len(prompt)))
+    return prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=args.ignore_eos, detokenize=False)
+
+
 def run_workload(
     backend: Backend, sessions: list[Session], offsets: list[float], args: argparse.Namespace, desc: str
 ) -> tuple[list[RequestRecord], float]:
@@ -109,11 +119,8 @@ def run_workload(
     progress = tqdm(total=sum(s.num_turns for s in sessions), desc=desc, unit="req", file=sys.stderr, leave=False)
 
     def submit(session: Session, index: int, prompt: list[int]) -> None:
-        prompt = fit_to_context(prompt, backend.max_context_len, args.truncate_prompts)
-        # like the engine, never ask for more than the context holds (a model could not index its positions)
-        max_tokens = min(session.max_tokens, max(1, backend.max_context_len - len(prompt)))
+        prompt, params = request_for(session, prompt, backend.max_context_len, args)
         record = RequestRecord(time.perf_counter(), len(prompt))
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=args.ignore_eos, detokenize=False)
         inflight[backend.submit(prompt, params, events)] = _Turn(session, index, prompt, record)
 
     start = time.perf_counter()
