@@ -44,12 +44,13 @@ class SeqKV:
     node: Node | None  # the locked tree node, or None
     released: bool = False
     # The admission walk: the first `publish` reuses it while it stands for the published path's walk.
-    match: AdmissionWalk | None = None
+    match: TreeWalk | None = None
 
 
 @dataclass(frozen=True)
-class AdmissionWalk:
-    """A sequence's admission match of its ``query_len`` tokens, taken at tree ``version``.
+class TreeWalk:
+    """A walk of a query of ``query_len`` tokens from the root, taken at tree ``version``, kept so a later step
+    need not walk again: the policy's peek for the admission, the admission match for the first publish.
 
     While the tree is unchanged it is also the walk of a path that starts with the query's first
     ``min(n, query_len)`` tokens, for a path of ``n`` tokens where either ``n <= query_len`` (the walk of a
@@ -103,9 +104,9 @@ class KVCacheManager:
     counters: CacheCounters = field(init=False, default_factory=CacheCounters)
     # Blocks touched since the last forward was issued -> their fill before that (slots below it are written).
     _written_fill: dict[int, int] = field(init=False, default_factory=dict)
-    # The last `cached_prefix_len` walk: (token array, salt, tree version, result). A scheduler peeks at a
-    # request's cost and then admits it with nothing changed in between: `admit` takes the peek as its match.
-    _last_peek: tuple[TokenArray, Hashable, int, MatchResult] | None = field(init=False, default=None)
+    # The last `cached_prefix_len` walk: (token array, salt, walk). A scheduler peeks at a request's cost and
+    # then admits it with nothing changed in between: `admit` takes the peek as its match.
+    _last_peek: tuple[TokenArray, Hashable, TreeWalk] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.pool = BlockPool(self.num_blocks, self.block_size)
@@ -123,7 +124,7 @@ class KVCacheManager:
         self.pool.incref(match.blocks)
         node = match.node if match.length else None  # an empty match reaches only the root: nothing to lock
         return SeqKV(salt, list(match.blocks), match.length, match.length, match.payload, node,
-                     match=AdmissionWalk(match, len(tokens), self.tree.version))
+                     match=TreeWalk(match, len(tokens), self.tree.version))
 
     def cached_prefix_len(self, tokens: Sequence[int] | TokenArray, salt: Hashable = None) -> int:
         """How many leading tokens `admit` would find cached right now (changes nothing, counts nothing)."""
@@ -131,14 +132,14 @@ class KVCacheManager:
             return 0
         tokens = as_token_array(tokens)
         peek = self._peeked(tokens, salt) or self.tree.peek(tokens, salt)
-        self._last_peek = (tokens, salt, self.tree.version, peek)
+        self._last_peek = (tokens, salt, TreeWalk(peek, len(tokens), self.tree.version))
         return peek.length
 
     def _peeked(self, tokens: TokenArray, salt: Hashable) -> MatchResult | None:
         """The last peek, when it was of this very array under this salt and the tree has not changed since."""
         last = self._last_peek
-        if last is not None and last[0] is tokens and last[1] == salt and last[2] == self.tree.version:
-            return last[3]
+        if last is not None and last[0] is tokens and last[1] == salt:
+            return last[2].walk_of(len(tokens), self.tree.version)
         return None
 
     def blocks_needed(self, seq: SeqKV, new_len: int) -> int:

@@ -201,7 +201,7 @@ class RadixTree:
 
         ``walked``: the walk of ``tokens`` from the root, taken earlier at the current `version` (a request
         publishing the prompt it was just admitted with does not walk its ~1,000 tokens again; which earlier
-        walks stand for this one: `AdmissionWalk`).
+        walks stand for this one: `TreeWalk`).
         ``lock``: also `lock` the returned node (a new leaf then does not enter the LRU set only to leave it).
         """
         bs = self.block_size
