@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention
@@ -35,7 +36,9 @@ from kernels.block_copy import copy_blocks_ref, copy_blocks_triton  # noqa: E402
 from kernels.paged_attention import (  # noqa: E402
     decode_num_splits,
     extend_attention_triton,
+    extend_block_m,
     paged_decode_attention_triton,
+    plan_extend_work,
 )
 from kernels.store_kv import store_kv_triton  # noqa: E402
 
@@ -144,8 +147,12 @@ def bench_extend(m: Model, num_seqs: int, new_len: int, prefix_len: int, matmul_
     context_lens = torch.full((num_seqs,), context_len, device="cuda", dtype=torch.int32)
     query_start_loc = torch.arange(0, num_seqs + 1, device="cuda", dtype=torch.int32) * new_len
     scale = m.head_dim**-0.5
+    block_m = extend_block_m(DTYPE)
+    work = np.zeros((2, num_seqs * -(-new_len // block_m)), dtype=np.int32)
+    plan_extend_work(np.full(num_seqs, new_len), np.full(num_seqs, context_len), block_m, work)
+    work = torch.from_numpy(work).cuda()
     triton_ms = graph_ms([lambda: extend_attention_triton(q, k_pool[0], v_pool[0], tables, context_lens,
-                                                          query_start_loc, new_len, scale)])
+                                                          query_start_loc, work, scale)])
 
     # SDPA's flash kernel, bottom-right causal (new token i sees the prefix and new tokens 0..i), K/V heads
     # repeated to the query heads as that kernel needs

@@ -27,8 +27,12 @@ work):
       seq a      |   tile kernel (rows of a, b, c ... together)  | split kernel, a alone  |
       seq b      |   (same blocks: one load serves every row)    | split kernel, b alone      |
 
-- **extend** (prefill, hits and misses together): program (query tile, head, seq); KV positions below the
-  tile's first query position need no causal mask (first pass), the rest are masked (second pass)::
+- **extend** (prefill, hits and misses together): program (work item, head), a work item being one query
+  tile of one sequence, planned on the host (`plan_extend_work`, heaviest tiles first) into a list whose
+  length may be padded with idle items: so the grid depends on the token and sequence counts only, never on
+  how the tokens split among the sequences, and one captured CUDA graph serves every batch of a size. KV
+  positions below the tile's first query position need no causal mask (first pass), the rest are masked
+  (second pass)::
 
       KV positions  0 ............ prefix_len ...... context_len
       query tile    rows at prefix_len + m_start .. prefix_len + m_start + BLOCK_M - 1
@@ -46,6 +50,7 @@ import functools
 import math
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 import triton
@@ -334,21 +339,23 @@ def _decode_merge_kernel(
 @triton.jit
 def _extend_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, context_lens_ptr, query_start_loc_ptr,
+    work_ptr,  # [2, num_items] int32: (sequence, query tile) per item; tile -1 = idle
     qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch,
-    stride_bt,
+    stride_bt, stride_work,
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    tile = tl.num_programs(0) - 1 - tl.program_id(0)  # causal: the last tiles do the most work, start them first
+    item = tl.program_id(0)
     head = tl.program_id(1)
-    seq = tl.program_id(2)
+    tile = tl.load(work_ptr + stride_work + item)
+    if tile < 0:  # padding of a list planned for fewer tiles than the grid holds
+        return
+    seq = tl.load(work_ptr + item)
     q_start = tl.load(query_start_loc_ptr + seq)
     query_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     m_start = tile * BLOCK_M
-    if m_start >= query_len:  # the grid covers max_query_len; shorter sequences have fewer tiles
-        return
     context_len = tl.load(context_lens_ptr + seq)
     prefix_len = context_len - query_len
 
@@ -430,6 +437,34 @@ def _extend_config(dtype: torch.dtype) -> dict:
     if dtype == torch.float32:
         return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2)
     return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
+
+
+def extend_block_m(dtype: torch.dtype) -> int:
+    """Query rows per extend work item (`plan_extend_work` needs it on the host)."""
+    return _extend_config(dtype)["BLOCK_M"]
+
+
+def plan_extend_work(
+    query_lens: np.ndarray, context_lens: np.ndarray, block_m: int, out: np.ndarray
+) -> int:
+    """Write the extend kernel's work items into ``out`` ``[2, capacity]`` (row 0 the sequence, row 1 the
+    query tile) and mark the rest idle (tile -1). Returns how many items there are.
+
+    One item per ``block_m`` query rows of a sequence, so at most ``num_tokens // block_m + num_seqs``.
+    Ordered by the KV span they read, longest first: causal tiles differ in work by up to the whole context,
+    and starting the long ones first keeps the SMs busy to the end."""
+    tiles_per_seq = -(-query_lens // block_m)
+    num_items = int(tiles_per_seq.sum())
+    if num_items > out.shape[1]:
+        raise ValueError(f"{num_items} extend work items exceed the capacity of {out.shape[1]}")
+    seqs = np.repeat(np.arange(len(query_lens)), tiles_per_seq)
+    tiles = np.arange(num_items) - np.repeat(np.cumsum(tiles_per_seq) - tiles_per_seq, tiles_per_seq)
+    span = (context_lens - query_lens)[seqs] + tiles * block_m
+    order = np.argsort(-span, kind="stable")
+    out[0, :num_items] = seqs[order]
+    out[1, :num_items] = tiles[order]
+    out[1, num_items:] = -1
+    return num_items
 
 
 def _shared_prefix_config(dtype: torch.dtype) -> dict:
@@ -531,12 +566,12 @@ def extend_attention_triton(
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
     context_lens: torch.Tensor,  # [num_seqs] int32
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
-    max_query_len: int,
+    work: torch.Tensor,  # [2, num_items] int32, from `plan_extend_work`
     scale: float,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]; allocated when None
 ) -> torch.Tensor:
     """Ragged prefill over a cached paged prefix, one launch for the whole batch (any query lengths,
-    prefix lengths 0 included). The grid covers ``max_query_len``; programs past a sequence's end exit."""
+    prefix lengths 0 included). The grid is the work list's length; idle items exit at once."""
     _check_layouts(q, k_cache, v_cache, block_tables)
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -544,13 +579,13 @@ def extend_attention_triton(
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     block_d = triton.next_power_of_2(head_dim)
     config = _extend_config(q.dtype)
-    grid = (triton.cdiv(max_query_len, config["BLOCK_M"]), num_heads, context_lens.numel())
-    _extend_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, context_lens.contiguous(), query_start_loc.contiguous(),
+    assert work.stride(1) == 1
+    _extend_kernel[(work.shape[1], num_heads)](
+        q, k_cache, v_cache, out, block_tables, context_lens.contiguous(), query_start_loc.contiguous(), work,
         scale * math.log2(math.e),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0),
+        block_tables.stride(0), work.stride(0),
         GROUP=num_heads // num_kv_heads, BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim, BLOCK_D=block_d, DOT_PRECISION=_dot_precision(q.dtype), **config,
     )
@@ -569,6 +604,7 @@ def paged_attention_triton(
     scale: float,
     out: torch.Tensor | None = None,
     shared: SharedPrefixTiles | None = None,  # decode only
+    extend_work: torch.Tensor | None = None,  # extend only: [2, num_items] int32 from `plan_extend_work`
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Same function as `paged_attention_ref`: the decode kernel when every sequence has one new token
     (then row b of ``q`` is sequence b), the extend kernel otherwise."""
@@ -576,5 +612,6 @@ def paged_attention_triton(
         return paged_decode_attention_triton(
             q, k_cache, v_cache, block_tables, context_lens, max_context_len, scale, out=out, shared=shared)
     assert shared is None, "shared-prefix tiles are a decode-only layout"
+    assert extend_work is not None, "the extend kernel needs its work list (plan_extend_work)"
     return extend_attention_triton(
-        q, k_cache, v_cache, block_tables, context_lens, query_start_loc, max_query_len, scale, out=out)
+        q, k_cache, v_cache, block_tables, context_lens, query_start_loc, extend_work, scale, out=out)

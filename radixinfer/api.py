@@ -93,7 +93,12 @@ class LLM:
         bytes_per_block = KVStore.bytes_per_block(m.num_layers, block_size, m.num_kv_heads, m.head_dim, loaded.dtype)
         blocks = _num_blocks(num_blocks, kv_memory_fraction, bytes_per_block, torch_device)
         kv = KVStore(m.num_layers, blocks, block_size, m.num_kv_heads, m.head_dim, loaded.dtype, torch_device)
-        runner = ModelRunner(m, kv, get_backend(str(torch_device)), torch_device, max_batch_size)
+        runner = ModelRunner(
+            m, kv, get_backend(str(torch_device)), torch_device, max_batch_size,
+            # a round's budget, plus a recomputed last position per fully cached prompt; plus a continuing chunk
+            prefill_max_tokens=admission.max_tokens + admission.max_requests,
+            prefill_max_seqs=admission.max_requests + 1,
+        )
         cache = KVCacheManager(blocks, block_size, enable_prefix_cache)
         self.tokenizer = loaded.tokenizer
         self.engine = LLMEngine(runner, cache, loaded.tokenizer, loaded.eos_token_ids, config)

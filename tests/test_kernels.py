@@ -17,9 +17,11 @@ import torch
 from kernels.block_copy import copy_blocks_ref, copy_blocks_triton
 from kernels.paged_attention import (
     SharedPrefixTiles,
+    extend_block_m,
     paged_attention_ref,
     paged_attention_triton,
     paged_decode_attention_triton,
+    plan_extend_work,
     shared_prefix_seqs_per_tile,
 )
 from kernels.store_kv import store_kv_ref, store_kv_triton
@@ -76,6 +78,9 @@ def make_batch(prefix_lens, query_lens, *, num_heads, num_kv_heads, head_dim, bl
         block_tables[b, :n] = perm[used:used + n]
         used += n
     cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    # the extend kernel's work list, with idle items past the plan as a captured graph's list has
+    work = np.zeros((2, sum(-(-n // extend_block_m(dtype)) for n in query_lens) + 3), dtype=np.int32)
+    plan_extend_work(np.array(query_lens), np.array(context_lens), extend_block_m(dtype), work)
     meta = AttentionMetadata(
         slot_mapping=torch.full((sum(query_lens),), -1, dtype=torch.int64, device=DEVICE),
         block_tables=block_tables,
@@ -84,6 +89,7 @@ def make_batch(prefix_lens, query_lens, *, num_heads, num_kv_heads, head_dim, bl
                                      device=DEVICE),
         max_query_len=max(query_lens),
         max_context_len=max(context_lens),
+        extend_work=torch.from_numpy(work).to(DEVICE),
     )
     return PagedBatch(
         q=randn(sum(query_lens), num_heads, head_dim, dtype=dtype, gen=gen),
@@ -99,7 +105,8 @@ def check_attention(batch: PagedBatch, dtype, num_splits=None):
     out = nan_like(batch.q)
     if num_splits is None:
         paged_attention_triton(batch.q, batch.k_cache, batch.v_cache, m.block_tables, m.context_lens,
-                               m.query_start_loc, m.max_query_len, m.max_context_len, scale, out=out)
+                               m.query_start_loc, m.max_query_len, m.max_context_len, scale, out=out,
+                               extend_work=m.extend_work)
     else:
         assert m.is_decode
         paged_decode_attention_triton(batch.q, batch.k_cache, batch.v_cache, m.block_tables, m.context_lens,
@@ -212,6 +219,21 @@ def test_extend_matches_reference(dtype, prefix_lens, query_lens, heads, head_di
     batch = make_batch(prefix_lens, query_lens, num_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim,
                        block_size=block_size, dtype=dtype, seed=sum(query_lens) + block_size)
     check_attention(batch, dtype)
+
+
+def test_extend_work_list_covers_every_query_tile_once_longest_span_first():
+    query_lens = np.array([1, 64, 65, 200, 0, 7])
+    context_lens = np.array([1, 100, 65, 900, 0, 7])
+    work = np.full((2, 12), 99, dtype=np.int32)
+    n = plan_extend_work(query_lens, context_lens, 64, work)
+    assert n == 1 + 1 + 2 + 4 + 0 + 1
+    items = sorted(zip(work[0, :n].tolist(), work[1, :n].tolist()))
+    assert items == [(0, 0), (1, 0), (2, 0), (2, 1), (3, 0), (3, 1), (3, 2), (3, 3), (5, 0)]
+    assert (work[1, n:] == -1).all()  # idle padding
+    spans = (context_lens - query_lens)[work[0, :n]] + 64 * work[1, :n]
+    assert (np.diff(spans) <= 0).all()
+    with pytest.raises(ValueError, match="capacity"):
+        plan_extend_work(query_lens, context_lens, 64, np.zeros((2, n - 1), dtype=np.int32))
 
 
 # ------------------------------------------------------------------------------------------- store / copy

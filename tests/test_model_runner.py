@@ -26,11 +26,11 @@ DEVICES = [
 ]
 
 
-def make_runner(device: str, max_batch_size: int = 4, num_blocks: int = 64, backend=None) -> ModelRunner:
+def make_runner(device: str, max_batch_size: int = 4, num_blocks: int = 64, backend=None, **kwargs) -> ModelRunner:
     model = load_model("tiny", device, dtype="float32", seed=0).model
     kv = KVStore(model.num_layers, num_blocks, BLOCK_SIZE, model.num_kv_heads, model.head_dim, torch.float32,
                  torch.device(device))
-    return ModelRunner(model, kv, backend or get_backend(device), torch.device(device), max_batch_size)
+    return ModelRunner(model, kv, backend or get_backend(device), torch.device(device), max_batch_size, **kwargs)
 
 
 def slots(table: list[int], positions) -> list[int]:
@@ -113,8 +113,47 @@ def test_decode_reads_shared_prefixes_once_with_the_same_logits(device):
         done = [d + 1 for d in done]
 
 
-def test_graph_decode_is_used_on_cuda_only():
-    assert not make_runner("cpu")._graphs
+@pytest.mark.parametrize("device", DEVICES)
+def test_prefill_passes_equal_whole_prompt_logits_whatever_the_split(device):
+    """Prompts prefilled in two ragged passes that cut them at different points (the second pass over cached
+    prefixes, with a new prompt joining), through the Triton backend (the interpreter on CPU, the token-bucket
+    graphs on CUDA), give the logits of each whole prompt prefilled alone by the reference backend, and write
+    no block outside the tables (the padding tokens of a bucket store nothing)."""
+    if device == "cpu" and not _triton_env.INTERPRETED:
+        pytest.skip("Triton kernels take CPU tensors only in the interpreter (this machine has CUDA)")
+    runner = make_runner(device, num_blocks=32, backend=TritonAttentionBackend(), prefill_max_tokens=128,
+                         prefill_max_seqs=4)
+    assert bool(runner._prefill_graphs) == (device == "cuda")
+    reference = make_runner(device, num_blocks=32, use_cuda_graphs=False)
+    rng = random.Random(5)
+    lengths = [40, 23, 61, 7]
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in lengths]
+    free = list(range(32))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-n // BLOCK_SIZE))] for n in lengths]
+    expected = [prefill(reference, [(p, t, len(p))]) for p, t in zip(prompts, tables)]
+    k_before = runner.kv.k.clone()
+    got = [[] for _ in prompts]
+    for cuts in ({0: (0, 30), 1: (0, 23), 2: (0, 10)}, {0: (30, 40), 2: (10, 61), 3: (0, 7)}):
+        seqs = sorted(cuts)
+        ids = [t for i in seqs for t in prompts[i][cuts[i][0] : cuts[i][1]]]
+        positions = [p for i in seqs for p in range(*cuts[i])]
+        slot_mapping = [s for i in seqs for s in slots(tables[i], range(*cuts[i]))]
+        hidden = runner.prefill(ids, positions, slot_mapping, [tables[i] for i in seqs],
+                                [cuts[i][1] for i in seqs], [cuts[i][1] - cuts[i][0] for i in seqs])
+        logits = runner.logits(hidden)
+        starts = np.cumsum([0] + [cuts[i][1] - cuts[i][0] for i in seqs])
+        for j, i in enumerate(seqs):
+            got[i].append(logits[starts[j] : starts[j + 1]])
+    for i in range(len(prompts)):
+        torch.testing.assert_close(torch.cat(got[i]), expected[i], rtol=1e-4, atol=1e-4)
+    written = (runner.kv.k != k_before).any(dim=(0, 2, 3, 4)).nonzero().flatten().tolist()
+    assert written == sorted(b for t in tables for b in t)
+
+
+def test_graphs_are_used_on_cuda_only():
+    runner = make_runner("cpu")
+    assert not runner._graphs and not runner._prefill_graphs
 
 
 @pytest.mark.parametrize("device", DEVICES)

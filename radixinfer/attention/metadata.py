@@ -41,6 +41,9 @@ class AttentionMetadata:
     # decode only: sequences whose shared prefix the Triton backend reads once per tile (None: no grouping;
     # an optimisation of the same function, which backends without it ignore)
     shared_prefix: SharedPrefixTiles | None = None
+    # prefill on the Triton backend: the extend kernel's work items, [2, capacity] int32 from
+    # `plan_extend_work` (its capacity, not the batch's split, sets the grid; other backends ignore it)
+    extend_work: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

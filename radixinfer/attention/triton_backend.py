@@ -6,6 +6,11 @@ captured batch size keep fixed: ``num_tokens == num_seqs``, the block-table widt
 never depends on it, only the split count does). Pad unused rows with slot -1 and context_len 0 (they
 store nothing and attend to nothing). The decode workspace (``[num_seqs, num_heads, num_splits, head_dim]``
 f32 when more than one split) is allocated per call, from the graph's pool when capturing.
+
+CUDA-graph capture (prefill): the extend grid is the work list's capacity, so a captured token bucket keeps
+fixed the token count, the sequence count (padding sequences have query length 0 and context length 0),
+the block-table width and the work list's capacity (idle items past the plan); ``max_query_len`` must stay
+above 1 (it only picks the extend kernel over the decode one).
 """
 
 from __future__ import annotations
@@ -28,8 +33,8 @@ class TritonAttentionBackend:
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
         """The decode kernel when ``meta.is_decode`` (with ``meta.shared_prefix``'s tiles when set), the extend
-        kernel otherwise."""
+        kernel over ``meta.extend_work`` otherwise."""
         return paged_attention_triton(
             q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.query_start_loc,
-            meta.max_query_len, meta.max_context_len, scale, shared=meta.shared_prefix,
+            meta.max_query_len, meta.max_context_len, scale, shared=meta.shared_prefix, extend_work=meta.extend_work,
         )

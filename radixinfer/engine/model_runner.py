@@ -5,6 +5,12 @@ one int32 buffer: context lengths, query starts, block tables), never one small 
 On CUDA, decode steps replay CUDA graphs captured per batch-size bucket: a small model's decode step is
 hundreds of kernel launches, and launching them from Python costs far more than running them.
 
+Prefill passes replay CUDA graphs too, captured per token bucket (`prefill_graph_token_counts`) for a fixed
+number of sequences: the pass is padded with tokens that store nothing and belong to no sequence, and the
+extend kernel's grid is its work list's capacity (`plan_extend_work`), so it does not depend on how the
+tokens split among the sequences. An eager pass of a small model spends milliseconds launching kernels
+that run in a fraction of that; passes beyond the largest bucket run eagerly (there the GPU time dominates).
+
 Decode keeps its buffers across steps: the block-table rows are rewritten only where a table changed
 (`BlockTableRows`), and only the rows of the batch travel to the device. With a backend that can, each step
 also plans which sequences share a cached prefix (`SharedPrefixPlanner`, from the block-table rows) so that
@@ -19,7 +25,12 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from kernels.paged_attention import SharedPrefixTiles, shared_prefix_seqs_per_tile
+from kernels.paged_attention import (
+    SharedPrefixTiles,
+    extend_block_m,
+    plan_extend_work,
+    shared_prefix_seqs_per_tile,
+)
 from radixinfer.attention import AttentionBackend, AttentionMetadata, ForwardContext
 from radixinfer.attention.shared_prefix import SharedPrefixPlanner
 from radixinfer.cache.kv_store import KVStore
@@ -71,6 +82,20 @@ class BlockTableRows:
         return rewritten
 
 
+# Prefill passes above this many tokens run eagerly: their GPU time dwarfs the launches, and a graph's
+# activations would hold that much more memory.
+MAX_PREFILL_GRAPH_TOKENS = 16384
+
+
+def prefill_graph_token_counts(max_tokens: int) -> list[int]:
+    """Token buckets a prefill pass is padded up to: four per doubling from 64 (padding adds at most a quarter
+    of a pass's tokens), up to the first that holds ``max_tokens`` or `MAX_PREFILL_GRAPH_TOKENS`."""
+    sizes = [64]
+    while sizes[-1] < min(max_tokens, MAX_PREFILL_GRAPH_TOKENS):
+        sizes.append(sizes[-1] + (1 << (sizes[-1].bit_length() - 1)) // 4)
+    return sizes
+
+
 def graph_batch_sizes(max_batch_size: int) -> list[int]:
     """Buckets a decode batch is padded up to: fine-grained where small batches are common."""
     sizes = [b for b in (1, 2, 4, 8) if b < max_batch_size]
@@ -82,19 +107,20 @@ class _StepBuffers:
     """Host (pinned on CUDA) and device buffers for up to ``max_tokens`` tokens / ``max_seqs`` sequences.
     The device tensors double as a CUDA graph's static inputs.
 
-    The int32 buffer is laid out ``[context_lens (max_seqs) | query_start (max_seqs + 1) | shared-prefix
-    tiles: kv_starts (max_seqs), lens (max_tiles), seqs (max_tiles x seqs_per_tile) | tables (max_seqs x
-    width)]`` (no tile part when ``max_tiles`` is 0), so the part a batch of ``n`` sequences uses is one
-    prefix of it (`upload` copies only that)."""
+    The int32 buffer is laid out ``[context_lens (max_seqs) | query_start (max_seqs + 1) | extend work list
+    (2 x max_work) | shared-prefix tiles: kv_starts (max_seqs), lens (max_tiles), seqs (max_tiles x
+    seqs_per_tile) | tables (max_seqs x width)]`` (no tile part when ``max_tiles`` is 0), so the part a batch
+    of ``n`` sequences uses is one prefix of it (`upload` copies only that)."""
 
     def __init__(
         self, max_tokens: int, max_seqs: int, width: int, device: torch.device, max_tiles: int = 0,
-        seqs_per_tile: int = 0,
+        seqs_per_tile: int = 0, max_work: int = 0,
     ) -> None:
         pin = device.type == "cuda"
         sizes = {  # the int32 layout, in order; one definition for the host and the device views
-            "context_lens": max_seqs, "query_start": max_seqs + 1, "kv_starts": max_seqs if max_tiles else 0,
-            "tile_lens": max_tiles, "tile_seqs": max_tiles * seqs_per_tile, "tables": max_seqs * width,
+            "context_lens": max_seqs, "query_start": max_seqs + 1, "work": 2 * max_work,
+            "kv_starts": max_seqs if max_tiles else 0, "tile_lens": max_tiles, "tile_seqs": max_tiles * seqs_per_tile,
+            "tables": max_seqs * width,
         }
         ends = dict(zip(sizes, itertools.accumulate(sizes.values())))
         self._spans = {name: slice(ends[name] - size, ends[name]) for name, size in sizes.items()}
@@ -103,12 +129,13 @@ class _StepBuffers:
         self.host32 = torch.zeros(ends["tables"], dtype=torch.int32, pin_memory=pin)
         self.dev64 = torch.zeros_like(self.host64, device=device)
         self.dev32 = torch.zeros_like(self.host32, device=device)
-        self.width, self.max_seqs, self.seqs_per_tile = width, max_seqs, seqs_per_tile
+        self.width, self.max_seqs, self.seqs_per_tile, self.max_work = width, max_seqs, seqs_per_tile, max_work
         h64, h32 = self.host64.numpy(), self.host32.numpy()
         self.ids, self.positions, self.slots, self.carry_rows = h64[0], h64[1], h64[2], h64[3]
         self.context_lens, self.query_start, self.kv_starts, self.tile_lens = (
             h32[self._spans[name]] for name in ("context_lens", "query_start", "kv_starts", "tile_lens"))
         self.tile_seqs = h32[self._spans["tile_seqs"]].reshape(max_tiles, seqs_per_tile)
+        self.work = h32[self._spans["work"]].reshape(2, max_work)
         self.tables = h32[self._spans["tables"]].reshape(max_seqs, width)
 
     def _dev(self, name: str) -> torch.Tensor:
@@ -122,10 +149,12 @@ class _StepBuffers:
         self.dev32[:end].copy_(self.host32[:end], non_blocking=True)
 
     def metadata(
-        self, num_tokens: int, num_seqs: int, max_query_len: int, max_context_len: int, num_tiles: int = 0
+        self, num_tokens: int, num_seqs: int, max_query_len: int, max_context_len: int, num_tiles: int = 0,
+        num_work: int = 0,
     ) -> AttentionMetadata:
         """``num_tiles`` > 0: decode reads shared prefixes through the first ``num_tiles`` tiles (the grid;
-        tiles past what the planner filled have length 0)."""
+        tiles past what the planner filled have length 0). ``num_work``: the extend kernel's grid, the first
+        ``num_work`` items of the work list (items past the plan are idle)."""
         shared = None
         if num_tiles:
             shared = SharedPrefixTiles(
@@ -141,11 +170,16 @@ class _StepBuffers:
             max_query_len=max_query_len,
             max_context_len=max_context_len,
             shared_prefix=shared,
+            extend_work=self._dev("work").view(2, self.max_work)[:, :num_work] if num_work else None,
         )
 
 
 class ModelRunner:
-    """Owns the model, the KV tensors and the attention backend."""
+    """Owns the model, the KV tensors and the attention backend.
+
+    ``prefill_max_tokens`` / ``prefill_max_seqs``: the largest prefill pass the engine plans (its token budget
+    plus one recomputed position per cached prompt, and its requests per round plus a continuing chunk); the
+    prefill graphs and buffers are sized for it, and a larger pass runs eagerly in buffers of its own."""
 
     def __init__(
         self,
@@ -155,6 +189,8 @@ class ModelRunner:
         device: torch.device,
         max_batch_size: int,
         use_cuda_graphs: bool | None = None,
+        prefill_max_tokens: int = 8192,
+        prefill_max_seqs: int = 64,
     ) -> None:
         self.model = model
         self.kv = kv
@@ -172,15 +208,24 @@ class ModelRunner:
             max_batch_size, max_batch_size, self.table_width, device, max_tiles, seqs_per_tile)
         self._decode_buffers.query_start[:] = np.arange(max_batch_size + 1)  # one token per sequence
         self._decode_tables = BlockTableRows(self._decode_buffers.tables)
+        self._block_m = extend_block_m(kv.k.dtype)
+        self._prefill_sizes = prefill_graph_token_counts(prefill_max_tokens)
+        self._prefill_buffers = self._prefill_step_buffers(
+            self._prefill_sizes[-1], prefill_max_seqs, self.table_width)
         # (batch bucket, reads shared prefixes once) -> (graph, its logits)
         self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._graph_sizes: list[int] = []
+        self._prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # tokens -> (graph, hidden)
         if use_cuda_graphs is None:
             use_cuda_graphs = device.type == "cuda"
         if use_cuda_graphs:
-            self._capture_decode_graphs()
+            self._capture_graphs()
 
     # ------------------------------------------------------------------ prefill
+    def _prefill_step_buffers(self, max_tokens: int, max_seqs: int, width: int) -> _StepBuffers:
+        return _StepBuffers(max_tokens, max_seqs, width, self.device,
+                            max_work=-(-max_tokens // self._block_m) + max_seqs)
+
     @torch.inference_mode()
     def prefill(
         self,
@@ -193,20 +238,39 @@ class ModelRunner:
     ) -> torch.Tensor:
         """One ragged forward. Sequence ``b`` contributes ``query_lens[b]`` consecutive tokens ending at
         position ``context_lens[b] - 1``; ``slots`` has one entry per token (-1 = already stored).
-        Returns the final hidden states ``[num_tokens, hidden_size]``."""
+        Returns the final hidden states ``[num_tokens, hidden_size]``: on CUDA a view into a graph's output,
+        valid until the next prefill."""
         num_tokens, num_seqs = len(input_ids), len(tables)
-        width = max(map(len, tables))
-        buf = _StepBuffers(num_tokens, num_seqs, width, self.device)
-        buf.ids[:] = input_ids
-        buf.positions[:] = positions
-        buf.slots[:] = slots
+        buf = self._prefill_buffers
+        bucket = next((t for t in self._prefill_sizes if t >= num_tokens), 0) if num_seqs <= buf.max_seqs else 0
+        if not bucket:  # larger than any planned pass: buffers of its own
+            buf = self._prefill_step_buffers(num_tokens, num_seqs, max(map(len, tables)))
+        buf.ids[:num_tokens] = input_ids
+        buf.positions[:num_tokens] = positions
+        buf.slots[:num_tokens] = slots
+        buf.slots[num_tokens:bucket] = -1  # padding tokens store nothing (and no work item reads them)
         pack_block_tables(tables, buf.tables)
-        buf.context_lens[:] = context_lens
+        buf.context_lens[:num_seqs] = context_lens
         buf.query_start[0] = 0
-        np.cumsum(query_lens, out=buf.query_start[1:])
+        query_lens = np.asarray(query_lens)
+        np.cumsum(query_lens, out=buf.query_start[1 : num_seqs + 1])
+        num_work = plan_extend_work(query_lens, buf.context_lens[:num_seqs], self._block_m, buf.work)
         buf.upload(num_seqs)
-        meta = buf.metadata(num_tokens, num_seqs, max(query_lens), max(context_lens))
-        return self.model(buf.dev64[0], buf.dev64[1], ForwardContext(meta, self.kv.k, self.kv.v, self.backend))
+        graph = self._prefill_graphs.get(bucket)
+        if graph is not None:
+            graph[0].replay()
+            return graph[1][:num_tokens]
+        meta = buf.metadata(num_tokens, num_seqs, int(query_lens.max()), max(context_lens), num_work=num_work)
+        return self.model(buf.dev64[0, :num_tokens], buf.dev64[1, :num_tokens],
+                          ForwardContext(meta, self.kv.k, self.kv.v, self.backend))
+
+    def _prefill_graph_forward(self, num_tokens: int) -> torch.Tensor:
+        """The forward a prefill graph of ``num_tokens`` captures: every sequence slot of the buffers, the whole
+        work list (its grid), ``max_query_len`` at the bucket (above 1: the extend kernel)."""
+        buf = self._prefill_buffers
+        meta = buf.metadata(num_tokens, buf.max_seqs, num_tokens, self.model.max_context_len, num_work=buf.max_work)
+        ctx = ForwardContext(meta, self.kv.k, self.kv.v, self.backend)
+        return self.model(buf.dev64[0, :num_tokens], buf.dev64[1, :num_tokens], ctx)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -269,27 +333,38 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
-    def _capture_decode_graphs(self) -> None:
-        """Capture graphs per batch bucket, largest first, sharing one memory pool: one plain, and one reading
-        shared prefixes once when the backend can (a step picks by whether the planner found any). Captured
-        with the model's whole context as ``max_context_len`` (it only sizes the decode kernel's split count)."""
-        buf = self._decode_buffers
-        buf.slots[:] = -1
-        buf.context_lens[:] = 0
-        buf.tile_lens[:] = 0
-        buf.upload(self.max_batch_size)
+    def _capture_graphs(self) -> None:
+        """Capture the decode graphs per batch bucket, then the prefill graphs per token bucket, largest first,
+        in one memory pool (replays never overlap, and each graph's output stays referenced). Decode: one
+        plain graph and one reading shared prefixes once when the backend can (a step picks by whether the
+        planner found any), with the model's whole context as ``max_context_len`` (it only sizes the decode
+        kernel's split count). Captured on empty inputs: no slot stored, no context, every work item idle."""
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
+
+        def capture(forward, *args) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+            forward(*args)  # warm up: compile, autotune
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                out = forward(*args)
+            return graph, out
+
+        dec, pre = self._decode_buffers, self._prefill_buffers
+        dec.slots[:] = pre.slots[:] = -1
+        dec.context_lens[:] = pre.context_lens[:] = 0
+        dec.tile_lens[:] = 0
+        pre.work[1] = -1
+        dec.upload(dec.max_seqs)
+        pre.upload(pre.max_seqs)
         variants = (False, True) if self._planner is not None else (False,)
         sizes = sorted(graph_batch_sizes(self.max_batch_size), reverse=True)
         with torch.cuda.stream(stream):
             for size, shared in itertools.product(sizes, variants):
-                self._decode_forward(size, self.model.max_context_len, shared)  # warm up: compile, autotune
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    logits = self._decode_forward(size, self.model.max_context_len, shared)
-                self._graphs[size, shared] = (graph, logits)
+                self._graphs[size, shared] = capture(
+                    self._decode_forward, size, self.model.max_context_len, shared)
+            for num_tokens in reversed(self._prefill_sizes):
+                self._prefill_graphs[num_tokens] = capture(self._prefill_graph_forward, num_tokens)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         self._graph_sizes = sorted(sizes)
