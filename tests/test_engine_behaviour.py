@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import random
 
+import numpy as np
 import pytest
 
 from radixinfer import LLM, SamplingParams
@@ -213,8 +214,11 @@ def test_steady_decode_steps_derive_inputs_from_the_last_step_exactly():
             calls.append((list(map(int, positions)), list(map(int, context_lens)), [list(t) for t in tables]))
             logits = real_decode(input_ids, positions, slots, tables, context_lens, carried, carried_rows,
                                  changed_tables)
-            rows = engine.runner._decode_buffers.tables
+            buffers = engine.runner._decode_buffers
+            rows = buffers.tables
             assert all(rows[i, : len(t)].tolist() == t and not rows[i, len(t) :].any() for i, t in enumerate(tables))
+            # the device copy holds the same rows: only the rewritten ones were sent
+            np.testing.assert_array_equal(buffers.device_tables[: len(tables)].cpu().numpy(), rows[: len(tables)])
             return logits
 
         engine.runner.decode = decode

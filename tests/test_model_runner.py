@@ -178,14 +178,15 @@ def reference_rows(tables: list[list[int]], width: int) -> np.ndarray:
 def test_block_table_rows_follow_every_kind_of_change():
     rows = BlockTableRows(np.zeros((5, 6), dtype=np.int32))
     a, b, c = [3, 1], [9, 8, 7], [4]
-    assert rows.update([a, b, c]) == 3
-    assert rows.update([a, b, c]) == 0  # nothing changed: nothing rewritten
+    assert rows.update([a, b, c]) == ([0, 1, 2], 3)
+    assert rows.update([a, b, c]) == ([], 0)  # nothing changed: nothing rewritten
     a.append(2)  # growth by a block
     b[-1] = 11  # copy-on-write of the last block
     b[0] = 12  # a remap in the middle
-    assert rows.update([a, b, c]) == 2
+    assert rows.update([a, b, c]) == ([0, 1], 3)
     np.testing.assert_array_equal(rows.rows[:3], reference_rows([a, b, c], 6))
-    assert rows.update([c, [], a]) == 3  # rows move and shrink: stale entries past the end are zeroed
+    # rows move and shrink: stale entries past the end are zeroed, and count in the width sent
+    assert rows.update([c, [], a]) == ([0, 1, 2], 3)
     np.testing.assert_array_equal(rows.rows[:3], reference_rows([c, [], a], 6))
     np.testing.assert_array_equal(rows.rows[3:], 0)  # rows past every batch were never written
 
@@ -196,12 +197,12 @@ def test_block_table_rows_told_which_rows_changed_compare_only_those():
     rows.update([a, b, c])
     a.append(2)
     c[-1] = 5
-    assert rows.update([a, b, c], changed=[0, 2]) == 2
+    assert rows.update([a, b, c], changed=[0, 2]) == ([0, 2], 3)
     np.testing.assert_array_equal(rows.rows[:3], reference_rows([a, b, c], 6))
     b.append(6)  # not reported: left alone (the caller vouches for the rows it does not name)
-    assert rows.update([a, b, c], changed=[]) == 0
+    assert rows.update([a, b, c], changed=[]) == ([], 0)
     np.testing.assert_array_equal(rows.rows[1], [9, 8, 7, 0, 0, 0])
-    assert rows.update([a, b, c]) == 1  # a full comparison still finds it
+    assert rows.update([a, b, c]) == ([1], 4)  # a full comparison still finds it
 
 
 def test_block_table_rows_match_a_full_pack_under_random_edits():

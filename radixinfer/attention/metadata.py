@@ -33,7 +33,9 @@ class AttentionMetadata:
     """
 
     slot_mapping: torch.Tensor  # [num_tokens] int64; slot to store each new token's K/V in, -1 = don't store
-    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32; entries past a sequence's end are 0
+    # [num_seqs, max_blocks_per_seq] int32; entries past a sequence's end are 0 up to the batch's longest table
+    # (beyond it they may be stale: nothing reads them)
+    block_tables: torch.Tensor
     context_lens: torch.Tensor  # [num_seqs] int32; KV positions each sequence attends over, new tokens included
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32; cumulative new-token counts (cu_seqlens_q)
     max_query_len: int
