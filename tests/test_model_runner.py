@@ -151,6 +151,28 @@ def test_prefill_passes_equal_whole_prompt_logits_whatever_the_split(device):
     assert written == sorted(b for t in tables for b in t)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_each_forward_computes_from_its_own_inputs_while_the_gpu_runs_behind():
+    """The host fills the next forward's buffers at once, while this forward's upload may still wait on the
+    stream behind earlier work (here a sleep kernel of tens of milliseconds): two prefills and two decodes
+    launched back to back must each compute what it was launched with."""
+    runner = make_runner("cuda")
+    rng = random.Random(7)
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (30, 45)]
+    tables = [[0, 1], [2, 3, 4]]
+    expected = [prefill(runner, [(p, t, len(p))]) for p, t in zip(prompts, tables)]
+    torch.cuda.synchronize()
+    torch.cuda._sleep(100_000_000)
+    prefilled = [prefill(runner, [(p, t, len(p))]) for p, t in zip(prompts, tables)]
+    torch.cuda._sleep(100_000_000)
+    decoded = [runner.decode([p[-1]], [len(p) - 1], slots(t, [len(p) - 1]), [t], [len(p)]).clone()
+               for p, t in zip(prompts, tables)]
+    for i in range(2):
+        torch.testing.assert_close(prefilled[i], expected[i], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(decoded[i][0], expected[i][-1], rtol=1e-4, atol=1e-4)
+
+
 def test_graphs_are_used_on_cuda_only():
     runner = make_runner("cpu")
     assert not runner._graphs and not runner._prefill_graphs

@@ -107,9 +107,22 @@ def graph_batch_sizes(max_batch_size: int) -> list[int]:
     return sizes + [max_batch_size]
 
 
+def _copy_from_snapshot(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` that may run later on the stream (behind a long prefill graph, say) while the host
+    already rewrites ``src`` for the next step: on CUDA the copy reads a pinned snapshot of ``src``, which
+    the caching host allocator does not hand out again until the copies reading it have run."""
+    if dst.device.type != "cuda":
+        dst.copy_(src)
+        return
+    snapshot = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+    snapshot.copy_(src)
+    dst.copy_(snapshot, non_blocking=True)
+
+
 class _StepBuffers:
-    """Host (pinned on CUDA) and device buffers for up to ``max_tokens`` tokens / ``max_seqs`` sequences.
-    The device tensors double as a CUDA graph's static inputs.
+    """Host and device buffers for up to ``max_tokens`` tokens / ``max_seqs`` sequences. The device tensors
+    double as a CUDA graph's static inputs; the host arrays are filled in place every step (`upload` sends
+    a snapshot of them).
 
     The int32 buffer is laid out ``[context_lens (max_seqs) | query_start (max_seqs + 1) | extend work list
     (2 x max_work) | shared-prefix tiles: kv_starts (max_seqs), lens (max_tiles), seqs (max_tiles x
@@ -124,7 +137,6 @@ class _StepBuffers:
         self, max_tokens: int, max_seqs: int, width: int, device: torch.device, max_tiles: int = 0,
         seqs_per_tile: int = 0, max_work: int = 0,
     ) -> None:
-        pin = device.type == "cuda"
         sizes = {  # the int32 layout, in order; one definition for the host and the device views
             "context_lens": max_seqs, "query_start": max_seqs + 1, "work": 2 * max_work,
             "kv_starts": max_seqs if max_tiles else 0, "tile_lens": max_tiles, "tile_seqs": max_tiles * seqs_per_tile,
@@ -134,8 +146,8 @@ class _StepBuffers:
         self._spans = {name: slice(ends[name] - size, ends[name]) for name, size in sizes.items()}
         # ids, positions, slots, (decode) the row of each sequence's input in the previous step's tokens, and
         # the table row of each staged row
-        self.host64 = torch.zeros(5, max(max_tokens, max_seqs), dtype=torch.int64, pin_memory=pin)
-        self.host32 = torch.zeros(ends["tables"], dtype=torch.int32, pin_memory=pin)
+        self.host64 = torch.zeros(5, max(max_tokens, max_seqs), dtype=torch.int64)
+        self.host32 = torch.zeros(ends["tables"], dtype=torch.int32)
         self.dev64 = torch.zeros_like(self.host64, device=device)
         self.dev32 = torch.zeros_like(self.host32, device=device)
         self.width, self.max_seqs, self.seqs_per_tile, self.max_work = width, max_seqs, seqs_per_tile, max_work
@@ -165,12 +177,12 @@ class _StepBuffers:
         self._staged = (count, width)
 
     def upload(self) -> None:
-        """Copy the host buffers to the device and the staged rows into the device tables (asynchronously;
-        the host buffers must not change until the copy has run, which the next step's sync ensures)."""
+        """Copy the host buffers to the device and the staged rows into the device tables, asynchronously:
+        the host may fill the buffers for the next step at once."""
         count, width = self._staged
-        self.dev64.copy_(self.host64, non_blocking=True)
         end = self._spans["staged"].start + count * width
-        self.dev32[:end].copy_(self.host32[:end], non_blocking=True)
+        _copy_from_snapshot(self.dev64, self.host64)
+        _copy_from_snapshot(self.dev32[:end], self.host32[:end])
         if count:
             staged = self.dev32[self._spans["staged"].start : end].view(count, width)
             self.device_tables[:, :width].index_copy_(0, self.dev64[4, :count], staged)
