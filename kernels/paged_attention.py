@@ -46,6 +46,7 @@ use exact (``ieee``) dots; fp16/bf16 use the tensor cores with float32 accumulat
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from typing import NamedTuple
@@ -403,6 +404,11 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@functools.lru_cache(maxsize=None)
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
+
+
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, device: torch.device) -> int:
     """How many programs share one sequence's context: up to four programs per SM in all, no more than one
     per ``MIN_TOKENS_PER_SPLIT`` positions of the longest context. Rounding down matters: once
@@ -525,6 +531,12 @@ def paged_decode_attention_triton(
     parts = out.unsqueeze(2) if num_slots == 1 else torch.empty(
         (num_seqs, num_heads, num_slots, head_dim), dtype=torch.float32, device=q.device)
     lse = torch.empty((num_seqs, num_heads, num_slots), dtype=torch.float32, device=q.device)
+    # The tile kernel and the split kernel write disjoint slots: on CUDA they run side by side (the tile
+    # kernel on a second stream, joined before the merge; a captured graph keeps the two branches), so the
+    # few hundred short programs of each fill the SMs together instead of each kernel's tail idling them.
+    side = _side_stream(q.device) if shared is not None and q.is_cuda else None
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream(q.device))
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens.contiguous(),
         context_lens if shared is None else shared.kv_starts, parts, lse,
@@ -541,17 +553,20 @@ def paged_decode_attention_triton(
         num_tiles, seqs_per_tile = shared.seqs.shape
         config = _shared_prefix_config(q.dtype)
         assert shared.seqs.is_contiguous() and 0 < seqs_per_tile * group <= config["BLOCK_M"]
-        _shared_prefix_kernel[(num_tiles, num_kv_heads, shared_chunks)](
-            q, k_cache, v_cache, block_tables, shared.seqs, shared.lens, parts, lse,
-            qk_scale, num_slots,
-            q.stride(0), q.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            block_tables.stride(0),
-            parts.stride(0), parts.stride(1), parts.stride(2),
-            GROUP=group, NUM_HEADS=num_heads, SEQS_PER_TILE=seqs_per_tile, BLOCK_SIZE=block_size,
-            HEAD_DIM=head_dim, BLOCK_D=block_d, DOT_PRECISION=_dot_precision(q.dtype),
-            SHARED_CHUNKS=shared_chunks, MIN_CHUNK=MIN_SHARED_CHUNK, **config,
-        )
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            _shared_prefix_kernel[(num_tiles, num_kv_heads, shared_chunks)](
+                q, k_cache, v_cache, block_tables, shared.seqs, shared.lens, parts, lse,
+                qk_scale, num_slots,
+                q.stride(0), q.stride(1),
+                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                block_tables.stride(0),
+                parts.stride(0), parts.stride(1), parts.stride(2),
+                GROUP=group, NUM_HEADS=num_heads, SEQS_PER_TILE=seqs_per_tile, BLOCK_SIZE=block_size,
+                HEAD_DIM=head_dim, BLOCK_D=block_d, DOT_PRECISION=_dot_precision(q.dtype),
+                SHARED_CHUNKS=shared_chunks, MIN_CHUNK=MIN_SHARED_CHUNK, **config,
+            )
+        if side is not None:
+            torch.cuda.current_stream(q.device).wait_stream(side)
     if num_slots > 1:
         block_s = triton.next_power_of_2(num_slots)
         block_h = min(triton.next_power_of_2(num_heads), max(1, MERGE_TILE_ELEMENTS // (block_s * block_d)))
