@@ -176,20 +176,23 @@ class KVCacheManager:
         pool = self.pool
         # Growing by g positions takes at most ceil((g - 1) / bs) + 1 blocks, a copy included (one block for a
         # decode step). With that many free, skip the exact count (a second pass over the batch) and eviction.
-        if new_lens is None:
-            new_lens = [seq.num_kv + 1 for seq in seqs]
+        one_each = new_lens is None  # a decode step: the loop below derives each new length, no list built
+        if one_each:
             most = len(seqs)
         else:
             most = sum((n - seq.num_kv + bs - 2) // bs + 1 for seq, n in zip(seqs, new_lens) if n > seq.num_kv)
-        if pool.num_free < most and not self.ensure_free(self._blocks_needed(seqs, new_lens)):
+        if pool.num_free < most and not self.ensure_free(
+            self._blocks_needed(seqs, [seq.num_kv + 1 for seq in seqs] if one_each else new_lens)
+        ):
             return None
         fill, refcount = pool.fill, pool.refcount
         slots: list[int] = []
         copies: list[tuple[int, int]] = []
         changed: list[int] = []
         written_fill = self._written_fill
-        for i, (seq, new_len) in enumerate(zip(seqs, new_lens)):
+        for i, seq in enumerate(seqs):
             start = seq.num_kv
+            new_len = start + 1 if one_each else new_lens[i]
             if new_len <= start:
                 continue
             table = seq.table
@@ -223,8 +226,8 @@ class KVCacheManager:
                 first_new = len(table)
                 fresh = pool.allocate(num_fresh)
                 table.extend(fresh)
-                for i, b in enumerate(fresh):
-                    fill[b] = min(bs, new_len - (first_new + i) * bs)
+                for k, b in enumerate(fresh):
+                    fill[b] = min(bs, new_len - (first_new + k) * bs)
                     written_fill[b] = 0
             if new_len - start == 1:
                 slots.append(table[start // bs] * bs + offset)
