@@ -3,6 +3,7 @@
 #
 #   OUT=/path/to/results bash benchmarks/gpu_suite.sh            # GPU; needs checkpoints/gpt2-peer
 #   SMOKE=1 OUT=/tmp/suite bash benchmarks/gpu_suite.sh          # CPU smoke test: tiny model, tiny sizes
+#   ONLY="d1 e" OUT=/path/to/results bash benchmarks/gpu_suite.sh  # only the runs whose names start so
 #
 # Every line below is a `radixinfer bench` command line (replay one with `radixinfer bench FLAGS`); all
 # run in one Python process (radixinfer.bench.suite), writing $OUT/NAME.json (every metric) and
@@ -50,7 +51,7 @@ else
 fi
 SHARED="You are a helpful assistant. Answer the question concisely and cite your sources."
 
-python -m radixinfer.bench.suite "$OUT" --run-timeout "$RUN_TIMEOUT" <<EOF
+RUNS=$(cat <<EOF
 a_fixed_hello65 $PEER --prompt Hello $A --max-new-tokens 2 --max-batch-size 16 --prefill-max-batch-size 16 --warmup-runs 1 --no-stop-on-eos
 b_shared_prompt $PEER --prompt "$SHARED" $B --unique-prompts --max-batch-size 256 --prefill-max-batch-size 64 --cold-cache --compare-no-cache --warmup-runs 1 --no-stop-on-eos
 c_head_of_line $PEER --prompt Hello $C --unique-prompts --max-batch-size 8 --prefill-max-batch-size 128 --prefill-force-fifo-every 8 --no-prefix-cache --truncate-prompts --compare-policies fifo,pack,lpm --warmup-runs 1 --no-stop-on-eos
@@ -58,3 +59,8 @@ d1_shared_prefix_cache $QWEN --dataset shared-prefix $D --max-batch-size 512 --c
 d2_shared_prefix_vs_hf $QWEN --dataset shared-prefix $D2 --max-batch-size 512 --cold-cache --compare-backends --hf-batching continuous --warmup-runs 1 --no-stop-on-eos
 e_random_cache_cost $PEER --dataset random $E --max-batch-size 128 --cold-cache --compare-no-cache --warmup-runs 1 --repeat-runs $E_ROUNDS --no-stop-on-eos
 EOF
+)
+if [[ -n "${ONLY:-}" ]]; then  # e.g. ONLY="d1 e": the runs whose names start so
+    RUNS=$(grep -E "^(${ONLY// /|})" <<<"$RUNS")
+fi
+python -m radixinfer.bench.suite "$OUT" --run-timeout "$RUN_TIMEOUT" <<<"$RUNS"
