@@ -32,6 +32,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kernels.argmax import argmax_triton  # noqa: E402
 from kernels.block_copy import copy_blocks_ref, copy_blocks_triton  # noqa: E402
 from kernels.paged_attention import (  # noqa: E402
     decode_num_splits,
@@ -200,6 +201,18 @@ def bench_store_kv(m: Model, num_tokens: int, hbm_tbs: float) -> dict:
     }
 
 
+def bench_argmax(rows: int, vocab: int, hbm_tbs: float) -> dict:
+    """The greedy sampler's reduction over a decode step's logits (bf16, as the models return them)."""
+    logits = torch.randn(rows, vocab, device="cuda", dtype=DTYPE)
+    read = logits.numel() * DTYPE.itemsize
+    triton_ms = graph_ms([lambda: argmax_triton(logits)])
+    torch_ms = graph_ms([lambda: logits.argmax(dim=-1)])
+    return {
+        "kernel": f"argmax {rows} x {vocab}", "MB read": read / 1e6, "floor us": read / hbm_tbs / 1e6,
+        "triton us": triton_ms * 1e3, "TB/s": read / triton_ms / 1e9, "torch argmax us": torch_ms * 1e3,
+    }
+
+
 def table(rows: list[dict]) -> str:
     def fmt(x):
         return "-" if x is None else f"{x:.3g}" if isinstance(x, float) else str(x)
@@ -229,9 +242,11 @@ def main() -> None:
     moves = [bench_copy_blocks(m, 256, ceil["hbm_TBps"]) for m in MODELS]
     moves += [bench_store_kv(m, n, ceil["hbm_TBps"]) for m in MODELS for n in (256, 16384)]
     print("\n## KV copies\n" + table(moves))
+    argmax = [bench_argmax(r, v, ceil["hbm_TBps"]) for r, v in [(512, 151936), (64, 151936), (128, 50257)]]
+    print("\n## greedy sampling: argmax over the logits\n" + table(argmax))
     if args.json:
         args.json.write_text(json.dumps({"device": props.name, "ceilings": ceil, "decode": decode,
-                                         "extend": extend, "moves": moves}, indent=1))
+                                         "extend": extend, "moves": moves, "argmax": argmax}, indent=1))
 
 
 if __name__ == "__main__":

@@ -57,6 +57,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.device import num_sms
+
 
 def paged_attention_ref(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
@@ -398,13 +400,6 @@ MERGE_TILE_ELEMENTS = 8192  # float32 partial values one merge program holds: 64
 
 
 @functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1  # the interpreter: fewer programs run faster
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-@functools.lru_cache(maxsize=None)
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
 
@@ -415,7 +410,7 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, de
     ``num_seqs * num_kv_heads`` alone gives about four programs per SM, a second split costs more (partials,
     merge) than it brings (measured on an H200, benchmarks/RESULTS.md). A function of host ints only: the
     same batch size and length bound give the same grid."""
-    by_occupancy = 4 * _num_sms(device) // (num_seqs * num_kv_heads)
+    by_occupancy = 4 * num_sms(device) // (num_seqs * num_kv_heads)
     by_length = triton.cdiv(max_context_len, MIN_TOKENS_PER_SPLIT)
     return max(1, min(by_occupancy, by_length, MAX_SPLITS))
 

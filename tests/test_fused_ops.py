@@ -1,4 +1,5 @@
-"""The fused element-wise kernels (residual add + RMSNorm, rotary, SiLU-and-mul) against their references, and
+"""The fused element-wise kernels (residual add + RMSNorm, rotary, SiLU-and-mul) and the sampler's argmax against
+their references, and
 a Llama-family forward through the kernels against the same model through the references.
 
 Without CUDA the kernels run in Triton's interpreter at tiny sizes; the ``gpu`` tests repeat them at real
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
+from kernels.argmax import argmax_ref, argmax_triton
 from kernels.rms_norm import rms_norm_ref, rms_norm_triton
 from kernels.rotary import rotary_ref, rotary_triton
 from radixinfer.attention import AttentionMetadata, ForwardContext, get_backend
@@ -122,6 +124,28 @@ def test_silu_and_mul_matches_reference(dtype, intermediate):
     check_silu_and_mul(num_tokens=3, intermediate=intermediate, dtype=dtype, seed=intermediate)
 
 
+# ------------------------------------------------------------------------------------------------- argmax
+
+
+def check_argmax(rows, vocab, dtype, seed, chunks=None):
+    """Random rows (strided: every row padded) plus planted ties: row 0 has its maximum at two positions in
+    different chunks, row 1 twice inside one, and the last row is all -inf (index 0, as torch answers)."""
+    gen = torch.Generator(DEVICE).manual_seed(seed)
+    logits = randn(rows, vocab + 9, dtype=dtype, gen=gen)[:, :vocab]
+    logits[0, [vocab // 3, vocab - 2]] = 50.0
+    logits[1, [7, 9]] = 50.0
+    logits[-1] = float("-inf")
+    out = argmax_triton(logits, chunks)
+    assert out.dtype == torch.int64
+    assert out.tolist() == argmax_ref(logits).tolist()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab, chunks", [(300, None), (5000, 1), (5000, 3), (4097, 64)])  # 64: capped
+def test_argmax_matches_reference_first_index_of_ties(dtype, vocab, chunks):
+    check_argmax(rows=4, vocab=vocab, dtype=dtype, seed=vocab, chunks=chunks)
+
+
 # ------------------------------------------------------------------------------------------------- models
 
 
@@ -184,6 +208,13 @@ def test_rotary_and_head_norm_gpu(dtype, heads, head_dim):
                     seed=head_dim)
     check_rotary(num_tokens=512, num_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim, dtype=dtype,
                  seed=head_dim)
+
+
+@gpu_test
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, vocab", [(512, 151936), (3, 50257), (300, 32000)])
+def test_argmax_gpu(dtype, rows, vocab):
+    check_argmax(rows=rows, vocab=vocab, dtype=dtype, seed=rows)
 
 
 @gpu_test

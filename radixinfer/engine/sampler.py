@@ -13,6 +13,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kernels.argmax import argmax_ref, argmax_triton
+from radixinfer.models.layers import by_device
+
 _MASK32 = 0xFFFFFFFF
 _MIX = 0x45D9F3B  # products of values < 2**32 with it stay below 2**63: no int64 overflow
 
@@ -104,10 +107,13 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
+argmax = by_device(argmax_triton, argmax_ref)  # [rows, vocab] -> [rows] int64, the first index of each max
+
+
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """``logits [num_rows, vocab]`` (any float dtype; sampling happens in float32) -> sampled token ids
     ``[num_rows]`` int64 (on the device)."""
-    greedy_ids = logits.argmax(dim=-1)
+    greedy_ids = argmax(logits)
     if batch.all_greedy:
         return greedy_ids
     temperature = batch.temperature.clamp(min=1e-5)[:, None]
@@ -115,5 +121,5 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if batch.any_filter:
         scaled = _filter_top_k_top_p(scaled, batch.top_k, batch.top_p)
     gumbel = -torch.log(-torch.log(noise_from_keys(batch.keys, logits.shape[-1])))
-    sampled_ids = (scaled + gumbel).argmax(dim=-1)
+    sampled_ids = argmax(scaled + gumbel)
     return torch.where(batch.temperature > 0, sampled_ids, greedy_ids)
