@@ -53,6 +53,8 @@ class BlockTableRows:
 
     A decode step grows about one table in ``block_size`` by a block and leaves the rest as they were, while
     converting every entry of every table from Python ints costs ~25 ns each (~0.3 ms at 256 x 50 blocks).
+    A table that grew gets only its new entries written: sequences admitted together cross block boundaries
+    on the same step, so every 16th step of a batch that started together grows every table at once.
     `update` compares each row's table with a copy of what it last wrote there (a list comparison, in C,
     mostly pointer-equal ints), so any change is caught: growth, a copy-on-write of the last block, a remap,
     another sequence moving into the row. Tables must be lists (what the cache hands out). Rows past the batch
@@ -76,13 +78,20 @@ class BlockTableRows:
         for i in range(len(tables)) if changed is None else changed:
             table, old = tables[i], written[i]
             if old != table:
-                n = len(table)
-                rows[i, :n] = table
-                if len(old) > n:
-                    rows[i, n : len(old)] = 0
-                written[i] = table.copy()
+                n, m = len(table), len(old)
+                if m < n and table[:m] == old:  # grown by blocks (the common change): write just those
+                    if n == m + 1:
+                        rows[i, m] = table[m]
+                    else:
+                        rows[i, m:n] = table[m:]
+                    old.extend(table[m:])
+                else:
+                    rows[i, :n] = table
+                    if m > n:
+                        rows[i, n:m] = 0
+                    written[i] = table.copy()
                 rewritten.append(i)
-                width = max(width, n, len(old))
+                width = max(width, n, m)
         return rewritten, width
 
 
