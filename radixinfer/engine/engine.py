@@ -432,7 +432,7 @@ class LLMEngine:
         """`_decode_inputs` without a pass over the requests, for a step that decodes ``last``'s batch again."""
         n = len(last.batch)
         lens = last.context_lens
-        return np.zeros(n, np.int64), lens, last.tables, lens + 1, last.launch.tokens, np.arange(n)
+        return np.zeros(n, np.int64), lens, last.tables, lens + 1, last.launch.tokens, None
 
     @staticmethod
     def _decode_inputs(batch: list[Request]) -> tuple[list[int], list[int], list[list[int]], list[int],

@@ -343,7 +343,8 @@ class ModelRunner:
         """One token per sequence; returns logits ``[num_seqs, vocab]`` in the model dtype.
 
         A sequence whose input token was sampled by the previous step and not yet read back takes it from
-        ``carried`` (that step's device tensor of tokens) at row ``carried_rows[i]`` (-1: use ``input_ids[i]``),
+        ``carried`` (that step's device tensor of tokens) at row ``carried_rows[i]`` (-1: use ``input_ids[i]``;
+        ``carried_rows`` None: row ``i`` for every sequence, the repeated batch's case, one copy),
         so the next step can be launched before the host has seen the last one's tokens. ``changed_tables``:
         the batch is the last decode's, and only these rows' tables changed since (see `BlockTableRows`)."""
         n = len(input_ids)
@@ -352,7 +353,7 @@ class ModelRunner:
         bucket = next((b for b in self._graph_sizes if b >= n), n)
         buf = self._decode_buffers
         buf.ids[:n] = input_ids
-        if carried is not None:
+        if carried_rows is not None:
             buf.carry_rows[:n] = carried_rows
         buf.positions[:n] = positions
         buf.slots[:n] = slots
@@ -364,8 +365,12 @@ class ModelRunner:
             buf.tables, buf.context_lens[:n], buf.tile_seqs, buf.tile_lens, buf.kv_starts) > 0
         buf.upload()
         if carried is not None:
-            ids, rows = buf.dev64[0, :n], buf.dev64[3, :n]
-            ids.copy_(torch.where(rows >= 0, carried[rows.clamp(min=0)], ids))
+            ids = buf.dev64[0, :n]
+            if carried_rows is None:
+                ids.copy_(carried)
+            else:
+                rows = buf.dev64[3, :n]
+                ids.copy_(torch.where(rows >= 0, carried[rows.clamp(min=0)], ids))
         graph = self._graphs.get((bucket, shared))
         if graph is not None:
             graph[0].replay()
