@@ -1,7 +1,9 @@
 """Turns a planned batch (token ids, positions, slots, block tables) into one forward of the model.
 
 Host data goes to the device in two copies per forward (one int64 buffer: token ids, positions, slots;
-one int32 buffer: context lengths, query starts, block tables), never one small copy per field or request.
+one int32 buffer: context lengths, query starts, the extend work list or the shared-prefix tiles, and the
+block-table rows that changed, which one scatter writes into the tables kept on the device), never one
+small copy per field or request.
 On CUDA, decode steps replay CUDA graphs captured per batch-size bucket: a small model's decode step is
 hundreds of kernel launches, and launching them from Python costs far more than running them.
 
@@ -290,16 +292,17 @@ class ModelRunner:
         Returns the final hidden states ``[num_tokens, hidden_size]``: on CUDA a view into a graph's output,
         valid until the next prefill."""
         num_tokens, num_seqs = len(input_ids), len(tables)
+        width = max(map(len, tables))
         buf = self._prefill_buffers
         bucket = next((t for t in self._prefill_sizes if t >= num_tokens), 0) if num_seqs <= buf.max_seqs else 0
         if not bucket:  # larger than any planned pass: buffers of its own
-            buf = self._prefill_step_buffers(num_tokens, num_seqs, max(map(len, tables)))
+            buf = self._prefill_step_buffers(num_tokens, num_seqs, width)
         buf.ids[:num_tokens] = input_ids
         buf.positions[:num_tokens] = positions
         buf.slots[:num_tokens] = slots
         buf.slots[num_tokens:bucket] = -1  # padding tokens store nothing (and no work item reads them)
-        pack_block_tables(tables, buf.tables)
-        buf.stage_rows(range(num_seqs), max(map(len, tables)))
+        pack_block_tables(tables, buf.tables[:, :width])  # only the columns this pass sends
+        buf.stage_rows(range(num_seqs), width)
         buf.context_lens[:num_seqs] = context_lens
         buf.query_start[0] = 0
         query_lens = np.asarray(query_lens)
