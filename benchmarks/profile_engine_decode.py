@@ -62,8 +62,9 @@ def main() -> None:
             step_us.append((time.perf_counter() - start) * 1e6)
     finally:
         torch.cuda.CUDAGraph.replay = replay
-    print(f"{torch.cuda.get_device_name()}, {args.model} batch {batch}: engine step {statistics.median(step_us):.0f} us "
-          f"(median of 30), graph replay host time {statistics.median(replay_us):.0f} us")
+    print(f"{torch.cuda.get_device_name()}, {args.model} batch {batch}: engine step "
+          f"{statistics.median(step_us):.0f} us (median of 30), graph replay host time "
+          f"{statistics.median(replay_us):.0f} us")
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()

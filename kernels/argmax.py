@@ -4,8 +4,8 @@ torch's argmax reduces each row of ``[batch, vocab]`` logits in one block: at ba
 that reads 155 MB at ~1.6 TB/s (98 us per decode step on an H200, 4% of qwen2.5-0.5b's step). Here each row
 is cut into ``chunks`` ranges read by separate programs (two-stage: partial maxima, then a merge per row), so
 a batch of any size keeps many programs per SM streaming: 58-60 us there with 4 to 8 chunks a row (swept:
-BLOCK 1,024-4,096, 1-8 chunks, 4 or 8 warps; `benchmarks/bench_kernels.py` has the comparison). Ties go to the lowest index, as in torch; rows are
-assumed free of NaN (torch would return a NaN's index).
+BLOCK 1,024-4,096, 1-8 chunks, 4 or 8 warps; `benchmarks/bench_kernels.py` has the comparison). Ties go
+to the lowest index, as in torch; rows are assumed free of NaN (torch would return a NaN's index).
 """
 
 from __future__ import annotations

@@ -119,8 +119,8 @@ class EngineServer:
 
         ``sink``: a queue to receive this request's events instead of a private one, so one consumer can
         wait on many requests: it gets lists of events (each list one step's, events carry ``request_id``).
-        A prompt the engine rejects yields a `StreamFailure` with the engine's ``ValueError``. Raises `EngineLoopError` if the loop has died and
-        ``RuntimeError`` after `close`.
+        A prompt the engine rejects yields a `StreamFailure` with the engine's ``ValueError``. Raises
+        `EngineLoopError` if the loop has died and ``RuntimeError`` after `close`.
         """
         events: queue.SimpleQueue[StreamEvents] = sink if sink is not None else queue.SimpleQueue()
         with self._cond:
