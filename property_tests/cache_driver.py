@@ -37,7 +37,7 @@ from property_tests.kv_model import (
     slot_of,
     tree_paths,
 )
-from radixinfer.cache.kv_manager import KVCacheManager, ReservePlan, SeqKV
+from radixinfer.cache.kv_manager import DecodeLanes, KVCacheManager, ReservePlan, SeqKV
 
 TOKENS = st.integers(0, 2)
 SALTS = st.sampled_from([None, "tenant-a", "tenant-b"])
@@ -148,15 +148,29 @@ class CacheDriver(RuleBasedStateMachine):
         self._remember(prompt)
         return req
 
-    def _reserve(self, reqs: list[Req], new_tokens: list[list[int]]) -> tuple[ReservePlan, list[Write]] | None:
-        """`reserve` for ``reqs`` in one call. Checks the plan against the tables and invariant 2, appends the
-        tokens to the requests and returns the plan with the writes to apply (after ``plan.copies``).
+    def _reserve(
+        self, reqs: list[Req], new_tokens: list[list[int]], lanes: bool = False
+    ) -> tuple[ReservePlan, list[Write]] | None:
+        """`reserve` for ``reqs`` in one call (with ``lanes``, a decode step of one token each: `reserve_step`
+        over `DecodeLanes` of them). Checks the plan against the tables and invariant 2, appends the tokens to
+        the requests and returns the plan with the writes to apply (after ``plan.copies``).
         None (and nothing changed) when memory is short."""
         bs = self.bs
         seqs = [r.seq for r in reqs]
         before = [(list(s.table), s.num_kv) for s in seqs]
         cow_copies = self.mgr.counters.cow_copies
-        plan = self.mgr.reserve(seqs, [s.num_kv + len(t) for s, t in zip(seqs, new_tokens)])
+        if lanes:
+            assert all(len(t) == 1 for t in new_tokens)
+            # the vectorised cases: a fresh block, or a boundary block held alone (the rest go through reserve)
+            own = sum(s.num_kv % bs == 0 or self.mgr.pool.refcount[s.table[-1]] == 1 for s in seqs)
+            event(f"reserve_step: {'all' if own == len(seqs) else 'some' if own else 'none'} vectorised")
+            decode_lanes = DecodeLanes(seqs)
+            plan = self.mgr.reserve_step(decode_lanes)
+            if plan is not None:
+                assert decode_lanes.num_kv.tolist() == [s.num_kv for s in seqs]
+                assert decode_lanes.last_block.tolist() == [s.table[-1] for s in seqs]
+        else:
+            plan = self.mgr.reserve(seqs, [s.num_kv + len(t) for s, t in zip(seqs, new_tokens)])
         self._sync_after_eviction()
         if plan is None:
             event("reserve: out of memory")
@@ -192,7 +206,7 @@ class CacheDriver(RuleBasedStateMachine):
                 assert not slot_readers.get(slot), f"write-once: slot {slot} is read by {slot_readers[slot]}"
                 req.tokens.append(token)
                 writes.append(Write(slot, kv_value(req.salt, req.tokens)))
-        assert plan.slots == [w.slot for w in writes], "plan slots do not match the tables"
+        assert list(plan.slots) == [w.slot for w in writes], "plan slots do not match the tables"
         assert len(set(plan.slots)) == len(plan.slots), "two writes to one slot in one step"
         return plan, writes
 

@@ -50,13 +50,15 @@ class CacheMachine(CacheDriver):
             self._publish(req, len(prompt), prompt_end=True)
 
     @precondition(lambda self: self._growable())
-    @rule(picks=st.lists(PICK, min_size=1, max_size=6), tokens=st.lists(TOKENS, min_size=6, max_size=6))
-    def decode(self, picks: list[int], tokens: list[int]) -> None:
-        """One decode step: several sequences grow by one token in a single `reserve` call."""
+    @rule(picks=st.lists(PICK, min_size=1, max_size=6), tokens=st.lists(TOKENS, min_size=6, max_size=6),
+          lanes=st.booleans())
+    def decode(self, picks: list[int], tokens: list[int], lanes: bool) -> None:
+        """One decode step: several sequences grow by one token in a single `reserve` call, or in one
+        `reserve_step` (``lanes``: the engine's path for a batch it decodes again)."""
         growable = self._growable()
         batch = list(dict.fromkeys(self._pick(i, growable) for i in picks))
         new_token = {r.rid: tokens[i] for i, r in enumerate(batch)}
-        while batch and not self._grow(batch, [[new_token[r.rid]] for r in batch]):
+        while batch and not self._grow(batch, [[new_token[r.rid]] for r in batch], lanes):
             victim = max(self.live.values(), key=lambda r: r.rid)  # preempt the newest request
             self._end(victim, publish=True)
             batch = [r for r in batch if r is not victim]
@@ -98,9 +100,9 @@ class CacheMachine(CacheDriver):
     def _growable(self) -> list[Req]:
         return [r for r in self.live.values() if len(r.tokens) < MAX_LEN]
 
-    def _grow(self, reqs: list[Req], new_tokens: list[list[int]]) -> bool:
+    def _grow(self, reqs: list[Req], new_tokens: list[list[int]], lanes: bool = False) -> bool:
         """Reserve and run the step's forward right away: its copies first, then its writes."""
-        reserved = self._reserve(reqs, new_tokens)
+        reserved = self._reserve(reqs, new_tokens, lanes)
         if reserved is None:
             return False
         plan, writes = reserved

@@ -228,7 +228,7 @@ def test_reserve_beyond_the_pool_returns_none_and_changes_nothing():
     b = mgr.admit([1, 2, 7])
     table, free, refcounts = list(b.table), mgr.num_free_blocks, list(mgr.pool.refcount)
     assert mgr.reserve([b], [7]) is None  # needs 3 fresh blocks, 1 free, nothing evictable
-    assert (b.table, b.num_kv, mgr.num_free_blocks, mgr.pool.refcount) == (table, 2, free, refcounts)
+    assert (b.table, b.num_kv, mgr.num_free_blocks, list(mgr.pool.refcount)) == (table, 2, free, refcounts)
     assert mgr.counters.cow_copies == 0
     mgr.check_integrity([a, b])
 

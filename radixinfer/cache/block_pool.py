@@ -10,7 +10,10 @@ slot) or it is the block's only holder; otherwise it must copy the block first.
 
 from __future__ import annotations
 
+import array
 from collections.abc import Iterable
+
+import numpy as np
 
 
 class OutOfBlocks(RuntimeError):
@@ -31,8 +34,14 @@ class BlockPool:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.refcount: list[int] = [0] * num_blocks
-        self.fill: list[int] = [0] * num_blocks
+        # Read and written one block at a time from Python on most paths, and a whole decode batch at a time
+        # through numpy views of the same memory (`KVCacheManager.reserve_step`): an array.array indexes from
+        # Python nearly as fast as a list, and numpy can view it. (The views pin the arrays' size, which never
+        # changes.)
+        self.refcount = array.array("i", bytes(4 * num_blocks))
+        self.fill = array.array("i", bytes(4 * num_blocks))
+        self.refcount_view = np.frombuffer(self.refcount, dtype=np.intc)
+        self.fill_view = np.frombuffer(self.fill, dtype=np.intc)
         # A stack: the most recently freed block is handed out first (it is likeliest to be warm in L2).
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
 

@@ -6,7 +6,8 @@ the deepest tree node of its cached path. The lifecycle (DESIGN §4)::
     seq = admit(tokens, salt)          match + lock; table = matched blocks (num_kv = match length)
     plan = reserve([seq], [n])         slots for positions num_kv..n-1 (+ copy-on-write of the boundary block)
     publish(seq, tokens[:seq.num_kv])  insert the path, remap duplicates onto the tree's blocks, move the lock
-    plan = reserve(seqs, [s.num_kv + 1 for s in seqs])   a decode step: one slot per sequence, batched COWs
+    plan = reserve(seqs)               a decode step: one slot per sequence, batched COWs
+    plan = reserve_step(lanes)         the same for a batch that repeats step after step (`DecodeLanes`)
     release(seq)                       unlock, drop every reference
 
 The boundary block. A sequence whose next position ``p`` falls inside its last block ``B`` at ``offset =
@@ -22,10 +23,12 @@ the step's K/V writes.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 
 from radixinfer.cache.block_pool import BlockPool
 from radixinfer.cache.radix_tree import MatchResult, Node, RadixTree, TokenArray, as_token_array
@@ -74,11 +77,28 @@ class TreeWalk:
 class ReservePlan:
     """Slots to write, in order (per sequence, its positions ``old num_kv .. new num_kv - 1``), the block
     copies ``(src, dst)`` to perform before those writes, and which sequences' block tables changed (their
-    indices in the call, ascending): they took a fresh block or copied their boundary block."""
+    indices in the call, ascending): they took a fresh block or copied their boundary block. `reserve_step`
+    gives the slots as an int64 array."""
 
-    slots: list[int]
+    slots: list[int] | np.ndarray
     copies: list[tuple[int, int]]
     changed: list[int]
+
+
+class DecodeLanes:
+    """The sequences of a decode batch that runs again and again, with what a decode step reads of each kept in
+    arrays: its length (``num_kv``) and its boundary block (the table's last entry), so `reserve_step` serves
+    the whole batch in a few array operations instead of a pass over the sequences.
+
+    The arrays stay true only while `reserve_step` is the one thing that grows or remaps these sequences: the
+    engine keeps one while it decodes the same requests in the same order, and builds a new one otherwise.
+    """
+
+    def __init__(self, seqs: list[SeqKV]) -> None:
+        self.seqs = seqs
+        n = len(seqs)
+        self.num_kv = np.fromiter((seq.num_kv for seq in seqs), dtype=np.int64, count=n)
+        self.last_block = np.fromiter((seq.table[-1] for seq in seqs), dtype=np.int64, count=n)
 
 
 @dataclass
@@ -238,6 +258,51 @@ class KVCacheManager:
             seq.num_kv = new_len
         self.counters.cow_copies += len(copies)
         return ReservePlan(slots, copies, changed)
+
+    def reserve_step(self, lanes: DecodeLanes) -> ReservePlan | None:
+        """``reserve(lanes.seqs)`` (one more position each, all or nothing), vectorised for the two usual
+        cases: the position starts a block (the sequence takes a fresh one), or it falls inside a boundary
+        block the sequence holds alone (it writes there in place). Nothing else can read or copy such a block
+        (it is in no tree node and no other table), so neither the order of the batch nor the written-fill
+        record (consulted only for copies of shared blocks) matters for it. The rest, a shared boundary block
+        (claim or copy-on-write), go through `reserve` in batch order; they never touch a block that one of
+        the usual sequences holds, so serving them first is serving the batch in order."""
+        bs, pool, seqs = self.block_size, self.pool, lanes.seqs
+        last, offset = lanes.last_block, lanes.num_kv % bs
+        fresh = offset == 0
+        own = fresh | (pool.refcount_view[last] == 1)
+        fresh_rows = np.flatnonzero(fresh)
+        shared = np.flatnonzero(~own)
+        shared_seqs = [seqs[i] for i in shared.tolist()]
+        most = len(fresh_rows) + len(shared_seqs)  # one block each at most (a copy or a fresh block)
+        if pool.num_free < most and not self.ensure_free(
+            len(fresh_rows) + self._blocks_needed(shared_seqs, [seq.num_kv + 1 for seq in shared_seqs])
+        ):
+            return None
+        copies: list[tuple[int, int]] = []
+        changed = fresh_rows
+        if shared_seqs:  # cannot fail now: the blocks are free
+            plan = self.reserve(shared_seqs)
+            copies = plan.copies
+            changed = np.union1d(fresh_rows, shared[plan.changed])
+            last[shared] = [seq.table[-1] for seq in shared_seqs]
+        if len(fresh_rows):
+            blocks = pool.allocate(len(fresh_rows))
+            for i, block in zip(fresh_rows.tolist(), blocks):
+                seqs[i].table.append(block)
+            last[fresh_rows] = blocks
+        slots = last * bs + offset
+        if shared_seqs:
+            slots[shared] = plan.slots
+            pool.fill_view[last[own]] = offset[own] + 1
+            owned: Sequence[SeqKV] = list(itertools.compress(seqs, own.tolist()))
+        else:
+            pool.fill_view[last] = offset + 1
+            owned = seqs
+        for seq in owned:
+            seq.num_kv += 1
+        lanes.num_kv += 1
+        return ReservePlan(slots, copies, changed.tolist())
 
     def _blocks_needed(self, seqs: Sequence[SeqKV], new_lens: Sequence[int]) -> int:
         """Fresh blocks `reserve` takes for the batch, copies included. The batch is replayed in order, as
