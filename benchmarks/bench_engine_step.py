@@ -16,7 +16,7 @@ Cases (block_size 16, every time a median over many repetitions, `time.perf_coun
 
 * ``decode`` at batch 16 / 64 / 256, prompts of 600 distinct tokens (contexts 600 to ~1000 while measured):
   one `engine.step()` with every request decoding. First timed clean, then again with every phase wrapped
-  in a timer (the wrappers cost ~0.2 µs per call): `cache.reserve`, `kv.copy_blocks`, `runner.decode`
+  in a timer (the wrappers cost ~0.2 µs per call): `cache.reserve_step`, `kv.copy_blocks`, `runner.decode`
   (inclusive; of it the block-table rows and, on CUDA, the graph replay), `cache.mark_written`, and
   `_sample` (of it `SamplingBatch.build` = sampling setup, and the `sample` call), and `_read_back` =
   ``output processing``: reading back the previous step's tokens (steps overlap: step k's tokens are read
@@ -193,7 +193,7 @@ def median_us(values_ns: list[float]) -> float:
 
 def decode_phases(engine: LLMEngine) -> list[tuple[str, Any, str]]:
     spec = [
-        ("reserve", engine.cache, "reserve"),
+        ("reserve", engine.cache, "reserve_step"),
         ("copy_blocks", engine.runner.kv, "copy_blocks"),
         ("runner.decode", engine.runner, "decode"),
         ("block tables", BlockTableRows, "update"),
@@ -288,7 +288,7 @@ def bench_admit(device: torch.device, vocab: int, reps: int, rng: np.random.Gene
     spec = [
         ("admit (match+lock)", engine.cache, "admit"),
         ("cached_prefix_len (policy)", engine.cache, "cached_prefix_len"),
-        ("reserve", engine.cache, "reserve"),
+        ("reserve", engine.cache, "reserve_step"),
         ("publish", engine.cache, "publish"),
         ("copy_blocks", engine.runner.kv, "copy_blocks"),
         ("runner.prefill", engine.runner, "prefill"),

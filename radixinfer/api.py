@@ -17,7 +17,7 @@ from radixinfer.engine.admission import AdmissionConfig
 from radixinfer.engine.engine import EngineConfig, LLMEngine
 from radixinfer.engine.model_runner import ModelRunner
 from radixinfer.models import load_model
-from radixinfer.outputs import RequestOutput, StreamDelta
+from radixinfer.outputs import RequestOutput, StreamDelta, deltas_of
 from radixinfer.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -156,7 +156,7 @@ class LLM:
         finished = False
         try:
             while not finished:
-                for delta in engine.step():
+                for delta in deltas_of(engine.step()):
                     if delta.request_id == request_id:
                         finished = delta.finished
                         yield delta

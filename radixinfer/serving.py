@@ -5,13 +5,15 @@ The engine is single-threaded by contract (DESIGN §4), so every engine call hap
 Other threads only touch three small inboxes (submissions, aborts, calls) under one condition variable::
 
     submit() / abort() / call()  --(inbox, notify)-->  loop thread: add / abort / run calls, engine.step()
-    handle / sink queue          <--[StreamDelta]---   one list per queue per step, in order
+    handle / sink queue          <--[events]-------   one list per queue per step, in order
 
 The loop sleeps on the condition while the engine has nothing to do (no polling), and steps it back to
 back while it has. A delta's ``timestamp`` is taken inside the engine step that produced its tokens, so
 queueing between the loop and a consumer never shows up in measured latencies. A queue receives each
 step's events for its requests as one list: a consumer of many requests wakes once a step, not once a token
-(each wake-up takes the GIL from the loop thread while it prepares the next step).
+(each wake-up takes the GIL from the loop thread while it prepares the next step). For the same reason a
+steady decode step's tokens travel as one `TokenBatch` per queue (the rows of that queue's requests), not
+as a delta per token; a `StreamHandle` hands them out as deltas.
 
 Failures never leave a consumer waiting: a request the engine rejects (``ValueError``) gets a
 `StreamFailure` carrying that error; an exception inside the loop fails every open request with an
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
 from radixinfer.engine.engine import LLMEngine
-from radixinfer.outputs import StreamDelta
+from radixinfer.outputs import EngineEvent, StreamDelta, TokenBatch
 from radixinfer.sampling_params import SamplingParams
 
 T = TypeVar("T")
@@ -51,7 +53,7 @@ class StreamFailure:
     finished: ClassVar[bool] = True
 
 
-StreamEvent = StreamDelta | StreamFailure
+StreamEvent = StreamDelta | TokenBatch | StreamFailure
 StreamEvents = list[StreamEvent]  # what a queue receives: one step's events for its requests, in order
 
 
@@ -69,6 +71,9 @@ class StreamHandle:
             for event in self.queue.get():
                 if isinstance(event, StreamFailure):
                     raise event.error
+                if isinstance(event, TokenBatch):
+                    yield from event.deltas()
+                    continue
                 yield event
                 if event.finished:
                     return
@@ -118,7 +123,8 @@ class EngineServer:
         """Queue a request and return its handle at once (the loop adds it before its next step).
 
         ``sink``: a queue to receive this request's events instead of a private one, so one consumer can
-        wait on many requests: it gets lists of events (each list one step's, events carry ``request_id``).
+        wait on many requests: it gets lists of events (each list one step's; a delta carries its
+        ``request_id``, a `TokenBatch` one per row).
         A prompt the engine rejects yields a `StreamFailure` with the engine's ``ValueError``. Raises
         `EngineLoopError` if the loop has died and ``RuntimeError`` after `close`.
         """
@@ -209,22 +215,35 @@ class EngineServer:
             self._deliver(engine.step())
         return True
 
-    def _deliver(self, deltas: list[StreamDelta]) -> None:
-        """Put ``deltas`` on their queues, one list per queue; forget the requests that finished."""
+    def _deliver(self, events: list[EngineEvent]) -> None:
+        """Put ``events`` on their queues, one list per queue (a `TokenBatch` split by queue); forget the
+        requests that finished."""
         batches: dict[queue.SimpleQueue[StreamEvents], StreamEvents] = {}  # queues hash by identity
         sinks = self._sinks
-        for delta in deltas:
-            sink = sinks[delta.request_id]
-            if delta.finished:
-                del sinks[delta.request_id]
-                self._engine.pop_finished(delta.request_id)
-            events = batches.get(sink)
-            if events is None:
-                batches[sink] = [delta]
-            else:
-                events.append(delta)
-        for sink, events in batches.items():
-            sink.put(events)
+        for event in events:
+            if type(event) is TokenBatch:
+                self._route_batch(event, batches)
+                continue
+            sink = sinks[event.request_id]
+            if event.finished:
+                del sinks[event.request_id]
+                self._engine.pop_finished(event.request_id)
+            batches.setdefault(sink, []).append(event)
+        for sink, sink_events in batches.items():
+            sink.put(sink_events)
+
+    def _route_batch(self, batch: TokenBatch, batches: dict[queue.SimpleQueue[StreamEvents], StreamEvents]) -> None:
+        """Add ``batch`` to ``batches``: whole when one queue takes all its rows (one consumer of many
+        requests: no per-row object), else as one `TokenBatch` of its rows per queue."""
+        routes = [self._sinks[request_id] for request_id in batch.request_ids]
+        if routes.count(routes[0]) == len(routes):
+            batches.setdefault(routes[0], []).append(batch)
+            return
+        rows: dict[queue.SimpleQueue[StreamEvents], list[int]] = {}
+        for row, sink in enumerate(routes):
+            rows.setdefault(sink, []).append(row)
+        for sink, sink_rows in rows.items():
+            batches.setdefault(sink, []).append(batch.rows(sink_rows))
 
     def _fail_everyone(self, exc: BaseException) -> None:
         error = EngineLoopError(f"the engine loop failed: {exc!r}")

@@ -10,6 +10,7 @@ import random
 import pytest
 
 from radixinfer import LLM, SamplingParams
+from radixinfer.outputs import deltas_of
 from radixinfer.engine.admission import AdmissionConfig, plan_admission
 
 
@@ -151,7 +152,7 @@ def test_decodes_keep_running_while_a_long_prompt_is_chunked():
     long = engine.add_request(list(range(200)), SamplingParams(max_tokens=2, ignore_eos=True))
     steps_until_long_starts = 0
     while True:
-        deltas = {d.request_id: d for d in engine.step()}
+        deltas = {d.request_id: d for d in deltas_of(engine.step())}
         if long in deltas:
             break
         steps_until_long_starts += 1

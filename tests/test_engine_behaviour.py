@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from radixinfer import LLM, SamplingParams
+from radixinfer.outputs import TokenBatch, deltas_of
 
 GREEDY = SamplingParams(max_tokens=4, ignore_eos=True)
 
@@ -230,7 +231,7 @@ def test_steady_decode_steps_derive_inputs_from_the_last_step_exactly():
         while engine.has_unfinished():
             if not fast:
                 engine._last_decode = None
-            for delta in engine.step():
+            for delta in deltas_of(engine.step()):
                 outputs.setdefault(delta.request_id, []).extend(delta.token_ids)
         return calls, sorted(outputs.items()), len(full_passes)
 
@@ -240,6 +241,41 @@ def test_steady_decode_steps_derive_inputs_from_the_last_step_exactly():
     assert slow_passes == len(slow_calls) and fast_passes <= len(fast_calls) // 2  # the fast path ran
 
 
+def test_token_batches_end_requests_exactly_where_per_request_deltas_do():
+    """A batch of ids-only requests streams its steady tokens as `TokenBatch`es; rows that stop (a stop token)
+    or reach max_tokens at different steps, and an abort mid-batch, must end exactly as with detokenizing
+    requests, which take the per-request path."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(256) for _ in range(rng.randrange(3, 12))] for _ in range(10)]
+    free_run = LLM("tiny", block_size=4, num_blocks=512).generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
+    settings = []
+    for i, out in enumerate(free_run):
+        stop = [out.token_ids[5 + i]] if i % 3 == 0 else None  # stop on a token the request will sample
+        settings.append(dict(max_tokens=8 + 2 * i, ignore_eos=True, stop_token_ids=stop))
+
+    def run(detokenize: bool) -> tuple[dict, int]:
+        engine = LLM("tiny", block_size=4, num_blocks=512).engine
+        ids = [engine.add_request(p, SamplingParams(detokenize=detokenize, **kw)) for p, kw in zip(prompts, settings)]
+        streamed, finish, batches, step = {}, {}, 0, 0
+        while engine.has_unfinished():
+            events = engine.step()
+            batches += sum(type(e) is TokenBatch for e in events)
+            for delta in deltas_of(events):
+                streamed.setdefault(delta.request_id, []).extend(delta.token_ids)
+                if delta.finished:
+                    finish[delta.request_id] = delta.finish_reason
+            step += 1
+            if step == 6:
+                final = engine.abort(ids[4])
+                finish[final.request_id] = final.finish_reason
+        return [(streamed.get(i), finish[i]) for i in ids], batches
+
+    with_text, no_batches = run(detokenize=True)
+    ids_only, batches = run(detokenize=False)
+    assert ids_only == with_text and no_batches == 0 and batches > 0
+    assert {reason for _, reason in ids_only} == {"stop", "length", "abort"}
+
+
 def test_steps_overlap_tokens_are_read_back_one_step_late(llm):
     engine = llm.engine
     request_id = engine.add_request([1, 2, 3, 4, 5], SamplingParams(max_tokens=3, ignore_eos=True))
@@ -247,10 +283,10 @@ def test_steps_overlap_tokens_are_read_back_one_step_late(llm):
     assert engine.step() == []
     assert (engine.counters.prefill_forwards, engine.counters.decode_forwards) == (1, 1)
     # Step 2 launches the last decode the length allows, then reads back step 1's two tokens.
-    second = engine.step()
+    second = list(deltas_of(engine.step()))
     assert [(len(d.token_ids), d.finished) for d in second] == [(1, False), (1, False)]
     assert engine.counters.decode_forwards == 2
-    third = engine.step()  # nothing left to launch: reads back the third token
+    third = list(deltas_of(engine.step()))  # nothing left to launch: reads back the third token
     assert [(len(d.token_ids), d.finished, d.finish_reason) for d in third] == [(1, True, "length")]
     assert engine.counters.decode_forwards == 2 and not engine.has_unfinished()
     expected = llm.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids

@@ -47,6 +47,11 @@ class RequestRecord:
         if delta.finished:
             self.finish_reason = delta.finish_reason
 
+    def add_token(self, token: int, timestamp: float) -> None:
+        """One token that does not finish the request (a `TokenBatch` row)."""
+        self.token_ids.append(token)
+        self.token_times.append(timestamp)
+
     @property
     def ttft(self) -> float:
         return self.token_times[0] - self.submit_time

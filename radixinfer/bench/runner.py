@@ -54,6 +54,7 @@ from radixinfer.bench.metrics import (
 from radixinfer.bench.report import comparisons, format_report
 from radixinfer.bench.workloads import Session, arrival_offsets, build_workload, fit_to_context
 from radixinfer.models import PRESET_NAMES
+from radixinfer.outputs import TokenBatch
 from radixinfer.sampling_params import SamplingParams
 from radixinfer.serving import StreamFailure
 
@@ -139,6 +140,11 @@ def run_workload(
             except queue.Empty:
                 continue
             for event in batch:
+                if type(event) is TokenBatch:  # one token for each of many requests, none finishing
+                    timestamp = event.timestamp
+                    for request_id, token in zip(event.request_ids, event.token_ids):
+                        inflight[request_id].record.add_token(token, timestamp)
+                    continue
                 if event.finished and isinstance(event, StreamFailure):
                     raise RuntimeError(f"request {event.request_id} failed: {event.error}") from event.error
                 turn = inflight[event.request_id]

@@ -25,12 +25,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from radixinfer.cache.kv_manager import KVCacheManager, ReservePlan, SeqKV
+from radixinfer.cache.kv_manager import DecodeLanes, KVCacheManager, ReservePlan
 from radixinfer.engine.admission import AdmissionConfig, Grant, plan_admission
 from radixinfer.engine.model_runner import ModelRunner
 from radixinfer.engine.request import Request, Status
 from radixinfer.engine.sampler import SamplingBatch, sample
-from radixinfer.outputs import StreamDelta
+from radixinfer.outputs import EngineEvent, StreamDelta, TokenBatch
 from radixinfer.sampling_params import SamplingParams
 from radixinfer.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -86,12 +86,46 @@ class _Pass:
     leaders: dict[tuple[Hashable, bytes], _PrefillItem] = field(default_factory=dict)  # (salt, prompt bytes)
 
 
+@dataclass
+class _DecodeBatch:
+    """A decode batch, built once and decoded again for as long as it stays the same: the same requests in
+    the same order, each with room for one more token (no request started or stopped running: the engine's
+    ``_epoch`` is the one it was built at, and ``left`` > 0 everywhere). Each step then grows every sequence by exactly
+    one position and decodes the token its last launch sampled, so nothing on the step's path walks the
+    requests: lengths and boundary blocks live in ``lanes``, the tables are the sequences' own lists (between
+    two steps of one batch only `reserve_step` changes them, and it says which), and what the sampler and the
+    read-back need of the members is gathered here once."""
+
+    reqs: list[Request]
+    lanes: DecodeLanes
+    tables: list[list[int]]
+    epoch: int
+    left: np.ndarray  # [n] tokens each member may still sample
+    room: int  # left.min(): steps every member can still take
+    greedy: bool  # every member samples greedily
+    ids_only: bool  # no member detokenizes
+    stop_ids: np.ndarray  # every member's stop token ids, pooled
+    request_ids: list[str]
+    num_cached_tokens: list[int]
+    launch: _Launch | None = None  # the last launch
+
+
 class _Launch:
     """One forward's sampled tokens ``[len(reqs)]``: on the device, and on their way to pinned host memory
-    without blocking. The engine reads them a step later, once the GPU has newer work queued behind them."""
+    without blocking. The engine reads them a step later, once the GPU has newer work queued behind them.
 
-    def __init__(self, reqs: list[Request], tokens: torch.Tensor) -> None:
+    A decode launch knows its ``batch``, the engine's departure count when it launched, and the rows whose
+    token is their last by length (``last_rows``). If no request stopped running since, its read-back decides
+    per request only for those rows and the stop tokens: every other row goes out in one `TokenBatch`."""
+
+    def __init__(self, reqs: list[Request], tokens: torch.Tensor, batch: _DecodeBatch | None = None,
+                 departures: int = -1) -> None:
         self.reqs, self.tokens = reqs, tokens
+        self.batch, self.departures = batch, departures
+        self.last_rows = _NO_ROWS
+        if batch is not None and batch.room == 1:  # this launch takes some member to its limit
+            self.last_rows = np.flatnonzero(batch.left == 1)
+        self.read_back = False
         self.host, self.done = tokens, None
         if tokens.device.type == "cuda":
             self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
@@ -102,26 +136,12 @@ class _Launch:
     def read(self) -> list[int]:
         if self.done is not None:
             self.done.synchronize()
+        self.read_back = True
         return self.host.tolist()
 
 
-@dataclass
-class _DecodeStep:
-    """The last decode launch: its batch, their sequences and block tables, and context lengths. While the
-    next step decodes the same requests in the same order (the steady state) each sequence grew by exactly
-    one position and decodes the token that launch sampled, so the next inputs follow from these without a
-    pass over the requests. The tables are the sequences' own lists, and between two steps of one batch
-    only `reserve` changes them (publishing and releasing happen to requests outside a decode batch), so
-    the runner rewrites only the rows that reserve reports changed."""
-
-    batch: list[Request]
-    seqs: list[SeqKV]
-    tables: list[list[int]]
-    launch: _Launch
-    context_lens: np.ndarray
-
-
 _DEFER = object()  # `_plan_item`: must wait for the current pass's K/V writes
+_NO_ROWS = np.zeros(0, dtype=np.int64)
 
 
 class LLMEngine:
@@ -148,7 +168,13 @@ class LLMEngine:
         self._round = itertools.count()
         self._seeds = random.Random(config.seed)  # per-request sampling seeds when params.seed is None
         self._unread: list[_Launch] = []  # forwards launched this step, their tokens not read back yet
-        self._last_decode: _DecodeStep | None = None
+        self._last_decode: _DecodeBatch | None = None
+        self.prefilling: list[Request] = []  # the PREFILLING requests of `active`, in admission order
+        # Counts of the changes to the set of RUNNING requests (a decode batch holds while the first is
+        # unchanged), and of requests that stopped running (a launch's tokens all go to running requests
+        # while the second is unchanged).
+        self._epoch = 0
+        self._departures = 0
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -230,6 +256,8 @@ class LLMEngine:
         if req.status is Status.WAITING:
             self.waiting.remove(req)
         else:
+            if req.status is Status.PREFILLING:
+                self.prefilling.remove(req)
             self.active.remove(req)
             self._release(req)
         return self._finish(req, "abort", [])
@@ -238,21 +266,24 @@ class LLMEngine:
         return bool(self.waiting or self.active or self._unread)
 
     # ------------------------------------------------------------------ the step
-    def step(self) -> list[StreamDelta]:
+    def step(self) -> list[EngineEvent]:
         """Launch this step's forwards, then read back and emit the tokens the previous step launched: the
-        host never waits for the forward it just launched, so its work overlaps the GPU's."""
-        deltas: list[StreamDelta] = []
+        host never waits for the forward it just launched, so its work overlaps the GPU's.
+
+        Returns the step's events in order: a `StreamDelta` per request with news, except that a steady decode
+        step's tokens come as one `TokenBatch` (see `radixinfer.outputs.deltas_of` for deltas only)."""
+        events: list[EngineEvent] = []
         previous, self._unread = self._unread, []
         if self.config.decode_first:
-            self._decode(previous, deltas)
-            self._prefill_round(deltas)
+            self._decode(previous, events)
+            self._prefill_round(events)
         else:
-            self._prefill_round(deltas)
-            self._decode(previous, deltas)
-        return deltas
+            self._prefill_round(events)
+            self._decode(previous, events)
+        return events
 
     # ------------------------------------------------------------------ prefill
-    def _prefill_round(self, deltas: list[StreamDelta]) -> None:
+    def _prefill_round(self, events: list[EngineEvent]) -> None:
         """Admit what the policy grants and run it as one ragged forward. Requests that would copy a block
         this forward is still writing (they extend a prefix another request of the round computes) run in
         a second pass right after it."""
@@ -260,8 +291,7 @@ class LLMEngine:
         first = _Pass()
         # Chunked prompts in progress continue first: they hold blocks and a locked path.
         budget = admission.max_tokens
-        prefilling = Status.PREFILLING
-        for req in [r for r in self.active if r.status is prefilling]:
+        for req in self.prefilling:
             if budget <= 0 or not self._plan_item(first, req, budget, fresh=False):
                 break
             budget -= first.items[-1].end - first.items[-1].start
@@ -279,14 +309,14 @@ class LLMEngine:
                     deferred.append(grant)
                 elif not outcome:
                     break  # KV memory is short: the rest waits
-        self._run_prefill_pass(first, deltas)
+        self._run_prefill_pass(first, events)
         if deferred:
             # A request that would now copy a block the second pass itself writes waits for the next round.
             second = _Pass()
             for grant in deferred:
                 if not self._plan_item(second, grant.item, grant.num_tokens, fresh=True, may_defer=True):
                     break
-            self._run_prefill_pass(second, deltas)
+            self._run_prefill_pass(second, events)
 
     def _uncached_cost(self, req: Request) -> int:
         return req.num_tokens - self._cached_len(req)
@@ -338,10 +368,11 @@ class LLMEngine:
         if fresh:
             self.waiting.remove(req)
             self.active.append(req)
+            self.prefilling.append(req)
             req.status = Status.PREFILLING
         return True
 
-    def _run_prefill_pass(self, pass_: _Pass, deltas: list[StreamDelta]) -> None:
+    def _run_prefill_pass(self, pass_: _Pass, events: list[EngineEvent]) -> None:
         items = pass_.items
         if not items:
             return
@@ -389,10 +420,12 @@ class LLMEngine:
         reqs = [it.req for it in finishing]
         for req in reqs:
             req.status = Status.RUNNING  # decodes from its first token, on the device until read back
+        self.prefilling = [r for r in self.prefilling if r.status is Status.PREFILLING]
+        self._epoch += 1
         self._launch(reqs, self._sample(reqs, self.runner.logits(last_hidden)))
 
     # ------------------------------------------------------------------ decode
-    def _decode(self, previous: list[_Launch], deltas: list[StreamDelta]) -> None:
+    def _decode(self, previous: list[_Launch], events: list[EngineEvent]) -> None:
         """Launch this step's decode, then read back ``previous`` (the launches of the step before) while
         the GPU runs it.
 
@@ -400,58 +433,73 @@ class LLMEngine:
         step late. A request that turns out to have stopped on such a token was decoded once more for
         nothing; its extra K/V is for a real position of its path (the stop token's), so it stays valid.
         """
-        batch = self._decode_batch()
-        last = self._last_decode
-        repeated = last is not None and last.batch == batch  # the same requests, by identity, in the same order
-        seqs = last.seqs if repeated else [r.seq for r in batch]
-        plan = self.cache.reserve(seqs) if batch else None
-        if batch and plan is None:
+        batch, repeated = self._decode_batch()
+        plan = self.cache.reserve_step(batch.lanes) if batch is not None else None
+        if batch is not None and plan is None:
             # Preemption publishes each victim's tokens: read back every launch first.
-            self._read_back(previous + self._unread, deltas)
+            self._read_back(previous + self._unread, events)
             previous, self._unread, repeated = [], [], False
             batch, plan = self._preempt_until_reserved()
-            seqs = [r.seq for r in batch]
-        if batch:
+        self._last_decode = batch
+        if batch is not None:
             self.runner.kv.copy_blocks(plan.copies)
-            inputs = self._repeated_decode_inputs(last) if repeated else self._decode_inputs(batch)
-            input_ids, positions, tables, context_lens, carried, carried_rows = inputs
+            lanes = batch.lanes
+            if repeated:  # every input token is in the last launch, row for row
+                input_ids, carried, carried_rows = np.zeros(len(batch.reqs), np.int64), batch.launch.tokens, None
+            else:
+                input_ids, carried, carried_rows = self._decode_inputs(batch.reqs)
             logits = self.runner.decode(
-                input_ids, positions, plan.slots, tables, context_lens, carried=carried, carried_rows=carried_rows,
-                changed_tables=plan.changed if repeated else None,
+                input_ids, lanes.num_kv - 1, plan.slots, batch.tables, lanes.num_kv, carried=carried,
+                carried_rows=carried_rows, changed_tables=plan.changed if repeated else None,
             )
             self.cache.mark_written()
             self.counters.decode_forwards += 1
-            launch = self._launch(batch, self._sample(batch, logits))
-            self._last_decode = _DecodeStep(batch, seqs, tables, launch, np.asarray(context_lens, dtype=np.int64))
-        else:
-            self._last_decode = None
-        self._read_back(previous, deltas)
+            batch.launch = self._launch(batch.reqs, self._sample(batch.reqs, logits, batch.greedy), batch)
+            batch.left -= 1
+            batch.room -= 1
+        self._read_back(previous, events)
+
+    def _decode_batch(self) -> tuple[_DecodeBatch | None, bool]:
+        """This step's batch, and whether it is the last step's: running requests with room for one more
+        token, oldest first, at most ``max_batch_size``. Without a pass over the requests while the running
+        set is unchanged and every member has room (the steady state)."""
+        last = self._last_decode
+        if last is not None and last.epoch == self._epoch and last.room > 0:
+            return last, True
+        running = Status.RUNNING
+        reqs = [r for r in self.active if r.status is running and r.num_sampled < r.max_output_len]
+        del reqs[self.config.max_batch_size :]  # the rest wait for a slot
+        if last is not None and reqs == last.reqs:  # the running set changed outside the batch
+            last.epoch = self._epoch
+            return last, True
+        return self._new_decode_batch(reqs), False
+
+    def _new_decode_batch(self, reqs: list[Request]) -> _DecodeBatch | None:
+        if not reqs:
+            return None
+        seqs = [r.seq for r in reqs]
+        stop_ids = frozenset().union(*(r.stop_ids for r in reqs))
+        left = np.fromiter((r.max_output_len - r.num_sampled for r in reqs), dtype=np.int64, count=len(reqs))
+        return _DecodeBatch(
+            reqs, DecodeLanes(seqs), [seq.table for seq in seqs], self._epoch, left, int(left.min()),
+            greedy=not any(r.params.temperature for r in reqs),
+            ids_only=all(r.detokenizer is None for r in reqs),
+            stop_ids=np.fromiter(stop_ids, dtype=np.int64, count=len(stop_ids)),
+            request_ids=[r.request_id for r in reqs],
+            num_cached_tokens=[r.num_cached_tokens for r in reqs],
+        )
 
     @staticmethod
-    def _repeated_decode_inputs(last: _DecodeStep) -> tuple:
-        """`_decode_inputs` without a pass over the requests, for a step that decodes ``last``'s batch again."""
-        n = len(last.batch)
-        lens = last.context_lens
-        return np.zeros(n, np.int64), lens, last.tables, lens + 1, last.launch.tokens, None
-
-    @staticmethod
-    def _decode_inputs(batch: list[Request]) -> tuple[list[int], list[int], list[list[int]], list[int],
-                                                      torch.Tensor | None, list[int] | None]:
-        """``(input_ids, positions, tables, context_lens, carried, carried_rows)`` for `ModelRunner.decode`,
-        in one pass over the batch (its slots are reserved: ``num_kv`` counts the new position). A sequence's
-        input token is its id when read back (carried row -1), else a placeholder id and its row in the
-        concatenated tokens of the launches that sampled them (the last decode, this step's prefill)."""
+    def _decode_inputs(batch: list[Request]) -> tuple[np.ndarray, torch.Tensor | None, list[int] | None]:
+        """``(input_ids, carried, carried_rows)`` for `ModelRunner.decode`, in one pass over the batch. A
+        sequence's input token is its id when read back (carried row -1), else a placeholder id and its row in
+        the concatenated tokens of the launches that sampled them (the last decode, this step's prefill)."""
         offsets: dict[_Launch, int] = {}
         total = 0
-        input_ids, positions, tables, context_lens, rows = [], [], [], [], []
+        input_ids, rows = [], []
         for req in batch:
-            seq = req.seq
-            num_kv = seq.num_kv
-            positions.append(num_kv - 1)
-            context_lens.append(num_kv)
-            tables.append(seq.table)
             launch = req.carry
-            if launch is None:
+            if launch.read_back:
                 input_ids.append(req.output_ids[-1])
                 rows.append(-1)
                 continue
@@ -461,33 +509,26 @@ class LLMEngine:
                 total += len(launch.reqs)
             input_ids.append(0)
             rows.append(offset + req.carry_row)
+        input_ids = np.asarray(input_ids, dtype=np.int64)
         if not offsets:
-            return input_ids, positions, tables, context_lens, None, None
+            return input_ids, None, None
         tokens = [launch.tokens for launch in offsets]
-        carried = tokens[0] if len(tokens) == 1 else torch.cat(tokens)
-        return input_ids, positions, tables, context_lens, carried, rows
+        return input_ids, tokens[0] if len(tokens) == 1 else torch.cat(tokens), rows
 
-    def _decode_batch(self) -> list[Request]:
-        """Running requests with room for one more token, oldest first, at most ``max_batch_size``."""
-        running = Status.RUNNING
-        batch = [r for r in self.active if r.status is running and r.num_sampled < r.max_output_len]
-        del batch[self.config.max_batch_size :]  # the rest wait for a slot
-        return batch
-
-    def _preempt_until_reserved(self) -> tuple[list[Request], ReservePlan | None]:
+    def _preempt_until_reserved(self) -> tuple[_DecodeBatch | None, ReservePlan | None]:
         """Preempt the newest requests until the decode batch fits (every token read back); (batch, plan)."""
         while True:
-            batch = self._decode_batch()
-            if not batch:
-                return [], None
-            plan = self.cache.reserve([r.seq for r in batch])
+            batch, _ = self._decode_batch()
+            if batch is None:
+                return None, None
+            plan = self.cache.reserve_step(batch.lanes)
             if plan is not None:
                 return batch, plan
             self._preempt(max(self.active, key=lambda r: r.arrival_index))
 
-    def _launch(self, reqs: list[Request], tokens: torch.Tensor) -> _Launch:
+    def _launch(self, reqs: list[Request], tokens: torch.Tensor, batch: _DecodeBatch | None = None) -> _Launch:
         """Record that ``tokens`` (sampled on the device, one per request) will be read back next step."""
-        launch = _Launch(reqs, tokens)
+        launch = _Launch(reqs, tokens, batch, self._departures)
         for row, req in enumerate(reqs):
             req.num_sampled += 1
             req.carry = launch
@@ -495,52 +536,85 @@ class LLMEngine:
         self._unread.append(launch)
         return launch
 
-    def _read_back(self, launches: list[_Launch], deltas: list[StreamDelta]) -> None:
+    def _read_back(self, launches: list[_Launch], events: list[EngineEvent]) -> None:
         """Read back the tokens of ``launches``, oldest first: append each to its request, stream it, and
         finish requests that stop or reach their limit. Requests that finished or were aborted meanwhile
-        are skipped (their later tokens were sampled for nothing)."""
-        running = Status.RUNNING
+        are skipped (their later tokens were sampled for nothing).
+
+        A decode launch of requests that do not detokenize, all still running, needs a decision only for its
+        rows that end (`_Launch.last_rows`, stop tokens): the other rows are appended and go out as one
+        `TokenBatch`."""
         finished = False
         for launch in launches:
             tokens = launch.read()
             now = time.perf_counter()
-            for req, token in zip(launch.reqs, tokens):
-                if req.carry is launch:
-                    req.carry = None
-                if req.status is not running:
-                    continue
-                out = req.output_ids
-                out.append(token)
-                detokenizer = req.detokenizer
-                text = detokenizer.add(token) if detokenizer is not None else ""
-                if token in req.stop_ids or len(out) >= req.max_output_len:
-                    self._release(req)
-                    deltas.append(self._finish(req, "stop" if token in req.stop_ids else "length", [token], text, now))
-                    finished = True
-                else:
-                    if text:
-                        req.text += text
-                    deltas.append(StreamDelta(req.request_id, [token], text, False, None, req.num_cached_tokens, now))
+            batch = launch.batch
+            if batch is None or not batch.ids_only or launch.departures != self._departures:
+                for req, token in zip(launch.reqs, tokens):
+                    finished |= self._take_token(req, token, now, events)
+                continue
+            ending = launch.last_rows
+            if batch.stop_ids.size:
+                stops = np.flatnonzero(np.isin(launch.host.numpy(), batch.stop_ids))
+                if stops.size:
+                    ending = np.union1d(ending, stops)
+            reqs, request_ids, cached = launch.reqs, batch.request_ids, batch.num_cached_tokens
+            if ending.size:
+                going_on = np.ones(len(reqs), dtype=bool)
+                going_on[ending] = False
+                rows = np.flatnonzero(going_on).tolist()
+                for i in ending.tolist():
+                    finished |= self._take_token(reqs[i], tokens[i], now, events)
+                reqs, tokens = [reqs[i] for i in rows], [tokens[i] for i in rows]
+                request_ids, cached = [request_ids[i] for i in rows], [cached[i] for i in rows]
+            for req, token in zip(reqs, tokens):
+                req.output_ids.append(token)
+            if tokens:
+                events.append(TokenBatch(request_ids, tokens, cached, now))
         if finished:  # one pass, not a list removal per finished request (a whole batch may finish at once)
             self.active = [r for r in self.active if r.status is not Status.FINISHED]
+
+    def _take_token(self, req: Request, token: int, now: float, events: list[EngineEvent]) -> bool:
+        """Append ``token`` to a request, stream it as a delta, and finish the request if it stops or reaches
+        its limit (returns whether it finished). A request no longer running skips it."""
+        if req.status is not Status.RUNNING:
+            return False
+        out = req.output_ids
+        out.append(token)
+        detokenizer = req.detokenizer
+        text = detokenizer.add(token) if detokenizer is not None else ""
+        if token in req.stop_ids or len(out) >= req.max_output_len:
+            self._release(req)
+            events.append(self._finish(req, "stop" if token in req.stop_ids else "length", [token], text, now))
+            return True
+        if text:
+            req.text += text
+        events.append(StreamDelta(req.request_id, [token], text, False, None, req.num_cached_tokens, now))
+        return False
 
     def _preempt(self, req: Request) -> None:
         """Free a request's blocks under memory pressure; its computed prefix stays in the tree, so its
         recompute is a cache hit. It resumes from the front of the queue with its output so far."""
+        if req.status is Status.PREFILLING:
+            self.prefilling.remove(req)
         self.active.remove(req)
         self._release(req)
+        self._epoch += 1
+        self._departures += 1
         req.status = Status.WAITING
         req.prompt_done = 0
         self.waiting.appendleft(req)
         self.counters.preemptions += 1
 
     # ------------------------------------------------------------------ sampling and output
-    def _sample(self, reqs: list[Request], logits: torch.Tensor) -> torch.Tensor:
-        """Sampled token ids ``[len(reqs)]`` on the device (no host sync)."""
-        temperatures = [r.params.temperature for r in reqs]
-        if any(temperatures):
+    def _sample(self, reqs: list[Request], logits: torch.Tensor, greedy: bool | None = None) -> torch.Tensor:
+        """Sampled token ids ``[len(reqs)]`` on the device (no host sync). ``greedy``: whether every request
+        samples greedily, when the caller knows."""
+        if greedy is None:
+            greedy = not any(r.params.temperature for r in reqs)
+        if not greedy:
             batch = SamplingBatch.build(
-                temperatures,
+                [r.params.temperature for r in reqs],
                 [r.params.top_p for r in reqs],
                 [r.params.top_k for r in reqs],
                 [r.seed for r in reqs],
@@ -557,6 +631,9 @@ class LLMEngine:
         if req.detokenizer is not None:
             text += req.detokenizer.flush()
         req.text += text
+        if req.status is not Status.WAITING:
+            self._epoch += 1
+            self._departures += 1
         req.status = Status.FINISHED
         req.finish_reason = reason
         return StreamDelta(

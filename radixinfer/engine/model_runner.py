@@ -378,7 +378,7 @@ class ModelRunner:
         if graph is not None:
             graph[0].replay()
             return graph[1][:n]
-        return self._decode_forward(n, max(context_lens), shared)
+        return self._decode_forward(n, int(np.max(context_lens)), shared)
 
     def _decode_forward(self, num_seqs: int, max_context_len: int, shared: bool) -> torch.Tensor:
         """``shared``: attention reads the planned shared prefixes once per tile (grid: the most tiles a
