@@ -245,6 +245,37 @@ def test_block_table_rows_match_a_full_pack_under_random_edits():
         np.testing.assert_array_equal(rows.rows[: len(batch)], reference_rows(batch, 10))
 
 
+def test_block_table_rows_move_shifted_tables_and_trust_the_changed_rows():
+    """The engine's use: a batch loses and gains sequences (later rows shift, new ones append, rows trade
+    places) and names only the rows whose own table was edited in place."""
+    rng = random.Random(2)
+    rows = BlockTableRows(np.zeros((12, 10), dtype=np.int32))
+    device = np.zeros((12, 10), dtype=np.int32)  # the device tables: only rewritten rows reach them
+    batch: list[list[int]] = []
+    for step in range(400):
+        edited: set[int] = set()
+        for _ in range(rng.randrange(3)):
+            if batch:
+                del batch[rng.randrange(len(batch))]  # a finished sequence: the rows after it shift
+        if rng.random() < 0.2 and len(batch) > 1:
+            i, j = rng.sample(range(len(batch)), 2)
+            batch[i], batch[j] = batch[j], batch[i]
+        while len(batch) < 12 and rng.random() < 0.5:
+            batch.insert(rng.randrange(len(batch) + 1), [rng.randrange(100) for _ in range(rng.randrange(1, 8))])
+        for i, table in enumerate(batch):
+            if rng.random() < 0.3:
+                if len(table) < 10 and rng.random() < 0.7:
+                    table.append(rng.randrange(100))
+                else:
+                    table[-1] = rng.randrange(100)
+                edited.add(i)
+        rewritten, width = rows.update(batch, changed=sorted(edited))
+        np.testing.assert_array_equal(rows.rows[: len(batch)], reference_rows(batch, 10))
+        assert rewritten == sorted(rewritten)
+        device[rewritten, :width] = rows.rows[rewritten, :width]  # what the runner sends
+        np.testing.assert_array_equal(device[: len(batch)], reference_rows(batch, 10))
+
+
 def test_host_noise_keys_equal_the_device_hash():
     seeds = [0, 1, 2**31, 2**32 - 1, 2**32 + 5, -1, -(2**40), 2**62]
     steps = [0, 7, 3, 100000, 1, 2, 9, 5]

@@ -92,9 +92,12 @@ class _DecodeBatch:
     the same order, each with room for one more token (no request started or stopped running: the engine's
     ``_epoch`` is the one it was built at, and ``left`` > 0 everywhere). Each step then grows every sequence by exactly
     one position and decodes the token its last launch sampled, so nothing on the step's path walks the
-    requests: lengths and boundary blocks live in ``lanes``, the tables are the sequences' own lists (between
-    two steps of one batch only `reserve_step` changes them, and it says which), and what the sampler and the
-    read-back need of the members is gathered here once."""
+    requests: lengths and boundary blocks live in ``lanes``, the tables are the sequences' own lists, and what
+    the sampler and the read-back need of the members is gathered here once.
+
+    A running sequence's table is edited only by the decode step's `reserve_step`, which says which ones
+    (publishing and releasing happen before a request runs and once it stops), so the runner compares no
+    other table: neither while the batch repeats nor when it changes."""
 
     reqs: list[Request]
     lanes: DecodeLanes
@@ -450,7 +453,7 @@ class LLMEngine:
                 input_ids, carried, carried_rows = self._decode_inputs(batch.reqs)
             logits = self.runner.decode(
                 input_ids, lanes.num_kv - 1, plan.slots, batch.tables, lanes.num_kv, carried=carried,
-                carried_rows=carried_rows, changed_tables=plan.changed if repeated else None,
+                carried_rows=carried_rows, changed_tables=plan.changed,
             )
             self.cache.mark_written()
             self.counters.decode_forwards += 1

@@ -55,28 +55,61 @@ class BlockTableRows:
 
     A decode step grows about one table in ``block_size`` by a block and leaves the rest as they were, while
     converting every entry of every table from Python ints costs ~25 ns each (~0.3 ms at 256 x 50 blocks).
-    A table that grew gets only its new entries written: sequences admitted together cross block boundaries
-    on the same step, so every 16th step of a batch that started together grows every table at once.
-    `update` compares each row's table with a copy of what it last wrote there (a list comparison, in C,
-    mostly pointer-equal ints), so any change is caught: growth, a copy-on-write of the last block, a remap,
-    another sequence moving into the row. Tables must be lists (what the cache hands out). Rows past the batch
-    keep what they held.
+    Each row remembers the table it was last written from (the sequence's own list object) and a copy of its
+    entries then:
+
+    * a row that holds a different table than before gets it by one numpy gather from the row that held it
+      (requests that finish shift every later one up a row) or, if no row held it, from its entries;
+    * a row that holds the same table is compared with its copy only when the caller says it may have changed
+      (``changed``; None: every row), and a table that grew gets only its new entries written (sequences
+      admitted together cross block boundaries on the same step). The comparison is a list comparison, in C,
+      mostly of pointer-equal ints, so any edit is caught: growth, a copy-on-write of the last block, a remap.
+
+    Tables must be lists (what the cache hands out). Rows past the batch keep what they held.
     """
 
     def __init__(self, rows: np.ndarray) -> None:
         self.rows = rows  # [num_rows, width] int32, zero-filled by the caller
-        self._written: list[list[int]] = [[] for _ in range(rows.shape[0])]  # row -> the table it holds
+        num_rows = rows.shape[0]
+        self._held: list[list[int] | None] = [None] * num_rows  # row -> the table object it was written from
+        self._written: list[list[int]] = [[] for _ in range(num_rows)]  # row -> the entries written there
 
     def update(
         self, tables: Sequence[list[int]], changed: Sequence[int] | None = None
     ) -> tuple[list[int], int]:
-        """Make rows ``0 .. len(tables) - 1`` hold ``tables``. Returns the rows rewritten and how many leading
-        entries of them may differ from before (the rest of each is zero, as it was).
+        """Make rows ``0 .. len(tables) - 1`` hold ``tables``. Returns the rows rewritten (ascending) and how many
+        leading entries of them may differ from before (the rest of each is zero, as it was).
 
-        ``changed``: the caller knows only these rows can differ (the same tables in the same rows as the last
-        call, only these altered since): the others are not compared."""
-        rows, written = self.rows, self._written
-        rewritten, width = [], 0
+        ``changed``: the rows whose table, if the row held it before, may have been edited since (the caller
+        vouches for the others); None: any of them."""
+        rows, held, written = self.rows, self._held, self._written
+        rewritten: set[int] = set()
+        width = 0
+        stale = [i for i, table in enumerate(tables) if held[i] is not table]
+        if stale:
+            row_of = {id(table): row for row, table in enumerate(held) if table is not None}
+            sources = [row_of.get(id(tables[i]), -1) for i in stale]
+            old_lens = [len(written[i]) for i in stale]
+            moved = [(i, j) for i, j in zip(stale, sources) if j >= 0]
+            if moved:
+                dst, src = map(list, zip(*moved))
+                rows[dst] = rows[src]  # the right side is a copy: rows may trade places
+                moved_written = [written[j] for j in src]
+                for j in src:
+                    held[j] = None  # a source past the batch no longer stands for its table
+                for i, entries in zip(dst, moved_written):
+                    written[i] = entries
+            for i, source, old_len in zip(stale, sources, old_lens):
+                table = tables[i]
+                held[i] = table
+                if source < 0:
+                    n = len(table)
+                    rows[i, :n] = table
+                    if old_len > n:
+                        rows[i, n:old_len] = 0
+                    written[i] = table.copy()
+                width = max(width, old_len, len(written[i]))
+            rewritten.update(stale)
         for i in range(len(tables)) if changed is None else changed:
             table, old = tables[i], written[i]
             if old != table:
@@ -92,9 +125,9 @@ class BlockTableRows:
                     if m > n:
                         rows[i, n:m] = 0
                     written[i] = table.copy()
-                rewritten.append(i)
+                rewritten.add(i)
                 width = max(width, n, m)
-        return rewritten, width
+        return sorted(rewritten), width
 
 
 # Prefill passes above this many tokens run eagerly: their GPU time dwarfs the launches, and a graph's
@@ -349,7 +382,8 @@ class ModelRunner:
         ``carried`` (that step's device tensor of tokens) at row ``carried_rows[i]`` (-1: use ``input_ids[i]``;
         ``carried_rows`` None: row ``i`` for every sequence, the repeated batch's case, one copy),
         so the next step can be launched before the host has seen the last one's tokens. ``changed_tables``:
-        the batch is the last decode's, and only these rows' tables changed since (see `BlockTableRows`)."""
+        of the tables the last decode had too, only these rows' may have been edited since (None: any; see
+        `BlockTableRows`). Tables are the sequences' own lists: a sequence's list stands for it."""
         n = len(input_ids)
         if n > self.max_batch_size:
             raise ValueError(f"decode batch of {n} exceeds max_batch_size {self.max_batch_size}")
