@@ -31,6 +31,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
+import numpy as np
+
 from radixinfer.engine.engine import LLMEngine
 from radixinfer.outputs import EngineEvent, StreamDelta, TokenBatch
 from radixinfer.sampling_params import SamplingParams
@@ -85,7 +87,7 @@ class StreamHandle:
 @dataclass
 class _Submission:
     request_id: str
-    prompt: str | list[int]
+    prompt: str | np.ndarray  # text, or token ids already checked (`LLMEngine.prompt_ids`)
     params: SamplingParams
     cache_salt: Hashable
     sink: queue.SimpleQueue[StreamEvents]
@@ -115,7 +117,7 @@ class EngineServer:
     # ------------------------------------------------------------------ any thread
     def submit(
         self,
-        prompt: str | list[int],
+        prompt: str | list[int] | np.ndarray,
         params: SamplingParams | None = None,
         cache_salt: Hashable = None,
         sink: queue.SimpleQueue[StreamEvents] | None = None,
@@ -129,11 +131,21 @@ class EngineServer:
         `EngineLoopError` if the loop has died and ``RuntimeError`` after `close`.
         """
         events: queue.SimpleQueue[StreamEvents] = sink if sink is not None else queue.SimpleQueue()
+        prompt_ids, error = prompt, None
+        if not isinstance(prompt, str):  # token ids are checked and converted here, not on the engine loop
+            try:
+                prompt_ids = self._engine.prompt_ids(prompt)
+            except ValueError as exc:
+                error = exc
         with self._cond:
             self._check_open()
             request_id = f"srv-{next(self._ids)}"
-            self._submissions.append(_Submission(request_id, prompt, params or SamplingParams(), cache_salt, events))
-            self._cond.notify()
+            if error is not None:
+                events.put([StreamFailure(request_id, error)])
+            else:
+                self._submissions.append(
+                    _Submission(request_id, prompt_ids, params or SamplingParams(), cache_salt, events))
+                self._cond.notify()
         return StreamHandle(self, request_id, events)
 
     def abort(self, request_id: str) -> None:

@@ -114,6 +114,12 @@ def test_cache_off_computes_everything():
         ([1, "2"], GREEDY, "prompt"),
         ([1, 2**70], GREEDY, "prompt"),
         ([1] * 5000, GREEDY, "prompt"),
+        (np.array([[1, 2]]), GREEDY, "prompt"),
+        (np.array([1.0, 2.0]), GREEDY, "prompt"),
+        (np.array([True, False]), GREEDY, "prompt"),
+        (np.array([], dtype=np.int32), GREEDY, "prompt"),
+        (np.array([1, 300]), GREEDY, "prompt"),
+        (np.array([1, 2**63], dtype=np.uint64), GREEDY, "prompt"),
         ("hi", None, "max_tokens"),
     ],
 )
@@ -124,6 +130,18 @@ def test_bad_input_raises_naming_the_field_and_leaks_nothing(llm, prompt, params
     assert len(out.token_ids) == 4
     llm.reset_prefix_cache()
     assert llm.cache_stats()["free_blocks"] == llm.cache_stats()["total_blocks"]
+
+
+def test_token_id_arrays_are_prompts_like_lists_and_are_copied(llm):
+    ids = [5, 17, 99, 3, 250, 8]
+    expected = llm.generate([ids], GREEDY)[0].token_ids
+    for dtype in (np.int64, np.int32, np.uint16):
+        array = np.array(ids, dtype=dtype)
+        request_id = llm.engine.add_request(array, GREEDY)
+        array[:] = 0  # the request keeps its own copy
+        while llm.engine.requests[request_id].finish_reason is None:
+            llm.engine.step()
+        assert llm.engine.pop_finished(request_id).output_ids == expected
 
 
 @pytest.mark.parametrize(

@@ -77,6 +77,8 @@ def test_bad_prompt_fails_its_handle_and_the_server_keeps_serving(llm):
     with EngineServer(llm.engine) as server:
         with pytest.raises(ValueError, match="empty"):
             list(server.submit("", PARAMS))
+        with pytest.raises(ValueError, match="prompt: token id 100000"):  # checked on the submitting thread
+            list(server.submit([1, 100000], PARAMS))
         assert tokens(server.submit("fine", PARAMS)) == llm.generate(["fine"], PARAMS)[0].token_ids
 
 
