@@ -228,11 +228,17 @@ class CacheDriver(RuleBasedStateMachine):
             self.payloads[(req.salt, path)] = payload_of(req.salt, path)
 
     def _end(self, req: Req, *, publish: bool) -> None:
-        """Finish or preempt (publish, then release), or abort / fail admission (release only)."""
+        """Finish or preempt (release, publishing every token, as the engine does), or abort / fail admission
+        (release only)."""
         if publish:
-            self._publish(req, len(req.tokens))
+            path = tuple(req.tokens)
+            new_tokens = self.mgr.release(req.seq, publish=path)
+            if path:
+                assert new_tokens == len(path) - longest_match(path, self.paths[req.salt])
+                add_path(self.paths[req.salt], path)
             self._remember(req.tokens)
-        self.mgr.release(req.seq)
+        else:
+            assert self.mgr.release(req.seq) == 0
         del self.live[req.rid]
         assert req.seq.table == [] and req.seq.node is None
 

@@ -9,6 +9,7 @@ the deepest tree node of its cached path. The lifecycle (DESIGN §4)::
     plan = reserve(seqs)               a decode step: one slot per sequence, batched COWs
     plan = reserve_step(lanes)         the same for a batch that repeats step after step (`DecodeLanes`)
     release(seq)                       unlock, drop every reference
+    release(seq, publish=tokens)       a finish or preemption: insert what it computed, then release
 
 The boundary block. A sequence whose next position ``p`` falls inside its last block ``B`` at ``offset =
 p % block_size`` may write in place only if nobody wrote that slot yet (``fill[B] == offset``: it claims
@@ -31,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from radixinfer.cache.block_pool import BlockPool
-from radixinfer.cache.radix_tree import MatchResult, Node, RadixTree, TokenArray, as_token_array
+from radixinfer.cache.radix_tree import InsertResult, MatchResult, Node, RadixTree, TokenArray, as_token_array
 
 
 @dataclass(eq=False)
@@ -350,11 +351,7 @@ class KVCacheManager:
         Returns the number of tokens that were new to the tree."""
         if not self.enable_prefix_cache or len(tokens) == 0:
             return 0
-        assert len(tokens) <= seq.num_kv, "publishing positions whose KV is not stored"
-        walked = seq.match.walk_of(len(tokens), self.tree.version) if seq.match is not None else None
-        seq.match = None
-        result = self.tree.insert(as_token_array(tokens), seq.table, seq.salt, end_node=prompt_end, walked=walked,
-                                  lock=True)
+        result = self._insert(seq, tokens, prompt_end=prompt_end, lock=True)
         # A duplicate the current forward still has to write stays until a later publish: freed now, it could
         # be handed out again and written twice by one forward.
         remap = [(k, b) for k, b in result.remap if seq.table[k] not in self._written_fill]
@@ -369,6 +366,13 @@ class KVCacheManager:
         seq.node = result.node
         return result.new_tokens
 
+    def _insert(self, seq: SeqKV, tokens: Sequence[int] | TokenArray, prompt_end: bool, lock: bool) -> InsertResult:
+        assert len(tokens) <= seq.num_kv, "publishing positions whose KV is not stored"
+        walked = seq.match.walk_of(len(tokens), self.tree.version) if seq.match is not None else None
+        seq.match = None
+        return self.tree.insert(as_token_array(tokens), seq.table, seq.salt, end_node=prompt_end, walked=walked,
+                                lock=lock)
+
     def attach_payload(self, seq: SeqKV, payload: Any) -> None:
         """Store the final hidden state of the prompt's last position on the node ending there (published
         with ``prompt_end=True``), so an exact repeat computes no attention or MLP."""
@@ -376,16 +380,26 @@ class KVCacheManager:
             self.tree.attach_payload(seq.node, payload)
 
     # ------------------------------------------------------------------ release
-    def release(self, seq: SeqKV) -> None:
-        """Unlock and drop every block reference (finish, abort, preemption). Idempotent."""
+    def release(self, seq: SeqKV, publish: Sequence[int] | TokenArray | None = None) -> int:
+        """Unlock and drop every block reference (finish, abort, preemption). Idempotent.
+
+        ``publish``: first insert these tokens (the sequence's first ``len(publish) <= num_kv``) into the tree,
+        as `publish` does, for what a finished or preempted request computed. Cheaper than `publish` then
+        `release`: the new path goes into the LRU set unlocked (not locked only to be unlocked), and nothing is
+        remapped (every reference of the sequence is dropped anyway; the tree keeps its own blocks). Returns
+        the number of tokens new to the tree."""
         if seq.released:
-            return
+            return 0
+        new_tokens = 0
+        if publish is not None and self.enable_prefix_cache and len(publish):
+            new_tokens = self._insert(seq, publish, prompt_end=False, lock=False).new_tokens
         seq.released = True
         if seq.node is not None:
             self.tree.unlock(seq.node)
             seq.node = None
         self.pool.decref(seq.table)
         seq.table = []
+        return new_tokens
 
     def reset(self) -> None:
         """Empty the prefix cache. Only valid when no sequence is live."""

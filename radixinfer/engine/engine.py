@@ -662,8 +662,7 @@ class LLMEngine:
         seq = req.seq
         if seq is None:
             return
-        self.cache.publish(seq, req.token_array()[: seq.num_kv])
-        self.cache.release(seq)
+        self.cache.release(seq, publish=req.token_array()[: seq.num_kv])
         req.seq = None
 
     def pop_finished(self, request_id: str) -> Request:
