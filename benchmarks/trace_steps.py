@@ -172,6 +172,7 @@ def main() -> None:
     offsets = arrival_offsets(len(sessions), args.request_rate, args.submit_interval_ms,
                               np.random.default_rng(args.seed + 1))
     prompts, params = zip(*(request_for(s, s.prompt, backend.max_context_len, args) for s in sessions))
+    prompts = [backend.native_prompt(p) for p in prompts]  # converted before the clock, as the bench does
 
     def served() -> float:
         return run_workload(backend, sessions, offsets, args, "trace")[1]

@@ -195,6 +195,9 @@ class ScriptedBackend:
             sink.put([StreamDelta(request_id, [i + 1], "", last, "length" if last else None, 0, time.perf_counter())])
         return request_id
 
+    def native_prompt(self, prompt):
+        return prompt
+
     def cache_stats(self):
         return None
 
@@ -218,6 +221,24 @@ def test_multi_turn_prompts_extend_the_previous_prompt_and_answer():
         assert turns[0] == session.prompt
         assert turns[1] == session.prompt + [1, 2, 3] + session.follow_ups[0]
         assert turns[2] == turns[1] + [1, 2, 3] + session.follow_ups[1]
+
+
+def test_first_turns_go_in_the_backends_form_and_later_turns_as_built():
+    """First turns are converted before the clock starts (`Backend.native_prompt`); later turns are built from
+    answers at run time and submitted as lists."""
+
+    class TupleBackend(ScriptedBackend):
+        def native_prompt(self, prompt):
+            return tuple(prompt)
+
+    args = bench_args("--dataset", "multi-turn", "--num-conversations", "2", "--turns", "2", "--input-len", "4",
+                      "--turn-len", "2", "--output-len", "3")
+    backend = TupleBackend()
+    sessions = build_workload(args, backend.tokenizer, backend.vocab_size)
+    run_workload(backend, sessions, [0.0, 0.0], args, "test")
+    prompts = [p for p, _ in backend.requests]
+    assert sorted(p for p in prompts if type(p) is tuple) == sorted(tuple(s.prompt) for s in sessions)
+    assert sum(type(p) is list for p in prompts) == 2
 
 
 def test_prompts_are_truncated_and_outputs_capped_to_the_context():

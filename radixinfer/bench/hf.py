@@ -264,6 +264,9 @@ class HFBackend:
         self._driver.submit(request_id, prompt, params, [] if params.ignore_eos else self.eos_token_ids, sink)
         return request_id
 
+    def native_prompt(self, prompt: list[int]) -> list[int]:
+        return prompt  # transformers takes lists
+
     def cache_stats(self) -> None:
         return None
 

@@ -36,6 +36,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -119,18 +120,22 @@ def run_workload(
     records: list[RequestRecord] = []
     progress = tqdm(total=sum(s.num_turns for s in sessions), desc=desc, unit="req", file=sys.stderr, leave=False)
 
-    def submit(session: Session, index: int, prompt: list[int]) -> None:
+    def submit(session: Session, index: int, prompt: list[int], native: Any = None) -> None:
         prompt, params = request_for(session, prompt, backend.max_context_len, args)
         record = RequestRecord(time.perf_counter(), len(prompt))
-        inflight[backend.submit(prompt, params, events)] = _Turn(session, index, prompt, record)
+        request_id = backend.submit(prompt if native is None else native, params, events)
+        inflight[request_id] = _Turn(session, index, prompt, record)
 
+    # First turns are known up front: in the backend's form before the clock starts (`Backend.native_prompt`).
+    native_first = [backend.native_prompt(request_for(s, s.prompt, backend.max_context_len, args)[0])
+                    for s in sessions]
     start = time.perf_counter()
     next_arrival = 0
     with progress:
         while next_arrival < len(arrivals) or inflight:
             while next_arrival < len(arrivals) and time.perf_counter() >= start + offsets[arrivals[next_arrival]]:
                 session = sessions[arrivals[next_arrival]]
-                submit(session, 0, session.prompt)
+                submit(session, 0, session.prompt, native_first[arrivals[next_arrival]])
                 next_arrival += 1
             timeout = None  # nothing left to submit: wait for tokens
             if next_arrival < len(arrivals):
