@@ -10,6 +10,7 @@ import time
 import pytest
 
 from radixinfer import LLM, SamplingParams
+from radixinfer.outputs import TokenBatch
 from radixinfer.serving import EngineLoopError, EngineServer, StreamFailure
 
 PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -57,6 +58,33 @@ def test_one_sink_for_many_requests(llm):
             widest = max(widest, len({delta.request_id for delta in batch}))
             finished |= {delta.request_id for delta in batch if delta.finished}
         assert widest > 1  # requests decoded in one step arrive in one list
+
+
+def test_token_batches_are_split_by_queue_and_handles_yield_deltas(llm):
+    """Ids-only requests decode in one batch, so their steady tokens come as `TokenBatch`es: a shared queue
+    gets its own requests' rows only, a private handle gets deltas, and every stream equals generate's."""
+    params = SamplingParams(max_tokens=12, ignore_eos=True, detokenize=False)
+    expected = {p: o.token_ids for p, o in zip(PROMPTS, llm.generate(PROMPTS, params))}
+    llm.reset_prefix_cache()
+    sink: queue.SimpleQueue = queue.SimpleQueue()
+    with EngineServer(llm.engine) as server:
+        shared = {server.submit(p, params, sink=sink).request_id: p for p in PROMPTS[:3]}
+        handles = {p: server.submit(p, params) for p in PROMPTS[3:]}
+        streamed: dict[str, list[int]] = {}
+        batches = 0
+        while len([r for r in streamed if r in shared and len(streamed[r]) == 12]) < len(shared):
+            for event in sink.get(timeout=30):
+                if isinstance(event, TokenBatch):
+                    batches += 1
+                    assert set(event.request_ids) <= set(shared)
+                    for request_id, token in zip(event.request_ids, event.token_ids):
+                        streamed.setdefault(request_id, []).append(token)
+                else:
+                    streamed.setdefault(event.request_id, []).extend(event.token_ids)
+        private = {p: tokens(handle) for p, handle in handles.items()}
+    assert batches > 0
+    assert {shared[r]: t for r, t in streamed.items()} == {p: expected[p] for p in PROMPTS[:3]}
+    assert private == {p: expected[p] for p in PROMPTS[3:]}
 
 
 def test_abort_ends_the_stream_and_frees_the_blocks(llm):

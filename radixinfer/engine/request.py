@@ -48,8 +48,8 @@ class Request:
     finish_reason: str | None = None
     stop_ids: frozenset[int] = frozenset()
     # Tokens sampled so far, read back or still on the device (the host reads a step's tokens a step later),
-    # and where the newest unread one lies, the input of the next decode: its launch (None once read back)
-    # and row there.
+    # and where the newest one lies, the input of the next decode: its launch (whose ``read_back`` says whether
+    # it is in ``output_ids`` yet) and row there.
     num_sampled: int = 0
     carry: Any = None
     carry_row: int = 0
