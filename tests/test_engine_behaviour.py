@@ -265,7 +265,8 @@ def test_token_batches_end_requests_exactly_where_per_request_deltas_do():
     requests, which take the per-request path."""
     rng = random.Random(5)
     prompts = [[rng.randrange(256) for _ in range(rng.randrange(3, 12))] for _ in range(10)]
-    free_run = LLM("tiny", block_size=4, num_blocks=512).generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
+    free_run = LLM("tiny", block_size=4, num_blocks=512).generate(
+        prompts, SamplingParams(max_tokens=24, ignore_eos=True))
     settings = []
     for i, out in enumerate(free_run):
         stop = [out.token_ids[5 + i]] if i % 3 == 0 else None  # stop on a token the request will sample
