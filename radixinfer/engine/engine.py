@@ -90,8 +90,8 @@ class _Pass:
 class _DecodeBatch:
     """A decode batch, built once and decoded again for as long as it stays the same: the same requests in
     the same order, each with room for one more token (no request started or stopped running: the engine's
-    ``_epoch`` is the one it was built at, and ``left`` > 0 everywhere). Each step then grows every sequence by exactly
-    one position and decodes the token its last launch sampled, so nothing on the step's path walks the
+    ``_epoch`` is the one it was built at, and ``left`` > 0 everywhere). Each step then grows every sequence
+    by exactly one position and decodes the token its last launch sampled, so nothing on the step's path walks the
     requests: lengths and boundary blocks live in ``lanes``, the tables are the sequences' own lists, and what
     the sampler and the read-back need of the members is gathered here once.
 
@@ -104,13 +104,12 @@ class _DecodeBatch:
     tables: list[list[int]]
     epoch: int
     left: np.ndarray  # [n] tokens each member may still sample
-    room: int  # left.min(): steps every member can still take
     greedy: bool  # every member samples greedily
     ids_only: bool  # no member detokenizes
     stop_ids: np.ndarray  # every member's stop token ids, pooled
     request_ids: list[str]
     num_cached_tokens: list[int]
-    launch: _Launch | None = None  # the last launch
+    tokens: torch.Tensor | None = None  # the last launch's sampled tokens, on the device: the next inputs
 
 
 class _Launch:
@@ -125,9 +124,7 @@ class _Launch:
                  departures: int = -1) -> None:
         self.reqs, self.tokens = reqs, tokens
         self.batch, self.departures = batch, departures
-        self.last_rows = _NO_ROWS
-        if batch is not None and batch.room == 1:  # this launch takes some member to its limit
-            self.last_rows = np.flatnonzero(batch.left == 1)
+        self.last_rows = np.flatnonzero(batch.left == 1) if batch is not None else _NO_ROWS
         self.read_back = False
         self.host, self.done = tokens, None
         if tokens.device.type == "cuda":
@@ -461,7 +458,7 @@ class LLMEngine:
             self.runner.kv.copy_blocks(plan.copies)
             lanes = batch.lanes
             if repeated:  # every input token is in the last launch, row for row
-                input_ids, carried, carried_rows = np.zeros(len(batch.reqs), np.int64), batch.launch.tokens, None
+                input_ids, carried, carried_rows = np.zeros(len(batch.reqs), np.int64), batch.tokens, None
             else:
                 input_ids, carried, carried_rows = self._decode_inputs(batch.reqs)
             logits = self.runner.decode(
@@ -470,9 +467,8 @@ class LLMEngine:
             )
             self.cache.mark_written()
             self.counters.decode_forwards += 1
-            batch.launch = self._launch(batch.reqs, self._sample(batch.reqs, logits, batch.greedy), batch)
+            batch.tokens = self._launch(batch.reqs, self._sample(batch.reqs, logits, batch.greedy), batch).tokens
             batch.left -= 1
-            batch.room -= 1
         self._read_back(previous, events)
 
     def _decode_batch(self) -> tuple[_DecodeBatch | None, bool]:
@@ -480,7 +476,7 @@ class LLMEngine:
         token, oldest first, at most ``max_batch_size``. Without a pass over the requests while the running
         set is unchanged and every member has room (the steady state)."""
         last = self._last_decode
-        if last is not None and last.epoch == self._epoch and last.room > 0:
+        if last is not None and last.epoch == self._epoch and last.left.min() > 0:
             return last, True
         running = Status.RUNNING
         reqs = [r for r in self.active if r.status is running and r.num_sampled < r.max_output_len]
@@ -495,9 +491,9 @@ class LLMEngine:
             return None
         seqs = [r.seq for r in reqs]
         stop_ids = frozenset().union(*(r.stop_ids for r in reqs))
-        left = np.fromiter((r.max_output_len - r.num_sampled for r in reqs), dtype=np.int64, count=len(reqs))
         return _DecodeBatch(
-            reqs, DecodeLanes(seqs), [seq.table for seq in seqs], self._epoch, left, int(left.min()),
+            reqs, DecodeLanes(seqs), [seq.table for seq in seqs], self._epoch,
+            left=np.fromiter((r.max_output_len - r.num_sampled for r in reqs), dtype=np.int64, count=len(reqs)),
             greedy=not any(r.params.temperature for r in reqs),
             ids_only=all(r.detokenizer is None for r in reqs),
             stop_ids=np.fromiter(stop_ids, dtype=np.int64, count=len(stop_ids)),
@@ -574,19 +570,18 @@ class LLMEngine:
                 stops = np.flatnonzero(np.isin(launch.host.numpy(), batch.stop_ids))
                 if stops.size:
                     ending = np.union1d(ending, stops)
-            reqs, request_ids, cached = launch.reqs, batch.request_ids, batch.num_cached_tokens
+            reqs, steady = launch.reqs, TokenBatch(batch.request_ids, tokens, batch.num_cached_tokens, now)
             if ending.size:
+                for i in ending.tolist():
+                    finished |= self._take_token(reqs[i], tokens[i], now, events)
                 going_on = np.ones(len(reqs), dtype=bool)
                 going_on[ending] = False
                 rows = np.flatnonzero(going_on).tolist()
-                for i in ending.tolist():
-                    finished |= self._take_token(reqs[i], tokens[i], now, events)
-                reqs, tokens = [reqs[i] for i in rows], [tokens[i] for i in rows]
-                request_ids, cached = [request_ids[i] for i in rows], [cached[i] for i in rows]
-            for req, token in zip(reqs, tokens):
+                reqs, steady = [reqs[i] for i in rows], steady.rows(rows)
+            for req, token in zip(reqs, steady.token_ids):
                 req.output_ids.append(token)
-            if tokens:
-                events.append(TokenBatch(request_ids, tokens, cached, now))
+            if reqs:
+                events.append(steady)
         if finished:  # one pass, not a list removal per finished request (a whole batch may finish at once)
             self.active = [r for r in self.active if r.status is not Status.FINISHED]
 
