@@ -120,22 +120,21 @@ def run_workload(
     records: list[RequestRecord] = []
     progress = tqdm(total=sum(s.num_turns for s in sessions), desc=desc, unit="req", file=sys.stderr, leave=False)
 
-    def submit(session: Session, index: int, prompt: list[int], native: Any = None) -> None:
-        prompt, params = request_for(session, prompt, backend.max_context_len, args)
+    def submit(session: Session, index: int, prompt: list[int], params: SamplingParams, native: Any) -> None:
         record = RequestRecord(time.perf_counter(), len(prompt))
-        request_id = backend.submit(prompt if native is None else native, params, events)
-        inflight[request_id] = _Turn(session, index, prompt, record)
+        inflight[backend.submit(native, params, events)] = _Turn(session, index, prompt, record)
 
-    # First turns are known up front: in the backend's form before the clock starts (`Backend.native_prompt`).
-    native_first = [backend.native_prompt(request_for(s, s.prompt, backend.max_context_len, args)[0])
-                    for s in sessions]
+    # First turns are known up front: fitted and in the backend's form before the clock starts
+    # (`Backend.native_prompt`).
+    first = [request_for(s, s.prompt, backend.max_context_len, args) for s in sessions]
+    native_first = [backend.native_prompt(prompt) for prompt, _ in first]
     start = time.perf_counter()
     next_arrival = 0
     with progress:
         while next_arrival < len(arrivals) or inflight:
             while next_arrival < len(arrivals) and time.perf_counter() >= start + offsets[arrivals[next_arrival]]:
-                session = sessions[arrivals[next_arrival]]
-                submit(session, 0, session.prompt, native_first[arrivals[next_arrival]])
+                i = arrivals[next_arrival]
+                submit(sessions[i], 0, *first[i], native_first[i])
                 next_arrival += 1
             timeout = None  # nothing left to submit: wait for tokens
             if next_arrival < len(arrivals):
@@ -161,7 +160,9 @@ def run_workload(
                 progress.update(1)
                 session, index = turn.session, turn.index
                 if index + 1 < session.num_turns:
-                    submit(session, index + 1, session.next_prompt(index, turn.prompt, turn.record.token_ids))
+                    answered = session.next_prompt(index, turn.prompt, turn.record.token_ids)
+                    prompt, params = request_for(session, answered, backend.max_context_len, args)
+                    submit(session, index + 1, prompt, params, prompt)
     first_submit = min(r.submit_time for r in records)
     last_token = max((r.token_times[-1] for r in records if r.token_times), default=first_submit)
     return records, last_token - first_submit
