@@ -127,7 +127,7 @@ def check_holders(mgr: KVCacheManager, live: dict[int, tuple[Hashable, SeqKV]]) 
 
 def counters(mgr: KVCacheManager) -> tuple[int, ...]:
     c = mgr.tree.counters
-    return (c.queried_tokens, c.hit_tokens, c.evicted_blocks, mgr.counters.cow_copies)
+    return (c.evicted_blocks, mgr.counters.cow_copies)
 
 
 def check_monotonic(before: tuple[int, ...], after: tuple[int, ...]) -> None:

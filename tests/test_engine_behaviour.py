@@ -69,7 +69,7 @@ def test_prefix_of_a_cached_prompt_recomputes_one_token(llm):
     llm.generate([list(range(50))], GREEDY)
     before = llm.cache_stats()
     out = llm.generate([list(range(37))], GREEDY)[0]
-    assert out.num_cached_tokens == 37
+    assert out.num_cached_tokens == 36  # the last position is computed again for its logits, so not cached
     assert llm.cache_stats()["computed_prompt_tokens"] - before["computed_prompt_tokens"] == 1
 
 

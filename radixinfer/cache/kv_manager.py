@@ -134,13 +134,20 @@ class KVCacheManager:
         self.tree = RadixTree(self.pool)
 
     # ------------------------------------------------------------------ admission
-    def admit(self, tokens: Sequence[int] | TokenArray, salt: Hashable = None) -> SeqKV:
-        """Match ``tokens`` and lock the matched path; the sequence starts with the matched blocks (no
-        allocation yet, so admission itself never fails). The caller then `reserve`s the positions to compute."""
-        if not self.enable_prefix_cache:
+    def admit(self, tokens: Sequence[int] | TokenArray, salt: Hashable = None, *, use_cache: bool = True) -> SeqKV:
+        """Match ``tokens`` and lock what the match reads; the sequence starts with the matched blocks (no
+        allocation yet, so admission itself never fails). The caller then `reserve`s the positions to compute.
+
+        A match that ends inside a node's edge splits the node there first, so the lock pins only the blocks
+        of the matched positions: the rest of the edge stays evictable while the request waits for memory.
+        ``use_cache=False`` admits as a miss (matches and locks nothing, publishing still works): the
+        fallback for a request whose locked hit keeps it from fitting a pool it would fit alone."""
+        if not (self.enable_prefix_cache and use_cache):
             return SeqKV(salt, [], 0, 0, None, None)
         tokens = as_token_array(tokens)
-        match = self.tree.match(tokens, salt, peeked=self._peeked(tokens, salt))
+        match = self._peeked(tokens, salt) or self.tree.match(tokens, salt)
+        if match.length and match.length < match.node.end:
+            match = MatchResult(match.length, match.blocks, self.tree.split_at(match.node, match.length), None)
         self.tree.lock(match.node)
         self.pool.incref(match.blocks)
         node = match.node if match.length else None  # an empty match reaches only the root: nothing to lock
@@ -152,7 +159,7 @@ class KVCacheManager:
         if not self.enable_prefix_cache:
             return 0
         tokens = as_token_array(tokens)
-        peek = self._peeked(tokens, salt) or self.tree.peek(tokens, salt)
+        peek = self._peeked(tokens, salt) or self.tree.match(tokens, salt)
         self._last_peek = (tokens, salt, TreeWalk(peek, len(tokens), self.tree.version))
         return peek.length
 

@@ -14,8 +14,8 @@ DESIGN §3 invariant 3) and differ after: a reader that descends into the child 
 version of each block (``B1'``). Each node holds one reference per block it lists.
 
 Each ``cache_salt`` has its own root, so requests with different salts never share a node (invariant 8).
-Unlocked leaves are kept in an ordered set by last access, so eviction takes the least recently used ones
-without scanning the tree.
+Unlocked leaves are kept in an ordered set by last access, so eviction trims the least recently used ones
+(from their tails, block by block) without scanning the tree.
 """
 
 from __future__ import annotations
@@ -96,8 +96,6 @@ class InsertResult:
 class TreeCounters:
     """Monotonic counters (never decrease, survive `reset`)."""
 
-    queried_tokens: int = 0
-    hit_tokens: int = 0
     evicted_blocks: int = 0
 
 
@@ -115,17 +113,10 @@ class RadixTree:
         self.version = 0
 
     # ------------------------------------------------------------------ queries
-    def match(self, tokens: TokenArray, salt: Hashable = None, peeked: MatchResult | None = None) -> MatchResult:
-        """Longest cached prefix of ``tokens`` under ``salt``. Does not change the tree; the caller locks
-        ``result.node`` before anything can evict it. Counts the query in the counters. ``peeked``: this
-        query's `peek` taken at the current `version` (then it is the answer, and nothing is walked again)."""
-        result = peeked if peeked is not None else self.peek(tokens, salt)
-        self.counters.queried_tokens += len(tokens)
-        self.counters.hit_tokens += result.length
-        return result
-
-    def peek(self, tokens: TokenArray, salt: Hashable = None) -> MatchResult:
-        """`match` without counting: for schedulers estimating a request's cost."""
+    def match(self, tokens: TokenArray, salt: Hashable = None) -> MatchResult:
+        """Longest cached prefix of ``tokens`` under ``salt``. Changes nothing and counts nothing: a caller
+        that uses the blocks locks ``result.node`` (after `split_at` the match length, so the lock pins only
+        the blocks it reads) before anything can evict them."""
         node, length, blocks = self._walk(tokens, self._root(salt))
         payload = node.payload if length == len(tokens) and node.end == length else None
         return MatchResult(length, blocks, node, payload)
@@ -213,7 +204,7 @@ class RadixTree:
         else:
             node, pos, tree_blocks = self._walk(tokens, self._root(salt))
         if pos < n or end_node:
-            node = self._split_for(node, pos)
+            node = self.split_at(node, pos)
         full = pos // bs
         remap = [] if list(blocks[:full]) == tree_blocks[:full] else [  # equal (one C comparison): the usual case
             (k, tb) for k, tb in enumerate(tree_blocks[:full]) if blocks[k] != tb]
@@ -239,11 +230,16 @@ class RadixTree:
         node.payload = payload
         self.version += 1
 
-    def _split_for(self, node: Node, pos: int) -> Node:
-        """Return a node ending exactly at ``pos`` on ``node``'s path, splitting ``node`` if ``pos`` is inside its
-        edge. The existing object stays the lower half (handles to it stay valid); a new upper node is made."""
+    def split_at(self, node: Node, pos: int) -> Node:
+        """Return a node ending exactly at ``pos`` on ``node``'s path (``node.start < pos <= node.end``),
+        splitting ``node`` if ``pos`` is inside its edge. The existing object stays the lower half (handles to
+        it stay valid); a new upper node is made, with ``node``'s locks and access time.
+
+        A lock on the upper half pins only the blocks of positions ``[0, pos)``: admission splits a partial
+        match this way, so a request that reads 5 tokens of a cached 40-token edge does not pin all 40."""
         if pos == node.end:
             return node
+        self.version += 1
         bs = self.block_size
         split = pos - node.start
         first_index = node.start // bs
@@ -277,21 +273,34 @@ class RadixTree:
 
     # ------------------------------------------------------------------ eviction
     def evict(self, num_blocks: int) -> int:
-        """Remove unlocked leaves, least recently used first, until ``num_blocks`` blocks became free or
-        nothing is evictable. A parent left as an unlocked leaf becomes evictable in turn. Returns blocks freed
-        (a removed node's blocks are freed only when no other holder remains)."""
+        """Free up to ``num_blocks`` blocks by trimming unlocked leaves from their tails, block by block, least
+        recently used leaf first. A leaf loses its last block and ends at that block's start, so the tree keeps
+        every position it does not have to give up; a leaf trimmed to nothing is removed, and a parent left an
+        unlocked leaf becomes evictable in turn. Returns the blocks freed (a block dropped by the tree is freed
+        only when no live sequence holds it too)::
+
+            block_size 4, need 1 block:   leaf [4, 14) "e f g h | i j k l | m n"  blocks [B1, B2, B3]
+                                   ->     leaf [4, 12) "e f g h | i j k l"        blocks [B1, B2]   (B3 freed)
+        """
         freed = 0
         evictable = self._evictable
+        bs = self.block_size
         while freed < num_blocks and evictable:
-            leaf = evictable.pop(0)
+            leaf = evictable[0]
             self.version += 1
-            freed += self.pool.decref(leaf.blocks)
-            parent = leaf.parent
-            del parent.children[int(leaf.key[0])]
-            leaf.parent = None
-            leaf.payload = None
-            if parent.parent is not None and not parent.children and parent.lock_count == 0:
-                evictable.add(parent)
+            leaf.payload = None  # it belonged to the last position, which goes now (or the whole leaf does)
+            last_index = (leaf.end - 1) // bs
+            if last_index * bs <= leaf.start:  # its only block goes: remove the leaf
+                evictable.pop(0)
+                freed += self.pool.decref(leaf.blocks)
+                parent = leaf.parent
+                del parent.children[int(leaf.key[0])]
+                leaf.parent = None
+                if parent.parent is not None and not parent.children and parent.lock_count == 0:
+                    evictable.add(parent)
+            else:  # drop its last block: it keeps positions [start, last_index * bs)
+                freed += self.pool.decref([leaf.blocks.pop()])
+                leaf.key = leaf.key[: last_index * bs - leaf.start]
         self.counters.evicted_blocks += freed
         return freed
 

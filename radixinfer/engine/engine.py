@@ -54,9 +54,13 @@ class EngineConfig:
 
 @dataclass
 class EngineCounters:
+    """Monotonic engine counters. Taken at a request's successful admission, never at a failed attempt, so
+    once every admitted prompt is complete ``prompt_tokens == cached_tokens + computed_prompt_tokens``."""
+
     prompt_tokens: int = 0  # prompt tokens of admitted requests (counted once per request)
-    cached_tokens: int = 0  # of those, found in the prefix cache at first admission
-    computed_prompt_tokens: int = 0  # token rows run through prefill forwards (recomputes included)
+    cached_tokens: int = 0  # of those, read from the prefix cache (`Request.num_cached_tokens`)
+    computed_prompt_tokens: int = 0  # of those, run through prefill forwards
+    recomputed_tokens: int = 0  # rows computed again after a preemption (prompt and generated tokens)
     prefill_forwards: int = 0
     decode_forwards: int = 0
     preemptions: int = 0
@@ -288,18 +292,22 @@ class LLMEngine:
         events: list[EngineEvent] = []
         previous, self._unread = self._unread, []
         if self.config.decode_first:
-            self._decode(previous, events)
-            self._prefill_round(events)
+            decoded = self._decode(previous, events)
+            prefilled = self._prefill_round(events)
         else:
-            self._prefill_round(events)
-            self._decode(previous, events)
+            prefilled = self._prefill_round(events)
+            decoded = self._decode(previous, events)
+        if not (prefilled or decoded or previous) and self.active:
+            # Chunked prompts hold the memory that each of them needs to go on, and nothing runs that could
+            # free some: preempt the newest (its computed prefix stays cached), so the oldest always proceeds.
+            self._preempt(max(self.active, key=lambda r: r.arrival_index))
         return events
 
     # ------------------------------------------------------------------ prefill
-    def _prefill_round(self, events: list[EngineEvent]) -> None:
+    def _prefill_round(self, events: list[EngineEvent]) -> bool:
         """Admit what the policy grants and run it as one ragged forward. Requests that would copy a block
         this forward is still writing (they extend a prefix another request of the round computes) run in
-        a second pass right after it."""
+        a second pass right after it. Returns whether anything was prefilled."""
         admission = self.config.admission
         first = _Pass()
         # Chunked prompts in progress continue first: they hold blocks and a locked path.
@@ -330,6 +338,7 @@ class LLMEngine:
                 if not self._plan_item(second, grant.item, grant.num_tokens, fresh=True, may_defer=True):
                     break
             self._run_prefill_pass(second, events)
+        return bool(first.items)
 
     def _uncached_cost(self, req: Request) -> int:
         return req.num_tokens - self._cached_len(req)
@@ -352,10 +361,6 @@ class LLMEngine:
                 self.cache.release(seq)
                 return _DEFER
             req.seq = seq
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = seq.num_cached
-                self.counters.prompt_tokens += len(req.prompt_ids)
-                self.counters.cached_tokens += seq.num_cached
         seq = req.seq
         start = seq.num_kv
         if start >= n:  # the whole prompt is cached
@@ -367,6 +372,16 @@ class LLMEngine:
         else:
             end = min(n, start + max(num_tokens, 1))
             plan = self.cache.reserve([seq], [end])
+            if plan is None and fresh and not self.active:
+                # Nothing else holds KV, so only the request's own locked hit can be in the way (ancestors
+                # along its path hold older versions of boundary blocks it does not read): retry as a miss,
+                # which fits the pool once everything unlocked is evicted (`add_request` checked that).
+                self.cache.release(seq)
+                req.seq = seq = self.cache.admit(tokens, req.salt, use_cache=False)
+                start = 0
+                end = min(n, max(num_tokens, 1))
+                plan = self.cache.reserve([seq], [end])
+                assert plan is not None, "a request that fits the empty pool did not fit it"
             if plan is None:
                 if fresh:
                     self.cache.release(seq)
@@ -379,6 +394,10 @@ class LLMEngine:
                 pass_.leaders.setdefault((req.salt, tokens.tobytes()), item)
         pass_.items.append(item)
         if fresh:
+            if req.num_cached_tokens is None:  # its first admission: what it reads from the cache is final
+                req.num_cached_tokens = item.start if item.end > item.start else n
+                self.counters.prompt_tokens += len(req.prompt_ids)
+                self.counters.cached_tokens += req.num_cached_tokens
             self.waiting.remove(req)
             self.active.append(req)
             self.prefilling.append(req)
@@ -412,7 +431,13 @@ class LLMEngine:
             )
             self.cache.mark_written()
             self.counters.prefill_forwards += 1
-            self.counters.computed_prompt_tokens += len(input_ids)
+            for it in computed:
+                rows = it.end - it.start
+                if it.req.num_sampled:  # resumed after a preemption: its prompt was counted once already
+                    self.counters.recomputed_tokens += rows
+                else:
+                    it.req.num_computed_prompt_tokens += rows
+                    self.counters.computed_prompt_tokens += rows
         finishing = [it for it in items if it.end == it.req.num_tokens]
         for it in items:
             it.req.prompt_done = it.end
@@ -438,9 +463,9 @@ class LLMEngine:
         self._launch(reqs, self._sample(reqs, self.runner.logits(last_hidden)))
 
     # ------------------------------------------------------------------ decode
-    def _decode(self, previous: list[_Launch], events: list[EngineEvent]) -> None:
+    def _decode(self, previous: list[_Launch], events: list[EngineEvent]) -> bool:
         """Launch this step's decode, then read back ``previous`` (the launches of the step before) while
-        the GPU runs it.
+        the GPU runs it. Returns whether a decode step ran.
 
         A request whose newest token is still on the device decodes it from there: the host sees tokens one
         step late. A request that turns out to have stopped on such a token was decoded once more for
@@ -470,6 +495,7 @@ class LLMEngine:
             batch.tokens = self._launch(batch.reqs, self._sample(batch.reqs, logits, batch.greedy), batch).tokens
             batch.left -= 1
         self._read_back(previous, events)
+        return batch is not None
 
     def _decode_batch(self) -> tuple[_DecodeBatch | None, bool]:
         """This step's batch, and whether it is the last step's: running requests with room for one more
@@ -614,6 +640,13 @@ class LLMEngine:
         self._departures += 1
         req.status = Status.WAITING
         req.prompt_done = 0
+        if not req.num_sampled:  # preempted before its first token: its next admission counts afresh
+            c = self.counters
+            c.prompt_tokens -= len(req.prompt_ids)
+            c.cached_tokens -= req.num_cached_tokens
+            c.computed_prompt_tokens -= req.num_computed_prompt_tokens
+            c.recomputed_tokens += req.num_computed_prompt_tokens
+            req.num_cached_tokens, req.num_computed_prompt_tokens = None, 0
         self.waiting.appendleft(req)
         self.counters.preemptions += 1
 
@@ -648,7 +681,7 @@ class LLMEngine:
         req.status = Status.FINISHED
         req.finish_reason = reason
         return StreamDelta(
-            req.request_id, token_ids, text, True, reason, max(req.num_cached_tokens, 0),
+            req.request_id, token_ids, text, True, reason, req.num_cached_tokens or 0,
             time.perf_counter() if now is None else now,
         )
 
@@ -680,6 +713,7 @@ class LLMEngine:
             "cached_tokens": c.cached_tokens,
             "hit_rate": c.cached_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
             "computed_prompt_tokens": c.computed_prompt_tokens,
+            "recomputed_tokens": c.recomputed_tokens,
             "cow_copies": self.cache.counters.cow_copies,
             "evicted_blocks": self.cache.tree.counters.evicted_blocks,
             "free_blocks": self.cache.num_free_blocks,

@@ -44,7 +44,10 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     seq: SeqKV | None = None
     prompt_done: int = 0
-    num_cached_tokens: int = -1  # set at first admission
+    # Set at its first successful admission: prompt tokens read from the prefix cache, never computed for it.
+    # With the prompt complete, ``num_cached_tokens + num_computed_prompt_tokens == len(prompt_ids)``.
+    num_cached_tokens: int | None = None
+    num_computed_prompt_tokens: int = 0
     finish_reason: str | None = None
     stop_ids: frozenset[int] = frozenset()
     # Tokens sampled so far, read back or still on the device (the host reads a step's tokens a step later),
