@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import gc
 import os
+from collections import deque
 from collections.abc import Hashable, Iterator, Sequence
 
 import torch
@@ -102,6 +103,7 @@ class LLM:
         cache = KVCacheManager(blocks, block_size, enable_prefix_cache)
         self.tokenizer = loaded.tokenizer
         self.engine = LLMEngine(runner, cache, loaded.tokenizer, loaded.eos_token_ids, config)
+        self._streams: dict[str, deque[StreamDelta]] = {}  # open `stream` iterators' undelivered deltas
         # Everything alive now (torch, transformers, the model's modules, the graphs) lives as long as the
         # engine: freezing it keeps the collector's full passes, which stop the engine loop, from rescanning
         # hundreds of thousands of objects that can never be garbage.
@@ -119,9 +121,7 @@ class LLM:
             for prompt, p in zip(prompts, params, strict=True):
                 ids.append(self.engine.add_request(prompt, p, cache_salt))
         except ValueError:
-            for request_id in ids:
-                self.engine.abort(request_id)
-                self.engine.pop_finished(request_id)
+            self._abort_all(ids)
             raise
         return ids
 
@@ -131,7 +131,11 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         cache_salt: Hashable = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion (batched) and return one output per prompt, in input order."""
+        """Run every prompt to completion (batched) and return one output per prompt, in input order.
+
+        If anything interrupts the call (an exception, ``KeyboardInterrupt``), its requests are aborted and
+        their KV blocks freed before it propagates. Streams open on this `LLM` keep receiving their tokens
+        while ``generate`` drives the engine."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
@@ -141,29 +145,55 @@ class LLM:
         if len(per_prompt) != len(prompts):
             raise ValueError(f"params: got {len(per_prompt)} SamplingParams for {len(prompts)} prompts")
         ids = self._add_all(prompts, per_prompt, cache_salt)
-        engine = self.engine
-        while any(engine.requests[i].finish_reason is None for i in ids):
-            engine.step()
-        return [self._output(engine.pop_finished(i)) for i in ids]
+        requests = self.engine.requests
+        try:
+            while any(requests[i].finish_reason is None for i in ids):
+                self._step()
+        except BaseException:
+            self._abort_all(ids)
+            raise
+        return [self._output(self.engine.pop_finished(i)) for i in ids]
 
     def stream(
         self, prompt: Prompt, params: SamplingParams | None = None, cache_salt: Hashable = None
     ) -> Iterator[StreamDelta]:
-        """Yield this prompt's new tokens as they are produced (the engine keeps serving other requests).
-        Closing the iterator early aborts the request."""
+        """Yield this prompt's new tokens as they are produced; the last delta has ``finished`` set.
+
+        Any number of streams may be open at once and interleaved with each other and with `generate`: each
+        receives every token of its request, whoever drives the engine. Closing the iterator early (or
+        dropping it) aborts the request and frees its blocks."""
         (request_id,) = self._add_all([prompt], [params or SamplingParams()], cache_salt)
-        engine = self.engine
+        inbox = self._streams[request_id] = deque()
         finished = False
         try:
             while not finished:
-                for delta in deltas_of(engine.step()):
-                    if delta.request_id == request_id:
-                        finished = delta.finished
-                        yield delta
+                while not inbox:
+                    self._step()
+                delta = inbox.popleft()
+                finished = delta.finished
+                yield delta
         finally:
+            del self._streams[request_id]
             if not finished:
-                engine.abort(request_id)
-            engine.pop_finished(request_id)
+                self.engine.abort(request_id)
+            self.engine.pop_finished(request_id)
+
+    def _step(self) -> None:
+        """One engine step; its deltas for open streams go to their inboxes."""
+        events = self.engine.step()
+        streams = self._streams
+        if streams:
+            for delta in deltas_of(events):
+                inbox = streams.get(delta.request_id)
+                if inbox is not None:
+                    inbox.append(delta)
+
+    def _abort_all(self, request_ids: Sequence[str]) -> None:
+        """Abort and forget these requests (any that already finished are forgotten too)."""
+        for request_id in request_ids:
+            if request_id in self.engine.requests:
+                self.engine.abort(request_id)
+                self.engine.pop_finished(request_id)
 
     @staticmethod
     def _output(req) -> RequestOutput:
@@ -172,7 +202,7 @@ class LLM:
             prompt_token_ids=req.prompt_ids.tolist(),
             token_ids=req.output_ids,
             text=req.text,
-            num_cached_tokens=max(req.num_cached_tokens, 0),
+            num_cached_tokens=req.num_cached_tokens or 0,
             finish_reason=req.finish_reason,
         )
 
