@@ -107,6 +107,7 @@ class LLM:
         ):
             checks.flag(name, value)
         checks.integer("seed", seed, 0, SEED_LIMIT)
+        checks.real("kv_memory_fraction", kv_memory_fraction)  # its range: `_num_blocks`, when it is used
         admission = AdmissionConfig(
             policy=prefill_admission_policy,
             max_requests=max_batch_size if prefill_max_batch_size is None else prefill_max_batch_size,

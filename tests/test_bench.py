@@ -172,8 +172,9 @@ def test_bad_flag_combinations_exit_with_usage(flags):
         bench_args(*flags)
 
 
-def test_old_flag_names_parse():
-    args = bench_args("--model", "/some/dir", "--prompt", "Hello", "--prompt-repeats", "512,1,1,1", "--unique-prompts",
+def test_old_flag_names_parse(tmp_path):
+    (tmp_path / "config.json").write_text("{}")  # --model must name a checkpoint directory
+    args = bench_args("--model", str(tmp_path), "--prompt", "Hello", "--prompt-repeats", "512,1,1,1", "--unique-prompts",
                       "--num-requests", "128", "--max-new-tokens", "32", "--submit-interval-ms", "5",
                       "--max-batch-size", "8", "--prefill-max-batch-size", "128", "--prefill-max-tokens", "256",
                       "--prefill-admission-policy", "pack", "--prefill-admission-lookahead", "32",

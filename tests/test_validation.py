@@ -178,6 +178,7 @@ def test_the_threaded_front_refuses_a_bad_salt_and_keeps_serving(llm):
         ({"dtype": "int8"}, "dtype"),
         ({"dtype": torch.int32}, "dtype"),
         ({"kv_memory_fraction": 1.5}, "kv_memory_fraction"),
+        ({"kv_memory_fraction": "0.5", "num_blocks": 8}, "kv_memory_fraction"),
         ({"device": "tpu"}, "device"),
         ({"device": 3.0}, "device"),
         ({"model": 5}, "model"),
@@ -245,9 +246,11 @@ def usage_error(capsys, *flags: str) -> str:
         (["--prefill-max-batch-size", "0"], "--prefill-max-batch-size"),
         (["--kv-memory-fraction", "1.5"], "--kv-memory-fraction"),
         (["--seed", "-1"], "--seed"),
+        (["--prompt-repeats", "512,x"], "--prompt-repeats"),
+        (["--prompt-repeats", "3,0"], "--prompt-repeats"),
     ],
 )
-def test_bad_engine_flags_are_usage_errors(capsys, flags, named):
+def test_bad_flags_are_usage_errors(capsys, flags, named):
     assert named in usage_error(capsys, *flags)
 
 

@@ -17,7 +17,7 @@ import torch
 
 from radixinfer import checks
 from radixinfer.bench.hf import BATCHING_MODES
-from radixinfer.bench.workloads import WORKLOADS
+from radixinfer.bench.workloads import WORKLOADS, parse_repeats
 from radixinfer.engine.admission import POLICIES
 from radixinfer.models import DTYPE_NAMES, checkpoint_dir
 
@@ -134,6 +134,10 @@ def check_bench_arguments(parser: argparse.ArgumentParser, args: argparse.Namesp
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if not 0.0 <= args.range_ratio <= 1.0:
         parser.error("--range-ratio must be in [0, 1]")
+    try:
+        parse_repeats(args.prompt_repeats)
+    except ValueError as exc:
+        parser.error(str(exc))
     _check_engine_arguments(parser, args)
     if args.json is not None:
         _check_writable(parser, "--json", Path(args.json))
