@@ -145,20 +145,18 @@ def check_bench_arguments(parser: argparse.ArgumentParser, args: argparse.Namesp
 
 def _check_engine_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """The model and engine flags, checked before anything loads: a bad one is a usage error."""
-    for name in ("block_size", "max_batch_size", "prefill_max_tokens", "prefill_admission_lookahead"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    for name in ("num_blocks", "max_num_seqs", "prefill_max_batch_size"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.prefill_force_fifo_every < 0 or args.seed < 0:
-        parser.error("--prefill-force-fifo-every and --seed must be >= 0")
+    for name, low in (("block_size", 1), ("max_batch_size", 1), ("prefill_max_tokens", 1),
+                      ("prefill_admission_lookahead", 1), ("num_blocks", 1), ("max_num_seqs", 1),
+                      ("prefill_max_batch_size", 1), ("prefill_force_fifo_every", 0), ("seed", 0)):
+        value = getattr(args, name)
+        if value is not None and value < low:  # None: the flag's default, left to the engine
+            parser.error(f"--{name.replace('_', '-')} must be >= {low}")
     if not 0.0 < args.kv_memory_fraction < 1.0:
         parser.error("--kv-memory-fraction must be in (0, 1)")
     try:
         checks.device(args.device)
         checkpoint_dir(args.model)
-    except ValueError as exc:
+    except ValueError as exc:  # their messages start with the argument's name
         parser.error(f"--{exc}")
 
 
