@@ -16,7 +16,9 @@ import torch
 
 def wrong_type(name: str, expected: str, value: object) -> ValueError:
     """The error for a value of the wrong type: a ``ValueError`` (bad input), not a ``TypeError``."""
-    return ValueError(f"{name} must be {expected}, got {type(value).__name__} {reprlib.repr(value)}")
+    return ValueError(
+        f"{name} must be {expected}, got {type(value).__name__} {reprlib.repr(value)}"
+    )
 
 
 def integer(name: str, value: object, low: int, high: int | None = None) -> int:
