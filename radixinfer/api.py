@@ -5,12 +5,14 @@ from __future__ import annotations
 import atexit
 import gc
 import os
+import weakref
 from collections import deque
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from transformers import PretrainedConfig
 
+from radixinfer import checks
 from radixinfer.attention import get_backend
 from radixinfer.cache.kv_manager import KVCacheManager
 from radixinfer.cache.kv_store import KVStore
@@ -19,7 +21,7 @@ from radixinfer.engine.engine import EngineConfig, LLMEngine
 from radixinfer.engine.model_runner import ModelRunner
 from radixinfer.models import load_model
 from radixinfer.outputs import RequestOutput, StreamDelta, deltas_of
-from radixinfer.sampling_params import SamplingParams
+from radixinfer.sampling_params import SEED_LIMIT, SamplingParams
 
 Prompt = str | list[int]
 
@@ -40,6 +42,22 @@ def _num_blocks(
         free, _ = torch.cuda.mem_get_info(device)
         return max(1, int(free * kv_memory_fraction) // bytes_per_block)
     return max(1, _CPU_KV_BYTES // bytes_per_block)
+
+
+def _params_per_prompt(
+    params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
+) -> list[SamplingParams]:
+    """One `SamplingParams` per prompt: ``params`` (or the defaults) for each, or the items of a list of
+    as many. Raises ``ValueError`` naming ``params`` for anything else (the engine checks the items)."""
+    if params is None or isinstance(params, SamplingParams):
+        return [SamplingParams() if params is None else params] * num_prompts
+    if not isinstance(params, (list, tuple)):
+        raise ValueError(
+            f"params must be a SamplingParams or a list of them, got {type(params).__name__}"
+        )
+    if len(params) != num_prompts:
+        raise ValueError(f"params: got {len(params)} SamplingParams for {num_prompts} prompts")
+    return list(params)
 
 
 class LLM:
@@ -74,11 +92,27 @@ class LLM:
         kv_memory_fraction: float = 0.85,
         max_num_seqs: int | None = None,
     ) -> None:
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        # Checked here, under the names the caller used (the configs below name their own fields).
+        torch_device = checks.device(device)
+        for name, value, low in (
+            ("block_size", block_size, 1), ("max_batch_size", max_batch_size, 1),
+            ("prefill_max_tokens", prefill_max_tokens, 1),
+            ("prefill_admission_lookahead", prefill_admission_lookahead, 1),
+            ("prefill_force_fifo_every", prefill_force_fifo_every, 0),
+        ):
+            checks.integer(name, value, low)
+        for name, value in (("prefill_max_batch_size", prefill_max_batch_size), ("max_num_seqs", max_num_seqs)):
+            checks.optional_integer(name, value, 1)
+        for name, value in (
+            ("enable_prefix_cache", enable_prefix_cache), ("chunked_prefill", chunked_prefill),
+            ("decode_first", decode_first),
+        ):
+            checks.flag(name, value)
+        checks.integer("seed", seed, 0, SEED_LIMIT)
+        checks.real("kv_memory_fraction", kv_memory_fraction)  # its range: `_num_blocks`, when it is used
         admission = AdmissionConfig(
             policy=prefill_admission_policy,
-            max_requests=prefill_max_batch_size or max_batch_size,
+            max_requests=max_batch_size if prefill_max_batch_size is None else prefill_max_batch_size,
             max_tokens=prefill_max_tokens,
             chunked_prefill=chunked_prefill,
             lookahead=prefill_admission_lookahead,
@@ -88,7 +122,6 @@ class LLM:
             max_batch_size=max_batch_size, max_num_seqs=max_num_seqs, admission=admission, decode_first=decode_first,
             seed=seed,
         )
-        torch_device = torch.device(device)
         loaded = load_model(model, torch_device, dtype, seed)
         m = loaded.model
         bytes_per_block = KVStore.bytes_per_block(m.num_layers, block_size, m.num_kv_heads, m.head_dim, loaded.dtype)
@@ -113,7 +146,7 @@ class LLM:
         atexit.register(gc.unfreeze)
 
     def _add_all(
-        self, prompts: Sequence[Prompt], params: Sequence[SamplingParams], cache_salt: Hashable
+        self, prompts: Sequence[Prompt], params: Sequence[SamplingParams], cache_salt: str | None
     ) -> list[str]:
         """Enqueue every prompt or none: a bad one aborts those already added, then re-raises."""
         ids: list[str] = []
@@ -129,7 +162,7 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
-        cache_salt: Hashable = None,
+        cache_salt: str | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion (batched) and return one output per prompt, in input order.
 
@@ -140,11 +173,7 @@ class LLM:
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
             raise ValueError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}")
-        params = params if params is not None else SamplingParams()
-        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        if len(per_prompt) != len(prompts):
-            raise ValueError(f"params: got {len(per_prompt)} SamplingParams for {len(prompts)} prompts")
-        ids = self._add_all(prompts, per_prompt, cache_salt)
+        ids = self._add_all(prompts, _params_per_prompt(params, len(prompts)), cache_salt)
         requests = self.engine.requests
         try:
             while any(requests[i].finish_reason is None for i in ids):
@@ -155,15 +184,22 @@ class LLM:
         return [self._output(self.engine.pop_finished(i)) for i in ids]
 
     def stream(
-        self, prompt: Prompt, params: SamplingParams | None = None, cache_salt: Hashable = None
+        self, prompt: Prompt, params: SamplingParams | None = None, cache_salt: str | None = None
     ) -> Iterator[StreamDelta]:
         """Yield this prompt's new tokens as they are produced; the last delta has ``finished`` set.
 
-        Any number of streams may be open at once and interleaved with each other and with `generate`: each
-        receives every token of its request, whoever drives the engine. Closing the iterator early (or
-        dropping it) aborts the request and frees its blocks."""
-        (request_id,) = self._add_all([prompt], [params or SamplingParams()], cache_salt)
+        The request is checked and queued at the call (bad input raises ``ValueError`` here, not at the first
+        ``next``). Any number of streams may be open at once and interleaved with each other and with
+        `generate`: each receives every token of its request, whoever drives the engine. Closing the
+        iterator early, or dropping it, aborts the request and frees its blocks."""
+        (request_id,) = self._add_all([prompt], _params_per_prompt(params, 1), cache_salt)
         inbox = self._streams[request_id] = deque()
+        deltas = self._deltas(request_id, inbox)
+        # A generator dropped before its first `next` never runs its `finally`: abort from a finalizer then.
+        weakref.finalize(deltas, self._abort_all, [request_id]).atexit = False
+        return deltas
+
+    def _deltas(self, request_id: str, inbox: deque[StreamDelta]) -> Iterator[StreamDelta]:
         finished = False
         try:
             while not finished:
@@ -173,7 +209,7 @@ class LLM:
                 finished = delta.finished
                 yield delta
         finally:
-            del self._streams[request_id]
+            self._streams.pop(request_id, None)
             if not finished:
                 self.engine.abort(request_id)
             self.engine.pop_finished(request_id)
@@ -191,6 +227,7 @@ class LLM:
     def _abort_all(self, request_ids: Sequence[str]) -> None:
         """Abort and forget these requests (any that already finished are forgotten too)."""
         for request_id in request_ids:
+            self._streams.pop(request_id, None)
             if request_id in self.engine.requests:
                 self.engine.abort(request_id)
                 self.engine.pop_finished(request_id)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
@@ -89,7 +89,7 @@ class _Submission:
     request_id: str
     prompt: str | np.ndarray  # text, or token ids already checked (`LLMEngine.prompt_ids`)
     params: SamplingParams
-    cache_salt: Hashable
+    cache_salt: str | None
     sink: queue.SimpleQueue[StreamEvents]
 
 
@@ -119,7 +119,7 @@ class EngineServer:
         self,
         prompt: str | list[int] | np.ndarray,
         params: SamplingParams | None = None,
-        cache_salt: Hashable = None,
+        cache_salt: str | None = None,
         sink: queue.SimpleQueue[StreamEvents] | None = None,
     ) -> StreamHandle:
         """Queue a request and return its handle at once (the loop adds it before its next step).
@@ -143,8 +143,8 @@ class EngineServer:
             if error is not None:
                 events.put([StreamFailure(request_id, error)])
             else:
-                self._submissions.append(
-                    _Submission(request_id, prompt_ids, params or SamplingParams(), cache_salt, events))
+                params = SamplingParams() if params is None else params
+                self._submissions.append(_Submission(request_id, prompt_ids, params, cache_salt, events))
                 self._cond.notify()
         return StreamHandle(self, request_id, events)
 

@@ -1,5 +1,5 @@
-"""The benchmark's parts on plain data: metric definitions, arrivals, workloads (incl. the old benchmark's
-prompt lengths with the peer tokenizer), variants, speedups, the run loop against a scripted backend
+"""The benchmark's parts on plain data: metric definitions, arrivals, workloads (incl. the fixed workload's
+prompt lengths with a byte-level BPE tokenizer), variants, speedups, the run loop against a scripted backend
 (multi-turn chaining, context caps, failures), and how variants run side by side (all open, paired rounds)."""
 
 from __future__ import annotations
@@ -8,7 +8,6 @@ import gc
 import math
 import queue
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -27,7 +26,6 @@ from radixinfer.sampling_params import SamplingParams
 from radixinfer.serving import StreamFailure
 from radixinfer.tokenizer import ByteTokenizer, HFTokenizer
 
-PEER_CHECKPOINT = Path("/work/shared/peer-checkpoint")
 SHARED_PROMPT = "You are a helpful assistant. Answer the question concisely and cite your sources."
 
 
@@ -103,21 +101,33 @@ def test_fixed_prompts_cycle_repeats_and_append_a_unique_suffix():
     assert fixed_prompt_texts("Hi", [2], unique=False, num_requests=2) == ["Hi Hi", "Hi Hi"]
 
 
-@pytest.mark.skipif(not PEER_CHECKPOINT.is_dir(), reason=f"peer tokenizer folder {PEER_CHECKPOINT} is absent")
-def test_old_benchmark_prompt_lengths_with_the_peer_tokenizer():
-    """The counts the peer README gives: repeats joined by a space, unique suffix " [i]", and the head-of-line
-    mix counted after --truncate-prompts cuts its 1,027-token prompts to GPT-2's 1,024-token context."""
-    tokenizer = HFTokenizer.from_pretrained(PEER_CHECKPOINT)
+def test_fixed_prompt_lengths_with_a_bpe_tokenizer(bpe_tokenizer_dir):
+    """The fixed workload's prompts through a word-level BPE: repeats joined by a space count the first
+    word once and every later one with its space, the unique suffix " [i]" adds exactly its own tokens,
+    and --truncate-prompts cuts the head-of-line mix's long prompts to the context, keeping their tail."""
+    tokenizer = HFTokenizer.from_pretrained(bpe_tokenizer_dir)
 
-    def lengths(prompt, repeats, unique, n, context=None):
-        ids = [tokenizer.encode(t) for t in fixed_prompt_texts(prompt, parse_repeats(repeats), unique, n)]
-        return [len(fit_to_context(p, context, truncate=True)) if context else len(p) for p in ids]
+    def count(text: str) -> int:
+        return len(tokenizer.encode(text))
 
-    assert set(lengths("Hello", "65", False, 4)) == {130}
-    assert sum(lengths(SHARED_PROMPT, "20", True, 256)) == 139_420
-    untruncated = lengths("Hello", "512,1,1,1", True, 128)
-    assert untruncated[0] == 1027
-    assert sum(lengths("Hello", "512,1,1,1", True, 128, context=1024)) == 33_276
+    def prompts(prompt, repeats, unique, n):
+        return [tokenizer.encode(t) for t in fixed_prompt_texts(prompt, parse_repeats(repeats), unique, n)]
+
+    assert [len(p) for p in prompts("Hello", "65", False, 4)] == [count("Hello") + 64 * count(" Hello")] * 4
+    shared = " ".join([SHARED_PROMPT] * 20)
+    assert count(shared) < len(shared.encode())  # merges make it shorter than its bytes
+    assert [len(p) for p in prompts(SHARED_PROMPT, "20", True, 256)] == [
+        count(shared) + count(f" [{i}]") for i in range(256)
+    ]
+    mix = prompts("Hello", "512,1,1,1", True, 128)
+    long_len = count("Hello") + 511 * count(" Hello")
+    assert [len(p) for p in mix] == [
+        (long_len if i % 4 == 0 else count("Hello")) + count(f" [{i}]") for i in range(128)
+    ]
+    context = long_len  # shorter than every long prompt, longer than every short one
+    fitted = [fit_to_context(p, context, truncate=True) for p in mix]
+    assert fitted == [p[-context:] for p in mix]
+    assert sum(map(len, fitted)) == 32 * context + sum(len(p) for p in mix[1::4] + mix[2::4] + mix[3::4])
 
 
 def test_fit_to_context():
@@ -162,8 +172,9 @@ def test_bad_flag_combinations_exit_with_usage(flags):
         bench_args(*flags)
 
 
-def test_old_flag_names_parse():
-    args = bench_args("--model", "/some/dir", "--prompt", "Hello", "--prompt-repeats", "512,1,1,1", "--unique-prompts",
+def test_old_flag_names_parse(tmp_path):
+    (tmp_path / "config.json").write_text("{}")  # --model must name a checkpoint directory
+    args = bench_args("--model", str(tmp_path), "--prompt", "Hello", "--prompt-repeats", "512,1,1,1", "--unique-prompts",
                       "--num-requests", "128", "--max-new-tokens", "32", "--submit-interval-ms", "5",
                       "--max-batch-size", "8", "--prefill-max-batch-size", "128", "--prefill-max-tokens", "256",
                       "--prefill-admission-policy", "pack", "--prefill-admission-lookahead", "32",

@@ -152,7 +152,7 @@ def test_token_id_arrays_are_prompts_like_lists_and_are_copied(llm):
         (dict(temperature=math.nan), "temperature"),
         (dict(top_p=0.0), "top_p"),
         (dict(top_p=1.5), "top_p"),
-        (dict(top_k=-1), "top_k"),
+        (dict(top_k=-2), "top_k"),
     ],
 )
 def test_bad_sampling_params_raise_naming_the_field(kwargs, field):

@@ -171,3 +171,19 @@ def test_a_dropped_stream_aborts_its_request():
     del stream
     gc.collect()
     assert llm.engine.requests == {} and all_free(llm)
+
+
+def test_a_stream_dropped_before_its_first_read_aborts_its_request():
+    llm = LLM("tiny")
+    stream = llm.stream("never read", SamplingParams(max_tokens=100, ignore_eos=True))
+    assert len(llm.engine.requests) == 1
+    del stream
+    gc.collect()
+    assert llm.engine.requests == {} and all_free(llm)
+
+
+def test_a_stream_with_bad_input_raises_at_the_call():
+    llm = LLM("tiny")
+    with pytest.raises(ValueError, match="prompt"):
+        llm.stream("", SamplingParams())
+    assert llm.engine.requests == {}

@@ -16,7 +16,7 @@ from radixinfer.attention import get_backend
 from radixinfer.attention.triton_backend import TritonAttentionBackend
 from radixinfer.cache.kv_store import KVStore
 from radixinfer.engine.model_runner import BlockTableRows, ModelRunner, pack_block_tables
-from radixinfer.engine.sampler import SamplingBatch, row_keys, uniform_noise
+from radixinfer.engine.sampler import SamplingBatch, row_keys, seed_bits, uniform_noise
 from radixinfer.models import load_model
 
 BLOCK_SIZE = 16
@@ -277,16 +277,18 @@ def test_block_table_rows_move_shifted_tables_and_trust_the_changed_rows():
 
 
 def test_host_noise_keys_equal_the_device_hash():
-    seeds = [0, 1, 2**31, 2**32 - 1, 2**32 + 5, -1, -(2**40), 2**62]
+    seeds = [0, 1, 2**31, 2**32 - 1, 2**32 + 5, 2**64 - 1, 2**63, 2**62]  # unsigned 64-bit
     steps = [0, 7, 3, 100000, 1, 2, 9, 5]
-    masked = [s & 0xFFFFFFFF for s in seeds]
-    host = row_keys(np.array(masked, dtype=np.int64), np.array(steps, dtype=np.int64))
-    device = row_keys(torch.tensor(masked), torch.tensor(steps))
+    bits = seed_bits(seeds)
+    host = row_keys(bits, np.array(steps, dtype=np.int64))
+    device = row_keys(torch.from_numpy(bits), torch.tensor(steps))
     assert host.tolist() == device.tolist()
     batch = SamplingBatch.build([1.0] * 8, [1.0] * 8, [0] * 8, seeds, steps, torch.device("cpu"))
     assert batch.keys.tolist() == host.tolist()
     assert not batch.any_filter and not batch.all_greedy
-    noise = uniform_noise(torch.tensor(masked), torch.tensor(steps), 33)
+    same_low_word = row_keys(seed_bits([5, 2**32 + 5, 2**63 + 5]), np.zeros(3, dtype=np.int64))
+    assert len(set(same_low_word.tolist())) == 3  # the high word counts: seeds do not wrap at 2**32
+    noise = uniform_noise(torch.from_numpy(bits), torch.tensor(steps), 33)
     assert noise.shape == (8, 33) and 0.0 < noise.min() and noise.max() < 1.0
 
 

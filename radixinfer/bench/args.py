@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
 
 import torch
 
+from radixinfer import checks
 from radixinfer.bench.hf import BATCHING_MODES
-from radixinfer.bench.workloads import WORKLOADS
+from radixinfer.bench.workloads import WORKLOADS, parse_repeats
 from radixinfer.engine.admission import POLICIES
+from radixinfer.models import DTYPE_NAMES, checkpoint_dir
 
 BACKENDS = ("radixinfer", "hf")
 
@@ -33,7 +36,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--model", default="tiny", help="preset name or local HF checkpoint dir [tiny]")
     model.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                        help="[cuda when available, else cpu]")
-    model.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 [auto]")
+    model.add_argument("--dtype", default="auto", choices=DTYPE_NAMES, metavar="DTYPE",
+                       help="auto | float32 | bfloat16 | float16 (or bf16, fp16, fp32, half) [auto]")
     model.add_argument("--block-size", type=int, default=16, help="tokens per KV block [16]")
     model.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from --kv-memory-fraction)")
     model.add_argument("--kv-memory-fraction", type=float, default=0.85,
@@ -130,3 +134,39 @@ def check_bench_arguments(parser: argparse.ArgumentParser, args: argparse.Namesp
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if not 0.0 <= args.range_ratio <= 1.0:
         parser.error("--range-ratio must be in [0, 1]")
+    try:
+        parse_repeats(args.prompt_repeats)
+    except ValueError as exc:
+        parser.error(str(exc))
+    _check_engine_arguments(parser, args)
+    if args.json is not None:
+        _check_writable(parser, "--json", Path(args.json))
+
+
+def _check_engine_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The model and engine flags, checked before anything loads: a bad one is a usage error."""
+    for name, low in (("block_size", 1), ("max_batch_size", 1), ("prefill_max_tokens", 1),
+                      ("prefill_admission_lookahead", 1), ("num_blocks", 1), ("max_num_seqs", 1),
+                      ("prefill_max_batch_size", 1), ("prefill_force_fifo_every", 0), ("seed", 0)):
+        value = getattr(args, name)
+        if value is not None and value < low:  # None: the flag's default, left to the engine
+            parser.error(f"--{name.replace('_', '-')} must be >= {low}")
+    if not 0.0 < args.kv_memory_fraction < 1.0:
+        parser.error("--kv-memory-fraction must be in (0, 1)")
+    try:
+        checks.device(args.device)
+        checkpoint_dir(args.model)
+    except ValueError as exc:  # their messages start with the argument's name
+        parser.error(f"--{exc}")
+
+
+def _check_writable(parser: argparse.ArgumentParser, flag: str, path: Path) -> None:
+    """Fail now, not after the run, when ``path`` cannot be written (a file the check creates is removed)."""
+    existed = path.exists()
+    try:
+        with path.open("a"):
+            pass
+    except OSError as exc:
+        parser.error(f"{flag} {path}: cannot write there ({exc.strerror})")
+    if not existed:
+        path.unlink()

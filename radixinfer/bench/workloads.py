@@ -43,7 +43,10 @@ class Session:
 
 def parse_repeats(text: str) -> list[int]:
     """``"65"`` -> ``[65]``; ``"512,1,1,1"`` -> ``[512, 1, 1, 1]`` (cycled over requests)."""
-    repeats = [int(part) for part in text.split(",")]
+    try:
+        repeats = [int(part) for part in text.split(",")]
+    except ValueError:
+        repeats = []
     if not repeats or min(repeats) < 1:
         raise ValueError(f"--prompt-repeats must be positive integers, got {text!r}")
     return repeats

@@ -185,13 +185,24 @@ class LLMEngine:
         self,
         prompt: str | list[int] | np.ndarray,
         params: SamplingParams,
-        cache_salt: Hashable = None,
+        cache_salt: str | None = None,
         request_id: str | None = None,
     ) -> str:
-        """Validate and enqueue. Raises ``ValueError`` naming the bad field; nothing is allocated then."""
+        """Validate and enqueue. Raises ``ValueError`` naming the bad field; nothing is allocated then.
+
+        ``cache_salt``: None, or a non-empty string (vLLM's rule); requests with different salts never
+        share cached KV."""
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            got = "an empty string" if isinstance(cache_salt, str) else type(cache_salt).__name__
+            raise ValueError(f"cache_salt must be a non-empty string or None, got {got}")
+        if request_id is not None and not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a string or None, got {type(request_id).__name__}")
         prompt_array = self.prompt_ids(prompt)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if params.stop_token_ids and max(params.stop_token_ids) >= self.vocab_size:
+            bad = max(params.stop_token_ids)
+            raise ValueError(f"stop_token_ids: {bad} is outside the vocabulary [0, {self.vocab_size})")
         prompt_len = len(prompt_array)
         total = min(prompt_len + params.max_tokens, self.max_context_len)
         blocks = -(-total // self.cache.block_size) + 1  # +1: a copy-on-write of the boundary block
@@ -233,6 +244,12 @@ class LLMEngine:
         loop would otherwise spend before planning a step). A string is encoded with the engine's tokenizer,
         which only the engine's thread uses."""
         if isinstance(prompt, str):
+            try:
+                prompt.encode()
+            except UnicodeEncodeError as exc:  # lone surrogates: no tokenizer can encode them
+                raise ValueError(
+                    f"prompt is not valid Unicode text: {exc.reason} at index {exc.start}"
+                ) from None
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)):
             ids = prompt

@@ -27,10 +27,19 @@ def _hash32(x: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
     return (x >> 16) ^ x
 
 
+def seed_bits(seeds: list[int]) -> np.ndarray:
+    """``[num_rows]`` int64 holding the bits of unsigned 64-bit seeds (those >= 2**63 read as negative)."""
+    return np.array(seeds, dtype=np.uint64).view(np.int64)
+
+
 def row_keys(seeds: torch.Tensor | np.ndarray, steps: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
     """``[num_rows]`` int64: one key per (seed, step); the noise of a row is a function of its key alone.
-    Numpy arrays or tensors alike (the sampler computes them on the host, where they are a few µs)."""
-    return _hash32((seeds & _MASK32) ^ _hash32(steps & _MASK32))
+    ``seeds`` holds 64-bit seeds' bits (`seed_bits`): the high word offsets the step's hash, the low
+    word is mixed in after, so seeds differing in any bit give different streams (one 32-bit key per
+    step; a seed below 2**32 keys exactly as the low word alone). Numpy arrays or tensors alike (the
+    sampler computes them on the host, where they are a few µs)."""
+    high = _hash32((seeds >> 32) & _MASK32)
+    return _hash32((seeds & _MASK32) ^ _hash32((steps & _MASK32) ^ high))
 
 
 def noise_from_keys(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -84,7 +93,7 @@ class SamplingBatch:
         if not any(temperature):
             return cls.greedy(device)
         any_filter = any(top_k) or min(top_p) < 1.0  # top_k >= 0 and top_p <= 1 (SamplingParams validates)
-        keys = row_keys(np.array([s & _MASK32 for s in seeds], dtype=np.int64), np.asarray(steps, dtype=np.int64))
+        keys = row_keys(seed_bits(seeds), np.asarray(steps, dtype=np.int64))
         # [4, rows] float64: holds every int < 2**53 exactly, so keys (< 2**32) and top-k survive the trip
         host = torch.from_numpy(np.array([temperature, top_p, top_k, keys], dtype=np.float64))
         if device.type == "cuda":

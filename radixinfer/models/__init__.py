@@ -21,7 +21,10 @@ from radixinfer.models.loader import MODEL_CLASSES, build_model, init_random_wei
 from radixinfer.models.presets import PRESET_NAMES, preset_config
 from radixinfer.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
-__all__ = ["MODEL_CLASSES", "PRESET_NAMES", "LoadedModel", "PagedCausalLM", "load_model", "resolve_dtype"]
+__all__ = [
+    "DTYPE_NAMES", "MODEL_CLASSES", "PRESET_NAMES", "LoadedModel", "PagedCausalLM", "checkpoint_dir",
+    "load_model", "resolve_dtype",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +33,7 @@ _DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
+DTYPE_NAMES: tuple[str, ...] = ("auto", *_DTYPES)  # what ``dtype`` may be given as, by name
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -64,15 +68,13 @@ def load_model(
     checkpoint: Path | None = None
     if isinstance(model, PretrainedConfig):
         config = model
-    elif str(model) in PRESET_NAMES:
+    elif (checkpoint := checkpoint_dir(model)) is None:
         config = preset_config(str(model))
-    elif Path(model).is_dir():
-        checkpoint = Path(model)
-        config = AutoConfig.from_pretrained(checkpoint)
     else:
-        raise ValueError(
-            f"model={model!r} is neither a preset ({', '.join(PRESET_NAMES)}) nor a local checkpoint directory"
-        )
+        try:
+            config = AutoConfig.from_pretrained(checkpoint)
+        except (OSError, ValueError) as exc:  # unreadable JSON, no or an unknown model_type
+            raise ValueError(f"model={str(model)!r}: its config.json cannot be read: {exc}") from None
     dtype = resolve_dtype(dtype, config, device)
     net = build_model(config, device, dtype)
     if checkpoint is not None:
@@ -81,6 +83,29 @@ def load_model(
         init_random_weights(net, seed)
     tokenizer = _load_tokenizer(checkpoint, config)
     return LoadedModel(net, tokenizer, _eos_token_ids(tokenizer, checkpoint, config), dtype)
+
+
+def checkpoint_dir(model: str | os.PathLike) -> Path | None:
+    """None when ``model`` names a preset, else its checkpoint directory, which holds a ``config.json``.
+    Raises ``ValueError`` naming ``model`` for anything else (listing the presets)."""
+    if not isinstance(model, (str, os.PathLike)):
+        raise ValueError(
+            "model must be a preset name, a checkpoint directory or a PretrainedConfig, "
+            f"got {type(model).__name__}"
+        )
+    if str(model) in PRESET_NAMES:
+        return None
+    path = Path(model)
+    if not path.is_dir():
+        raise ValueError(
+            f"model={str(model)!r} is neither a preset ({', '.join(PRESET_NAMES)}) "
+            "nor a local checkpoint directory"
+        )
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"model={str(model)!r}: the directory has no config.json, so it is not an HF checkpoint"
+        )
+    return path
 
 
 def resolve_dtype(dtype: str | torch.dtype, config: PretrainedConfig, device: torch.device) -> torch.dtype:
