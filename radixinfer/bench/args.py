@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -130,3 +131,13 @@ def check_bench_arguments(parser: argparse.ArgumentParser, args: argparse.Namesp
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if not 0.0 <= args.range_ratio <= 1.0:
         parser.error("--range-ratio must be in [0, 1]")
+
+
+def parse_bench_args(argv: Sequence[str]) -> argparse.Namespace:
+    """Parse and cross-check one ``radixinfer bench`` command line (the flags only, no subcommand), as the
+    ``radixinfer`` command does; bad flags exit with a usage message (SystemExit 2)."""
+    parser = argparse.ArgumentParser(prog="radixinfer bench")
+    add_bench_arguments(parser)
+    args = parser.parse_args(argv)
+    check_bench_arguments(parser, args)
+    return args
