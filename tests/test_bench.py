@@ -1,5 +1,5 @@
-"""The benchmark's parts on plain data: metric definitions, arrivals, workloads (incl. the old benchmark's
-prompt lengths with the peer tokenizer), variants, speedups, the run loop against a scripted backend
+"""The benchmark's parts on plain data: metric definitions, arrivals, workloads (incl. the fixed prompts'
+lengths with the GPT-2-small comparison tokenizer), variants, speedups, the run loop against a scripted backend
 (multi-turn chaining, context caps, failures), and how variants run side by side (all open, paired rounds)."""
 
 from __future__ import annotations
@@ -8,7 +8,6 @@ import gc
 import math
 import queue
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -27,7 +26,6 @@ from radixinfer.sampling_params import SamplingParams
 from radixinfer.serving import StreamFailure
 from radixinfer.tokenizer import ByteTokenizer, HFTokenizer
 
-PEER_CHECKPOINT = Path("/work/shared/peer-checkpoint")
 SHARED_PROMPT = "You are a helpful assistant. Answer the question concisely and cite your sources."
 
 
@@ -103,21 +101,22 @@ def test_fixed_prompts_cycle_repeats_and_append_a_unique_suffix():
     assert fixed_prompt_texts("Hi", [2], unique=False, num_requests=2) == ["Hi Hi", "Hi Hi"]
 
 
-@pytest.mark.skipif(not PEER_CHECKPOINT.is_dir(), reason=f"peer tokenizer folder {PEER_CHECKPOINT} is absent")
-def test_old_benchmark_prompt_lengths_with_the_peer_tokenizer():
-    """The counts the peer README gives: repeats joined by a space, unique suffix " [i]", and the head-of-line
-    mix counted after --truncate-prompts cuts its 1,027-token prompts to GPT-2's 1,024-token context."""
-    tokenizer = HFTokenizer.from_pretrained(PEER_CHECKPOINT)
+def test_fixed_prompt_lengths_with_the_comparison_tokenizer(gpt2_checkpoint_dir):
+    """The prompt lengths benchmarks/RESULTS.md gives for the fixed-prompt workloads with the tokenizer of
+    the GPT-2-small comparison checkpoint (benchmarks/make_gpt2_checkpoint.py): repeats joined by a space,
+    unique suffix " [i]", and the head-of-line mix counted after --truncate-prompts cuts its long prompts
+    to GPT-2's 1,024-token context."""
+    tokenizer = HFTokenizer.from_pretrained(gpt2_checkpoint_dir)
 
     def lengths(prompt, repeats, unique, n, context=None):
         ids = [tokenizer.encode(t) for t in fixed_prompt_texts(prompt, parse_repeats(repeats), unique, n)]
         return [len(fit_to_context(p, context, truncate=True)) if context else len(p) for p in ids]
 
-    assert set(lengths("Hello", "65", False, 4)) == {130}
-    assert sum(lengths(SHARED_PROMPT, "20", True, 256)) == 139_420
+    assert set(lengths("Hello", "65", False, 4)) == {195}
+    assert sum(lengths(SHARED_PROMPT, "20", True, 256)) == 148_992
     untruncated = lengths("Hello", "512,1,1,1", True, 128)
-    assert untruncated[0] == 1027
-    assert sum(lengths("Hello", "512,1,1,1", True, 128, context=1024)) == 33_276
+    assert untruncated[:4] == [1539, 6, 6, 6]
+    assert sum(lengths("Hello", "512,1,1,1", True, 128, context=1024)) == 33_344
 
 
 def test_fit_to_context():

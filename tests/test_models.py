@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -34,12 +33,6 @@ from radixinfer.models.loader import checkpoint_files
 from radixinfer.models.presets import preset_config
 from radixinfer.tokenizer import ByteTokenizer, HFTokenizer
 
-# the peer checkpoint's byte-level BPE tokenizer files: the ignored in-repo copy, else the shared original
-PEER_TOKENIZER_DIR = next(
-    (d for d in (Path(__file__).parents[1] / "checkpoints" / "peer-src", Path("/work/shared/peer-checkpoint"))
-     if (d / "tokenizer.json").is_file()),
-    None,
-)
 VOCAB = 300  # >= the byte tokenizer's 257 ids, so checkpoints without tokenizer files still load
 _SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               max_position_embeddings=256, eos_token_id=None, bos_token_id=None)
@@ -258,13 +251,12 @@ def test_config_vocab_too_small_for_byte_tokenizer():
         load_model(LlamaConfig(**{**_SMALL, "vocab_size": 100}), "cpu")
 
 
-@pytest.mark.skipif(PEER_TOKENIZER_DIR is None, reason="needs the peer checkpoint's tokenizer files")
-def test_checkpoint_with_tokenizer_dtype_and_eos(tmp_path):
-    """A GPT-2 fp16 checkpoint next to the peer byte-level BPE tokenizer: HF tokenizer, config dtype, EOS ids."""
+def test_checkpoint_with_tokenizer_dtype_and_eos(tmp_path, gpt2_checkpoint_dir):
+    """A GPT-2 fp16 checkpoint next to a byte-level BPE tokenizer: HF tokenizer, config dtype, EOS ids."""
     config = GPT2Config(n_positions=64, n_embd=32, n_layer=1, n_head=2, eos_token_id=0, bos_token_id=0)
     GPT2LMHeadModel(config).to(torch.float16).save_pretrained(tmp_path)
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(f"{PEER_TOKENIZER_DIR}/{name}", tmp_path)
+        shutil.copy(gpt2_checkpoint_dir / name, tmp_path)
     (tmp_path / "generation_config.json").write_text('{"eos_token_id": [0, 7]}')
     loaded = load_model(tmp_path, "cpu")
     assert isinstance(loaded.tokenizer, HFTokenizer)

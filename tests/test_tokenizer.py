@@ -9,20 +9,19 @@ from transformers import AutoTokenizer
 
 from radixinfer.tokenizer import ByteTokenizer, HFTokenizer, IncrementalDetokenizer, Tokenizer
 
-PEER_TOKENIZER_DIR = "/work/shared/peer-checkpoint"  # GPT-2-style byte-level BPE, 8,192 merges, 50,257 ids
-
 # multi-byte characters of every UTF-8 length, plus ASCII and whitespace
 TEXT = st.text(alphabet=st.sampled_from(list("ab ,.\n") + list("éß€日本語😀🚀ॐ")), max_size=40)
 
 
 @pytest.fixture(scope="module")
-def peer_hf():
-    return AutoTokenizer.from_pretrained(PEER_TOKENIZER_DIR)  # ~4 s: load once
+def bpe_hf(gpt2_checkpoint_dir):
+    """The GPT-2-small comparison checkpoint's kind of tokenizer: byte-level BPE, 50,257 ids."""
+    return AutoTokenizer.from_pretrained(gpt2_checkpoint_dir)  # ~4 s: load once
 
 
 @pytest.fixture(scope="module")
-def peer(peer_hf) -> HFTokenizer:
-    return HFTokenizer(peer_hf)
+def bpe(bpe_hf) -> HFTokenizer:
+    return HFTokenizer(bpe_hf)
 
 
 def stream(tokenizer: Tokenizer, ids: list[int]) -> list[str]:
@@ -59,23 +58,23 @@ def test_byte_tokenizer_round_trip_and_specials():
     assert tok.is_special(256) and tok.is_special(-1) and not tok.is_special(255)
 
 
-def test_hf_tokenizer_wraps_peer_checkpoint(peer):
-    assert isinstance(peer, Tokenizer) and peer.vocab_size == 50257 and peer.eos_token_id == 0
+def test_hf_tokenizer_wraps_a_byte_level_bpe(bpe):
+    assert isinstance(bpe, Tokenizer) and bpe.vocab_size == 50257 and bpe.eos_token_id == 0
     text = "def f(x):\n    return 'héllo €'"
-    ids = peer.encode(text)
-    assert 0 not in ids and peer.decode(ids) == text  # no BOS/EOS added; lossless
-    assert peer.decode([0] + ids + [0]) == text  # special tokens are dropped
-    assert peer.is_special(0) and peer.is_special(50257) and not peer.is_special(8192)  # <pad0> is plain text
+    ids = bpe.encode(text)
+    assert 0 not in ids and bpe.decode(ids) == text  # no BOS/EOS added; lossless
+    assert bpe.decode([0] + ids + [0]) == text  # special tokens are dropped
+    assert bpe.is_special(0) and bpe.is_special(50257) and not bpe.is_special(8192)  # <pad0> is plain text
 
 
-def test_hf_tokenizer_adds_bos_only_when_the_tokenizer_does(peer_hf):
-    peer_hf.add_bos_token = True
+def test_hf_tokenizer_adds_bos_only_when_the_tokenizer_does(bpe_hf):
+    bpe_hf.add_bos_token = True
     try:
-        tok = HFTokenizer(peer_hf)
-        expected = [peer_hf.bos_token_id] + peer_hf.encode("a b", add_special_tokens=False)
-        assert tok.encode("a b") == peer_hf("a b")["input_ids"] == expected
+        tok = HFTokenizer(bpe_hf)
+        expected = [bpe_hf.bos_token_id] + bpe_hf.encode("a b", add_special_tokens=False)
+        assert tok.encode("a b") == bpe_hf("a b")["input_ids"] == expected
     finally:
-        peer_hf.add_bos_token = False
+        bpe_hf.add_bos_token = False
 
 
 def test_detokenizer_holds_back_split_characters():
@@ -88,25 +87,25 @@ def test_detokenizer_flushes_an_unfinished_character():
 
 @settings(max_examples=60, deadline=None)
 @given(text=TEXT)
-def test_detokenizer_matches_decode_on_text(peer, text):
-    for tok in (ByteTokenizer(), peer):
+def test_detokenizer_matches_decode_on_text(bpe, text):
+    for tok in (ByteTokenizer(), bpe):
         ids = tok.encode(text)
         assert "".join(stream(tok, ids)) == tok.decode(ids) == text
 
 
 @settings(max_examples=60, deadline=None)
 @given(ids=st.lists(st.integers(min_value=0, max_value=50300), max_size=30))
-def test_detokenizer_matches_decode_on_arbitrary_ids(peer, ids):
+def test_detokenizer_matches_decode_on_arbitrary_ids(bpe, ids):
     """Any ids a random model may emit: invalid UTF-8, specials, ids past the vocab."""
     byte_ids = [i % 300 for i in ids]
     assert "".join(stream(ByteTokenizer(), byte_ids)) == ByteTokenizer().decode(byte_ids)
-    assert "".join(stream(peer, ids)) == peer.decode(ids)
+    assert "".join(stream(bpe, ids)) == bpe.decode(ids)
 
 
-@pytest.mark.parametrize("name", ["byte", "peer"])
-def test_detokenizer_decodes_a_small_window(name, peer):
+@pytest.mark.parametrize("name", ["byte", "bpe"])
+def test_detokenizer_decodes_a_small_window(name, bpe):
     """O(1) per token: a long stream, with ids the tokenizer drops mixed in, never decodes more than a few ids."""
-    spy = DecodeSpy(peer if name == "peer" else ByteTokenizer())
+    spy = DecodeSpy(bpe if name == "bpe" else ByteTokenizer())
     ids = spy.encode("日本語 text, ünïcödé and 😀 emoji. " * 40)
     ids = [x for i in ids for x in (i, 99999)]  # an id past every vocab after each token
     assert "".join(stream(spy, ids)) == spy.decode(ids)
