@@ -426,10 +426,11 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 def _decode_config(block_d: int, dtype: torch.dtype) -> dict:
-    """Tile and launch shape of the decode kernel. Swept on an H200 (`benchmarks/sweep_decode_attention.py`;
-    benchmarks/RESULTS.md, sixth session): 64-position tiles on two warps read batch 512's short tails and
-    whole contexts 10% and 17% faster than 128 on four (the step runs ~1,000 programs of one or two tiles
-    each: smaller programs keep more of them in flight), and are within 3% at batches 1 to 256 and head_dim
+    """Tile and launch shape of the decode kernel. Swept on an H200
+    (`benchmarks/sweep_decode_attention.py`; benchmarks/history/RESULTS-2026-11.md, "Decode kernel
+    shape"): 64-position tiles on two warps read batch 512's short tails and whole contexts 10% and
+    17% faster than 128 on four (the step runs ~1,000 programs of one or two tiles each: smaller
+    programs keep more of them in flight), and are within 3% at batches 1 to 256 and head_dim
     128."""
     if dtype == torch.float32:  # exact fp32 dots run on CUDA cores: small tiles avoid register spills
         return dict(BLOCK_N=32, num_warps=4, num_stages=2)
