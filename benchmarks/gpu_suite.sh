@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The side-by-side runs of benchmarks/RESULTS.md, in one go, for one GPU (an H100 or H200; under 8 minutes).
+# The side-by-side runs of benchmarks/RESULTS.md in one go, on one GPU (H100 or H200; under 8 minutes).
 #
 #   OUT=/path/to/results bash benchmarks/gpu_suite.sh            # GPU; needs checkpoints/gpt2-small
 #   SMOKE=1 OUT=/tmp/suite bash benchmarks/gpu_suite.sh          # CPU smoke test: tiny model, tiny sizes

@@ -408,8 +408,8 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, de
     """How many programs share one sequence's context: up to four programs per SM in all, no more than one
     per ``MIN_TOKENS_PER_SPLIT`` positions of the longest context. Rounding down matters: once
     ``num_seqs * num_kv_heads`` alone gives about four programs per SM, a second split costs more (partials,
-    merge) than it brings (measured on an H200, benchmarks/RESULTS.md). A function of host ints only: the
-    same batch size and length bound give the same grid."""
+    merge) than it brings (measured on an H200, benchmarks/history/RESULTS-2026-11.md). A function of host
+    ints only: the same batch size and length bound give the same grid."""
     by_occupancy = 4 * num_sms(device) // (num_seqs * num_kv_heads)
     by_length = triton.cdiv(max_context_len, MIN_TOKENS_PER_SPLIT)
     return max(1, min(by_occupancy, by_length, MAX_SPLITS))
