@@ -408,8 +408,8 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, de
     """How many programs share one sequence's context: up to four programs per SM in all, no more than one
     per ``MIN_TOKENS_PER_SPLIT`` positions of the longest context. Rounding down matters: once
     ``num_seqs * num_kv_heads`` alone gives about four programs per SM, a second split costs more (partials,
-    merge) than it brings (measured on an H200, benchmarks/RESULTS.md). A function of host ints only: the
-    same batch size and length bound give the same grid."""
+    merge) than it brings (measured on an H200, benchmarks/history/RESULTS-2026-11.md). A function of host
+    ints only: the same batch size and length bound give the same grid."""
     by_occupancy = 4 * num_sms(device) // (num_seqs * num_kv_heads)
     by_length = triton.cdiv(max_context_len, MIN_TOKENS_PER_SPLIT)
     return max(1, min(by_occupancy, by_length, MAX_SPLITS))
@@ -426,10 +426,11 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 def _decode_config(block_d: int, dtype: torch.dtype) -> dict:
-    """Tile and launch shape of the decode kernel. Swept on an H200 (`benchmarks/sweep_decode_attention.py`;
-    benchmarks/RESULTS.md, sixth session): 64-position tiles on two warps read batch 512's short tails and
-    whole contexts 10% and 17% faster than 128 on four (the step runs ~1,000 programs of one or two tiles
-    each: smaller programs keep more of them in flight), and are within 3% at batches 1 to 256 and head_dim
+    """Tile and launch shape of the decode kernel. Swept on an H200
+    (`benchmarks/sweep_decode_attention.py`; benchmarks/history/RESULTS-2026-11.md, "Decode kernel
+    shape"): 64-position tiles on two warps read batch 512's short tails and whole contexts 10% and
+    17% faster than 128 on four (the step runs ~1,000 programs of one or two tiles each: smaller
+    programs keep more of them in flight), and are within 3% at batches 1 to 256 and head_dim
     128."""
     if dtype == torch.float32:  # exact fp32 dots run on CUDA cores: small tiles avoid register spills
         return dict(BLOCK_N=32, num_warps=4, num_stages=2)

@@ -1,7 +1,7 @@
 """The test side's independent model of the prefix cache, shared by the state machines.
 
 * **KV content.** A fake KV store maps ``slot -> value``. The value written at position ``p`` of a request is
-  ``kv_value(salt, tokens[:p + 1])``: the prefix itself (DESIGN §3 invariant 3: KV at ``p`` is a function of
+  ``kv_value(salt, tokens[:p + 1])``: the prefix itself (docs/invariants.md, invariant 3: KV at ``p`` is a function of
   tokens ``[0..p]``), tagged with the request's cache salt. Real KV would not differ between tenants; the tag
   makes any cross-salt sharing visible as a wrong read (invariant 8).
 * **Readers.** Who can read a slot right now: every tree node reads its whole path through

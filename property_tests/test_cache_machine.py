@@ -1,12 +1,14 @@
-"""Random interleavings of the request lifecycle against the KV cache manager, checking DESIGN §3 after
-every step.
+"""Random interleavings of the request lifecycle against the KV cache manager, checking the invariants
+of docs/invariants.md after every step.
 
-The machine admits requests (match + lock, then `reserve` of the prompt), grows several live sequences by
-one token in ONE batched `reserve` call (a decode step) or one sequence by a few (a prompt chunk), publishes prompts (with ``prompt_end`` and a
-payload) and any prefix of a sequence's tokens, finishes (publish + release), aborts (release only), evicts,
-and resets the tree when nothing is live. Requests carry one of three cache salts; tokens come from ``{0, 1, 2}``
-so prefixes collide constantly. When `reserve` returns None, an admission is dropped and a decode step
-preempts the newest request (publishing its computed prefix, DESIGN §4.6) and retries, as the engine does.
+The machine admits requests (match + lock, then `reserve` of the prompt), grows several live
+sequences by one token in ONE batched `reserve` call (a decode step) or one sequence by a few (a
+prompt chunk), publishes prompts (with ``prompt_end`` and a payload) and any prefix of a sequence's
+tokens, finishes (publish + release), aborts (release only), evicts, and resets the tree when
+nothing is live. Requests carry one of three cache salts; tokens come from ``{0, 1, 2}`` so prefixes
+collide constantly. When `reserve` returns None, an admission is dropped and a decode step preempts
+the newest request (publishing its computed prefix: docs/request-lifecycle.md, Finish, abort,
+preempt) and retries, as the engine does.
 
 Each plan is applied to the fake KV store at once, copies first, then writes, and followed by
 `mark_written` (one forward per step; `test_in_round_machine` covers several plans per forward);

@@ -1,4 +1,4 @@
-"""The public API (DESIGN §8): `LLM` with `generate`, `stream`, `cache_stats` and `reset_prefix_cache`."""
+"""The public API (docs/api.md): `LLM` with `generate`, `stream`, `cache_stats` and `reset_prefix_cache`."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The streaming front: one background thread owns an `LLMEngine`; any thread submits requests and reads
 their tokens back as they are produced.
 
-The engine is single-threaded by contract (DESIGN §4), so every engine call happens on the loop thread.
+The engine is single-threaded by contract (docs/request-lifecycle.md), so every engine call happens on the loop thread.
 Other threads only touch three small inboxes (submissions, aborts, calls) under one condition variable::
 
     submit() / abort() / call()  --(inbox, notify)-->  loop thread: add / abort / run calls, engine.step()

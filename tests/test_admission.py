@@ -1,6 +1,7 @@
-"""Admission (DESIGN §5): each policy's selection on plain data through `plan_admission`, then the engine's
-chunked prefill end to end on the tiny preset (same greedy outputs as unchunked, decodes keep running
-while a long prompt is chunked, streamed tokens equal generate's, timestamps monotone)."""
+"""Admission (docs/request-lifecycle.md, Admission): each policy's selection on plain data through
+`plan_admission`, then the engine's chunked prefill end to end on the tiny preset (same greedy
+outputs as unchunked, decodes keep running while a long prompt is chunked, streamed tokens equal
+generate's, timestamps monotone)."""
 
 from __future__ import annotations
 

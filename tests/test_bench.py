@@ -1,5 +1,5 @@
-"""The benchmark's parts on plain data: metric definitions, arrivals, workloads (incl. the fixed workload's
-prompt lengths with a byte-level BPE tokenizer), variants, speedups, the run loop against a scripted backend
+"""The benchmark's parts on plain data: metric definitions, arrivals, workloads (incl. the fixed prompts'
+lengths with the GPT-2-small comparison tokenizer), variants, speedups, the run loop against a scripted backend
 (multi-turn chaining, context caps, failures), and how variants run side by side (all open, paired rounds)."""
 
 from __future__ import annotations
@@ -101,33 +101,22 @@ def test_fixed_prompts_cycle_repeats_and_append_a_unique_suffix():
     assert fixed_prompt_texts("Hi", [2], unique=False, num_requests=2) == ["Hi Hi", "Hi Hi"]
 
 
-def test_fixed_prompt_lengths_with_a_bpe_tokenizer(bpe_tokenizer_dir):
-    """The fixed workload's prompts through a word-level BPE: repeats joined by a space count the first
-    word once and every later one with its space, the unique suffix " [i]" adds exactly its own tokens,
-    and --truncate-prompts cuts the head-of-line mix's long prompts to the context, keeping their tail."""
-    tokenizer = HFTokenizer.from_pretrained(bpe_tokenizer_dir)
+def test_fixed_prompt_lengths_with_the_comparison_tokenizer(gpt2_checkpoint_dir):
+    """The prompt lengths benchmarks/RESULTS.md gives for the fixed-prompt workloads with the tokenizer of
+    the GPT-2-small comparison checkpoint (benchmarks/make_gpt2_checkpoint.py): repeats joined by a space,
+    unique suffix " [i]", and the head-of-line mix counted after --truncate-prompts cuts its long prompts
+    to GPT-2's 1,024-token context."""
+    tokenizer = HFTokenizer.from_pretrained(gpt2_checkpoint_dir)
 
-    def count(text: str) -> int:
-        return len(tokenizer.encode(text))
+    def lengths(prompt, repeats, unique, n, context=None):
+        ids = [tokenizer.encode(t) for t in fixed_prompt_texts(prompt, parse_repeats(repeats), unique, n)]
+        return [len(fit_to_context(p, context, truncate=True)) if context else len(p) for p in ids]
 
-    def prompts(prompt, repeats, unique, n):
-        return [tokenizer.encode(t) for t in fixed_prompt_texts(prompt, parse_repeats(repeats), unique, n)]
-
-    assert [len(p) for p in prompts("Hello", "65", False, 4)] == [count("Hello") + 64 * count(" Hello")] * 4
-    shared = " ".join([SHARED_PROMPT] * 20)
-    assert count(shared) < len(shared.encode())  # merges make it shorter than its bytes
-    assert [len(p) for p in prompts(SHARED_PROMPT, "20", True, 256)] == [
-        count(shared) + count(f" [{i}]") for i in range(256)
-    ]
-    mix = prompts("Hello", "512,1,1,1", True, 128)
-    long_len = count("Hello") + 511 * count(" Hello")
-    assert [len(p) for p in mix] == [
-        (long_len if i % 4 == 0 else count("Hello")) + count(f" [{i}]") for i in range(128)
-    ]
-    context = long_len  # shorter than every long prompt, longer than every short one
-    fitted = [fit_to_context(p, context, truncate=True) for p in mix]
-    assert fitted == [p[-context:] for p in mix]
-    assert sum(map(len, fitted)) == 32 * context + sum(len(p) for p in mix[1::4] + mix[2::4] + mix[3::4])
+    assert set(lengths("Hello", "65", False, 4)) == {195}
+    assert sum(lengths(SHARED_PROMPT, "20", True, 256)) == 148_992
+    untruncated = lengths("Hello", "512,1,1,1", True, 128)
+    assert untruncated[:4] == [1539, 6, 6, 6]
+    assert sum(lengths("Hello", "512,1,1,1", True, 128, context=1024)) == 33_344
 
 
 def test_fit_to_context():

@@ -85,12 +85,12 @@ def test_gpu_suite_smoke_mode(tmp_path):
     proc = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_suite.sh")], env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    names = ["a_fixed_hello65", "b_shared_prompt", "c_head_of_line", "d1_shared_prefix_cache",
-             "d2_shared_prefix_vs_hf", "e_random_cache_cost"]
+    names = ["fixed_hello65", "shared_prompt", "head_of_line", "shared_prefix_cache", "shared_prefix_vs_hf",
+             "random_cache_cost"]
     for name in names:
         result = json.loads((out / f"{name}.json").read_text())
         assert all(run["metrics"]["requests"] > 0 for run in result["runs"]), name
-    labels = [run["label"] for run in json.loads((out / "c_head_of_line.json").read_text())["runs"]]
+    labels = [run["label"] for run in json.loads((out / "head_of_line.json").read_text())["runs"]]
     assert labels == [f"radixinfer cache=off {p}" for p in ("fifo", "pack", "lpm")]
     summary = (out / "summary.txt").read_text()
     assert all(name in summary for name in names) and "hf cache=on" in summary

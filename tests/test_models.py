@@ -251,12 +251,12 @@ def test_config_vocab_too_small_for_byte_tokenizer():
         load_model(LlamaConfig(**{**_SMALL, "vocab_size": 100}), "cpu")
 
 
-def test_checkpoint_with_tokenizer_dtype_and_eos(tmp_path, bpe_tokenizer_dir):
+def test_checkpoint_with_tokenizer_dtype_and_eos(tmp_path, gpt2_checkpoint_dir):
     """A GPT-2 fp16 checkpoint next to a byte-level BPE tokenizer: HF tokenizer, config dtype, EOS ids."""
     config = GPT2Config(n_positions=64, n_embd=32, n_layer=1, n_head=2, eos_token_id=0, bos_token_id=0)
     GPT2LMHeadModel(config).to(torch.float16).save_pretrained(tmp_path)
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(bpe_tokenizer_dir / name, tmp_path)
+        shutil.copy(gpt2_checkpoint_dir / name, tmp_path)
     (tmp_path / "generation_config.json").write_text('{"eos_token_id": [0, 7]}')
     loaded = load_model(tmp_path, "cpu")
     assert isinstance(loaded.tokenizer, HFTokenizer)

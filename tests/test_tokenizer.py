@@ -8,15 +8,15 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from radixinfer.tokenizer import ByteTokenizer, HFTokenizer, IncrementalDetokenizer, Tokenizer
-from tests.bpe_tokenizer import CORPUS, PLAIN_ADDED
 
 # multi-byte characters of every UTF-8 length, plus ASCII and whitespace
 TEXT = st.text(alphabet=st.sampled_from(list("ab ,.\n") + list("éß€日本語😀🚀ॐ")), max_size=40)
 
 
 @pytest.fixture(scope="module")
-def bpe_hf(bpe_tokenizer_dir):
-    return AutoTokenizer.from_pretrained(bpe_tokenizer_dir)
+def bpe_hf(gpt2_checkpoint_dir):
+    """The GPT-2-small comparison checkpoint's kind of tokenizer: byte-level BPE, 50,257 ids."""
+    return AutoTokenizer.from_pretrained(gpt2_checkpoint_dir)  # ~4 s: load once
 
 
 @pytest.fixture(scope="module")
@@ -58,21 +58,16 @@ def test_byte_tokenizer_round_trip_and_specials():
     assert tok.is_special(256) and tok.is_special(-1) and not tok.is_special(255)
 
 
-def test_hf_tokenizer_wraps_a_byte_level_bpe_checkpoint(bpe, bpe_hf):
-    assert isinstance(bpe, Tokenizer) and bpe.vocab_size == len(bpe_hf) and bpe.eos_token_id == 0
+def test_hf_tokenizer_wraps_a_byte_level_bpe(bpe):
+    assert isinstance(bpe, Tokenizer) and bpe.vocab_size == 50257 and bpe.eos_token_id == 0
     text = "def f(x):\n    return 'héllo €'"
     ids = bpe.encode(text)
     assert 0 not in ids and bpe.decode(ids) == text  # no BOS/EOS added; lossless
-    assert len(ids) < len(text.encode())  # merges learned: fewer ids than bytes
     assert bpe.decode([0] + ids + [0]) == text  # special tokens are dropped
-    plain = bpe_hf.convert_tokens_to_ids(PLAIN_ADDED[0])
-    assert plain >= len(bpe_hf) - len(PLAIN_ADDED)  # after the learned vocabulary
-    assert bpe.is_special(0) and bpe.is_special(bpe.vocab_size)  # EOS; past the vocabulary
-    assert not bpe.is_special(plain) and bpe.decode([plain]) == PLAIN_ADDED[0]  # plain text
+    assert bpe.is_special(0) and bpe.is_special(50257) and not bpe.is_special(8192)  # <pad0> is plain text
 
 
 def test_hf_tokenizer_adds_bos_only_when_the_tokenizer_does(bpe_hf):
-    assert HFTokenizer(bpe_hf).encode("a b") == bpe_hf.encode("a b", add_special_tokens=False)
     bpe_hf.add_bos_token = True
     try:
         tok = HFTokenizer(bpe_hf)
@@ -99,20 +94,19 @@ def test_detokenizer_matches_decode_on_text(bpe, text):
 
 
 @settings(max_examples=60, deadline=None)
-@given(ids=st.lists(st.integers(min_value=0, max_value=2**16), max_size=30))
+@given(ids=st.lists(st.integers(min_value=0, max_value=50300), max_size=30))
 def test_detokenizer_matches_decode_on_arbitrary_ids(bpe, ids):
     """Any ids a random model may emit: invalid UTF-8, specials, ids past the vocab."""
     byte_ids = [i % 300 for i in ids]
     assert "".join(stream(ByteTokenizer(), byte_ids)) == ByteTokenizer().decode(byte_ids)
-    bpe_ids = [i % (bpe.vocab_size + 50) for i in ids]  # the last 50 lie past the vocabulary
-    assert "".join(stream(bpe, bpe_ids)) == bpe.decode(bpe_ids)
+    assert "".join(stream(bpe, ids)) == bpe.decode(ids)
 
 
 @pytest.mark.parametrize("name", ["byte", "bpe"])
 def test_detokenizer_decodes_a_small_window(name, bpe):
     """O(1) per token: a long stream, with ids the tokenizer drops mixed in, never decodes more than a few ids."""
     spy = DecodeSpy(bpe if name == "bpe" else ByteTokenizer())
-    ids = spy.encode(" ".join(CORPUS) * 20)
+    ids = spy.encode("日本語 text, ünïcödé and 😀 emoji. " * 40)
     ids = [x for i in ids for x in (i, 99999)]  # an id past every vocab after each token
     assert "".join(stream(spy, ids)) == spy.decode(ids)
     spy.longest = 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -170,3 +171,13 @@ def _check_writable(parser: argparse.ArgumentParser, flag: str, path: Path) -> N
         parser.error(f"{flag} {path}: cannot write there ({exc.strerror})")
     if not existed:
         path.unlink()
+
+
+def parse_bench_args(argv: Sequence[str]) -> argparse.Namespace:
+    """Parse and cross-check one ``radixinfer bench`` command line (the flags only, no subcommand), as the
+    ``radixinfer`` command does; bad flags exit with a usage message (SystemExit 2)."""
+    parser = argparse.ArgumentParser(prog="radixinfer bench")
+    add_bench_arguments(parser)
+    args = parser.parse_args(argv)
+    check_bench_arguments(parser, args)
+    return args

@@ -1,6 +1,6 @@
 """Per-request timing records and the summary the benchmark reports.
 
-Definitions (DESIGN §9), all from token timestamps taken where tokens leave the engine step:
+Definitions (docs/api.md, The streaming benchmark), all from token timestamps taken where tokens leave the engine step:
 
 - TTFT = first token - submit
 - TPOT = (last token - first token) / (n - 1), for requests with n >= 2 tokens

@@ -20,8 +20,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from radixinfer.bench import runner
+from radixinfer.bench.args import parse_bench_args
 from radixinfer.bench.report import format_report, summary_table
-from radixinfer.cli import parse_args
 
 
 @contextmanager
@@ -48,7 +48,7 @@ def run_lines(lines: list[str], out_dir: Path, run_timeout: int) -> int:
         name, *flags = shlex.split(line)
         print(f"== {name}: radixinfer bench {shlex.join(flags)}", flush=True)
         try:
-            args = parse_args(["bench", *flags, "--json", str(out_dir / f"{name}.json")])
+            args = parse_bench_args([*flags, "--json", str(out_dir / f"{name}.json")])
             with _time_limit(run_timeout):
                 result = runner.main(args)
         except (Exception, SystemExit):  # noqa: BLE001 - one bad run must not stop the suite

@@ -3,7 +3,7 @@
 One block id indexes the same page in every layer's K and V tensors, so all bookkeeping here is per block,
 never per layer. Besides refcounts the pool keeps, per block, how many of its slots have been written
 (``fill``): slots of a block are written in position order, so the written slots are always ``[0, fill)``.
-That is what makes copy-on-write decisions O(1) (DESIGN §3, invariant 2): a holder whose next position in
+That is what makes copy-on-write decisions O(1) (docs/invariants.md, invariant 2): a holder whose next position in
 the block is ``offset`` may write in place iff ``fill == offset`` (nobody wrote there yet: it *claims* the
 slot) or it is the block's only holder; otherwise it must copy the block first.
 """

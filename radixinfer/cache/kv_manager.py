@@ -1,7 +1,7 @@
 """The sequence side of the prefix cache: what the engine drives to give each request its KV blocks.
 
 A live sequence owns a block table (one reference per entry) and, while the prefix cache is on, a lock on
-the deepest tree node of its cached path. The lifecycle (DESIGN §4)::
+the deepest tree node of its cached path. The lifecycle (docs/request-lifecycle.md)::
 
     seq = admit(tokens, salt)          match + lock; table = matched blocks (num_kv = match length)
     plan = reserve([seq], [n])         slots for positions num_kv..n-1 (+ copy-on-write of the boundary block)
@@ -420,7 +420,7 @@ class KVCacheManager:
         return self.pool.num_free
 
     def check_integrity(self, live: Sequence[SeqKV]) -> None:
-        """Assert DESIGN §3 invariant 1 (refcount = holders), the pool's and the tree's own invariants, and
+        """Assert docs/invariants.md invariant 1 (refcount = holders), the pool's and the tree's own invariants, and
         that every live sequence's lock is on a node still in the tree."""
         holders = self.tree.block_holders()
         for seq in live:

@@ -10,7 +10,7 @@ the node and its parent both hold a block at index ``start // block_size`` (the 
     child   [6, 10)           "g h | i j"  blocks      [B1', B2]
 
 ``B1`` and ``B1'`` agree on positions 4..5 (the KV at a position depends only on the tokens before it,
-DESIGN §3 invariant 3) and differ after: a reader that descends into the child uses the deepest node's
+docs/invariants.md, invariant 3) and differ after: a reader that descends into the child uses the deepest node's
 version of each block (``B1'``). Each node holds one reference per block it lists.
 
 Each ``cache_salt`` has its own root, so requests with different salts never share a node (invariant 8).
@@ -85,7 +85,7 @@ class MatchResult:
 class InsertResult:
     """``node`` is the deepest node of the inserted path (ends at or after the path's end). ``remap`` lists
     ``(block_index, tree_block)`` pairs the caller must point its table at before releasing its own
-    duplicates (DESIGN §3 invariant 7). ``new_tokens`` counts tokens the tree did not hold before."""
+    duplicates (docs/invariants.md, invariant 7). ``new_tokens`` counts tokens the tree did not hold before."""
 
     node: Node
     remap: list[tuple[int, int]]
@@ -361,7 +361,7 @@ class RadixTree:
         return holders
 
     def check_integrity(self) -> None:
-        """Assert the tree's structural invariants (DESIGN §3: 5, 8 and the block coverage rule)."""
+        """Assert the tree's structural invariants (docs/invariants.md: 5, 8 and 9, the tree's structure)."""
         bs = self.block_size
         expected_evictable = set()
         for _, root in self._roots.items():

@@ -1,4 +1,4 @@
-"""Which waiting requests join a prefill round (DESIGN §5).
+"""Which waiting requests join a prefill round (docs/request-lifecycle.md, Admission).
 
 A round admits at most ``max_requests`` requests and ``max_tokens`` *uncached* prompt tokens (a cache hit
 costs only its suffix). Policies differ in the order they consider requests and in what they do with one

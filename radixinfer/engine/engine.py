@@ -1,4 +1,4 @@
-"""The online engine: continuous batching over the prefix cache (DESIGN §4).
+"""The online engine: continuous batching over the prefix cache (docs/request-lifecycle.md).
 
 ``add_request`` / ``abort`` / ``step`` are meant to be driven by one thread (the `LLM` API or the streaming
 loop). Each ``step`` runs one prefill round (admission + one ragged forward, plus at most one more pass for
