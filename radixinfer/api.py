@@ -43,8 +43,8 @@ def _plan_memory(
     gpu_memory_utilization: float,
     num_blocks: int | None,
 ) -> MemoryPlan:
-    """On CUDA, profile the runner and split the budget (`plan_gpu_memory`); elsewhere the CPU's plan.
-    ``start``: the device's reading before the model was loaded (None on a CPU)."""
+    """On CUDA, profile the runner and split the budget (`plan_gpu_memory`); elsewhere the CPU's
+    plan. ``start``: the device's reading before the model was loaded (None on a CPU)."""
     common = dict(bytes_per_block=bytes_per_block, block_size=runner.block_size,
                   max_model_len=runner.max_context_len, num_blocks=num_blocks)
     if start is None:
@@ -54,7 +54,9 @@ def _plan_memory(
     return plan_gpu_memory(
         device=str(runner.device), total_bytes=start.total, free_bytes_at_start=start.free,
         gpu_memory_utilization=gpu_memory_utilization, weights_bytes=weights_bytes,
-        other_bytes=max(0, profiled_end.used - start.used - weights_bytes), profiled=profiled, **common,
+        other_bytes=max(0, profiled_end.used - start.used - weights_bytes),
+        profiled=profiled,
+        **common,
     )
 
 
@@ -65,16 +67,17 @@ class LLM:
     transformers ``PretrainedConfig`` (random weights). Engine options beyond the fixed signature
     (``prefill_max_batch_size``, ``prefill_max_tokens``, ``prefill_admission_policy``,
     ``prefill_admission_lookahead``, ``prefill_force_fifo_every``, ``chunked_prefill``, ``decode_first``,
-    ``gpu_memory_utilization``, ``max_model_len``, ``max_num_seqs``) are keyword-only. ``max_batch_size`` caps
-    the sequences decoded per step; ``max_num_seqs`` (default: KV memory) caps the requests holding KV at once.
+    ``gpu_memory_utilization``, ``max_model_len``, ``max_num_seqs``) are keyword-only.
+    ``max_batch_size`` caps the sequences decoded per step; ``max_num_seqs`` (default: KV memory)
+    caps the requests holding KV at once.
 
-    Memory (`radixinfer.engine.memory`): on CUDA the engine may use ``gpu_memory_utilization`` of the whole
-    GPU (vLLM's meaning; two engines in one process take a share each). Weights, the worst-case step's
-    activations and the CUDA graphs are measured at start-up and the KV pool gets the rest, unless
-    ``num_blocks`` fixes it (it must still fit). ``max_model_len`` (default: the model's context) caps prompt
-    plus output and the workspaces sized by it. A configuration that cannot fit raises ``ValueError``
-    saying what to lower. The plan is logged and kept in ``memory_plan``. On a CPU the pool is
-    ``num_blocks`` or 256 MiB of blocks.
+    Memory (`radixinfer.engine.memory`): on CUDA the engine may use ``gpu_memory_utilization`` of
+    the whole GPU (vLLM's meaning; two engines in one process take a share each). Weights, the
+    worst-case step's activations and the CUDA graphs are measured at start-up and the KV pool gets
+    the rest, unless ``num_blocks`` fixes it (it must still fit). ``max_model_len`` (default: the
+    model's context) caps prompt plus output and the workspaces sized by it. A configuration that
+    cannot fit raises ``ValueError`` saying what to lower. The plan is logged and kept in
+    ``memory_plan``. On a CPU the pool is ``num_blocks`` or 256 MiB of blocks.
     """
 
     def __init__(
@@ -121,7 +124,7 @@ class LLM:
         torch_device = torch.device(device)
         start = None
         if torch_device.type == "cuda":
-            torch.cuda.empty_cache()  # blocks cached but free are nobody's: the reading counts them free
+            torch.cuda.empty_cache()  # cached but unused blocks are nobody's: counted as free
             start = DeviceMemory.read(torch_device)
         loaded = load_model(model, torch_device, dtype, seed)
         m = loaded.model
@@ -138,12 +141,17 @@ class LLM:
             max_context_len=context_len,
             block_size=block_size,
         )
-        bytes_per_block = KVStore.bytes_per_block(m.num_layers, block_size, m.num_kv_heads, m.head_dim, loaded.dtype)
+        bytes_per_block = KVStore.bytes_per_block(
+            m.num_layers, block_size, m.num_kv_heads, m.head_dim, loaded.dtype
+        )
         self.memory_plan: MemoryPlan = _plan_memory(
             runner, start, weights_bytes, bytes_per_block, gpu_memory_utilization, num_blocks)
         blocks = self.memory_plan.num_blocks
         runner.bind_kv(
-            KVStore(m.num_layers, blocks, block_size, m.num_kv_heads, m.head_dim, loaded.dtype, torch_device)
+            KVStore(
+                m.num_layers, blocks, block_size, m.num_kv_heads, m.head_dim, loaded.dtype,
+                torch_device,
+            )
         )
         logger.info("%s", self.memory_plan.summary())
         cache = KVCacheManager(blocks, block_size, enable_prefix_cache)

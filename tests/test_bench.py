@@ -347,10 +347,12 @@ def test_warmups_come_first_then_abba_rounds_with_every_backend_open(bench_log):
 
 
 def test_gpu_share_is_split_between_variants_and_every_pool_has_the_first_ones_size(bench_log):
-    runner.run_bench(bench_args(*SMALL, "--gpu-memory-utilization", "0.6", "--compare-policies", "fifo,pack,lpm"))
+    runner.run_bench(bench_args(*SMALL, "--gpu-memory-utilization", "0.6",
+                                "--compare-policies", "fifo,pack,lpm"))
     runner.run_bench(bench_args(*SMALL, "--gpu-memory-utilization", "0.6"))
     runner.run_bench(bench_args(*SMALL, "--num-blocks", "64", "--compare-no-cache"))
-    # every engine is open at once: each may use its share; the first sizes the pool, the others get its size
+    # every engine is open at once: each may use its share; the first sizes the pool, the others get
+    # its size
     assert bench_log.fractions == pytest.approx([0.2, 0.2, 0.2, 0.6, 0.45, 0.45])
     first = bench_log.opened[0].info["kv_blocks"]
     assert bench_log.blocks == [None, first, first, None, 64, 64]
@@ -358,7 +360,8 @@ def test_gpu_share_is_split_between_variants_and_every_pool_has_the_first_ones_s
 
 def test_transformers_given_the_pool_size_gets_the_whole_fraction_as_its_ceiling(bench_log):
     runner.run_bench(bench_args(*SMALL, "--compare-backends"))
-    assert bench_log.fractions == pytest.approx([0.45, 0.9])  # radixinfer its share; hf checks its pool
+    # radixinfer its share; transformers checks its given pool against the whole fraction
+    assert bench_log.fractions == pytest.approx([0.45, 0.9])
 
 
 @pytest.mark.parametrize(("flag", "young"),

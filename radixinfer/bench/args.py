@@ -36,15 +36,15 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 [auto]")
     model.add_argument("--block-size", type=int, default=16, help="tokens per KV block [16]")
     model.add_argument("--num-blocks", type=int, default=None,
-                       help="KV blocks (default: what --gpu-memory-utilization leaves after weights, activations "
-                            "and CUDA graphs)")
+                       help="KV blocks (default: what --gpu-memory-utilization leaves after "
+                            "weights, activations and CUDA graphs)")
     model.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                       help="fraction of the whole GPU the engines may use; compared variants are open at once "
-                            "and each takes an equal share (the first sizes its KV pool from its share, the "
-                            "others are given as many blocks) [0.9]")
+                       help="fraction of the whole GPU the engines may use; compared variants are "
+                            "open at once and each takes an equal share (the first sizes its KV "
+                            "pool from its share, the others are given as many blocks) [0.9]")
     model.add_argument("--max-model-len", type=int, default=None,
-                       help="longest prompt + output served, and what context-sized workspaces are sized for "
-                            "[the model's context]")
+                       help="longest prompt + output served, and what context-sized workspaces "
+                            "are sized for [the model's context]")
     model.add_argument("--max-batch-size", type=int, default=64, help="sequences decoded per step [64]")
     model.add_argument("--max-num-seqs", type=int, default=None,
                        help="requests holding KV at once [unbounded: KV memory decides]")

@@ -94,18 +94,20 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
 
 
-# (row label, memory_plan key, shown in GiB); a figure a plan lacks (None: not measured, a CPU) shows "-"
+# (row label, memory_plan key, shown in GiB); a figure a plan lacks (None: not measured, a CPU)
+# shows "-"
 MEMORY_ROWS = (
     ("budget GiB", "budget_bytes", True), ("weights GiB", "weights_bytes", True),
     ("activations GiB", "activation_bytes", True), ("CUDA graphs GiB", "cuda_graph_bytes", True),
     ("other GiB", "other_bytes", True), ("KV cache GiB", "kv_bytes", True),
-    ("KV blocks", "num_blocks", False), ("KV tokens", "kv_tokens", False), ("max_model_len", "max_model_len", False),
+    ("KV blocks", "num_blocks", False), ("KV tokens", "kv_tokens", False),
+    ("max_model_len", "max_model_len", False),
 )
 
 
 def _memory_table(runs: list[dict]) -> str:
-    """Each run's start-up memory plan (`radixinfer.engine.memory.MemoryPlan`), one column per run that has
-    one; empty when none has (another backend)."""
+    """Each run's start-up memory plan (`radixinfer.engine.memory.MemoryPlan`), one column per run
+    that has one; empty when none has (another backend)."""
     planned = [run for run in runs if run.get("info", {}).get("memory_plan")]
     if not planned:
         return ""
