@@ -133,10 +133,12 @@ class LLM:
             weights_bytes = module_bytes(m)
         else:
             weights_bytes = DeviceMemory.read(torch_device).allocated - start.allocated
+        # the longest pass: a round's budget, or without chunking one prompt of the whole context
+        longest_pass = max(admission.max_tokens, 0 if chunked_prefill else context_len)
         runner = ModelRunner(
             m, None, get_backend(str(torch_device)), torch_device, max_batch_size,
-            # a round's budget, plus a recomputed last position per fully cached prompt; plus a continuing chunk
-            prefill_max_tokens=admission.max_tokens + admission.max_requests,
+            # plus a recomputed last position per fully cached prompt; plus a continuing chunk
+            prefill_max_tokens=longest_pass + admission.max_requests,
             prefill_max_seqs=admission.max_requests + 1,
             max_context_len=context_len,
             block_size=block_size,

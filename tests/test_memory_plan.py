@@ -173,6 +173,20 @@ def test_bad_memory_options_name_their_field(kwargs, field):
         LLM("tiny", **kwargs)
 
 
+def test_without_chunked_prefill_the_worst_case_pass_is_a_whole_context():
+    """A prompt over the round's budget then runs alone, up to ``max_model_len`` tokens in one pass:
+    the runner is sized (and on CUDA profiled) for that pass, not for the budget."""
+    chunked = LLM("tiny", num_blocks=64, prefill_max_tokens=64, max_model_len=512)
+    alone = LLM(
+        "tiny", num_blocks=64, prefill_max_tokens=64, max_model_len=512, chunked_prefill=False
+    )
+    assert chunked.engine.runner.prefill_max_tokens < 512 <= alone.engine.runner.prefill_max_tokens
+    out = alone.generate(
+        [[1 + i % 250 for i in range(500)]], SamplingParams(max_tokens=2, ignore_eos=True)
+    )[0]
+    assert len(out.token_ids) == 2 and alone.cache_stats()["prefill_forwards"] == 1
+
+
 def test_the_worst_case_step_runs_on_the_runner_and_leaves_the_engine_usable():
     """The step `profile_memory` measures on CUDA, run on a CPU: the largest prefill pass and decode
     batch the runner is sized for, through the LM head and the sampler with every filter on."""
