@@ -45,8 +45,12 @@ def _plan_memory(
 ) -> MemoryPlan:
     """On CUDA, profile the runner and split the budget (`plan_gpu_memory`); elsewhere the CPU's
     plan. ``start``: the device's reading before the model was loaded (None on a CPU)."""
-    common = dict(bytes_per_block=bytes_per_block, block_size=runner.block_size,
-                  max_model_len=runner.max_context_len, num_blocks=num_blocks)
+    common = {
+        "bytes_per_block": bytes_per_block,
+        "block_size": runner.block_size,
+        "max_model_len": runner.max_context_len,
+        "num_blocks": num_blocks,
+    }
     if start is None:
         return plan_cpu_memory(weights_bytes=weights_bytes, **common)
     profiled = runner.profile_memory()
