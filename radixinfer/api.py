@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import logging
 import os
 import weakref
 from collections import deque
@@ -18,6 +19,15 @@ from radixinfer.cache.kv_manager import KVCacheManager
 from radixinfer.cache.kv_store import KVStore
 from radixinfer.engine.admission import AdmissionConfig
 from radixinfer.engine.engine import EngineConfig, LLMEngine
+from radixinfer.engine.memory import (
+    DeviceMemory,
+    MemoryPlan,
+    check_utilization,
+    module_bytes,
+    plan_cpu_memory,
+    plan_gpu_memory,
+    resolve_max_model_len,
+)
 from radixinfer.engine.model_runner import ModelRunner
 from radixinfer.models import load_model
 from radixinfer.outputs import RequestOutput, StreamDelta, deltas_of
@@ -25,23 +35,36 @@ from radixinfer.sampling_params import SEED_LIMIT, SamplingParams
 
 Prompt = str | list[int]
 
-# Without a number of blocks, the CPU gets this much KV memory (CUDA takes a fraction of what is free).
-_CPU_KV_BYTES = 256 * 2**20
+logger = logging.getLogger(__name__)
 
 
-def _num_blocks(
-    num_blocks: int | None, kv_memory_fraction: float, bytes_per_block: int, device: torch.device
-) -> int:
-    if num_blocks is not None:
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ValueError(f"num_blocks must be a positive integer or None, got {num_blocks!r}")
-        return num_blocks
-    if not 0.0 < kv_memory_fraction < 1.0:
-        raise ValueError(f"kv_memory_fraction must be in (0, 1), got {kv_memory_fraction}")
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return max(1, int(free * kv_memory_fraction) // bytes_per_block)
-    return max(1, _CPU_KV_BYTES // bytes_per_block)
+def _plan_memory(
+    runner: ModelRunner,
+    start: DeviceMemory | None,
+    weights_bytes: int,
+    bytes_per_block: int,
+    gpu_memory_utilization: float,
+    num_blocks: int | None,
+) -> MemoryPlan:
+    """On CUDA, profile the runner and split the budget (`plan_gpu_memory`); elsewhere the CPU's
+    plan. ``start``: the device's reading before the model was loaded (None on a CPU)."""
+    common = {
+        "bytes_per_block": bytes_per_block,
+        "block_size": runner.block_size,
+        "max_model_len": runner.max_context_len,
+        "num_blocks": num_blocks,
+    }
+    if start is None:
+        return plan_cpu_memory(weights_bytes=weights_bytes, **common)
+    profiled = runner.profile_memory()
+    profiled_end = DeviceMemory.read(runner.device)
+    return plan_gpu_memory(
+        device=str(runner.device), total_bytes=start.total, free_bytes_at_start=start.free,
+        gpu_memory_utilization=gpu_memory_utilization, weights_bytes=weights_bytes,
+        other_bytes=max(0, profiled_end.used - start.used - weights_bytes),
+        profiled=profiled,
+        **common,
+    )
 
 
 def _params_per_prompt(
@@ -67,8 +90,17 @@ class LLM:
     transformers ``PretrainedConfig`` (random weights). Engine options beyond the fixed signature
     (``prefill_max_batch_size``, ``prefill_max_tokens``, ``prefill_admission_policy``,
     ``prefill_admission_lookahead``, ``prefill_force_fifo_every``, ``chunked_prefill``, ``decode_first``,
-    ``kv_memory_fraction``, ``max_num_seqs``) are keyword-only. ``max_batch_size`` caps the sequences decoded per
-    step; ``max_num_seqs`` (default: KV memory) caps the requests holding KV at once.
+    ``gpu_memory_utilization``, ``max_model_len``, ``max_num_seqs``) are keyword-only.
+    ``max_batch_size`` caps the sequences decoded per step; ``max_num_seqs`` (default: KV memory)
+    caps the requests holding KV at once.
+
+    Memory (`radixinfer.engine.memory`): on CUDA the engine may use ``gpu_memory_utilization`` of
+    the whole GPU (vLLM's meaning; two engines in one process take a share each). Weights, the
+    worst-case step's activations and the CUDA graphs are measured at start-up and the KV pool gets
+    the rest, unless ``num_blocks`` fixes it (it must still fit). ``max_model_len`` (default: the
+    model's context) caps prompt plus output and the workspaces sized by it. A configuration that
+    cannot fit raises ``ValueError`` saying what to lower. The plan is logged and kept in
+    ``memory_plan``. On a CPU the pool is ``num_blocks`` or 256 MiB of blocks.
     """
 
     def __init__(
@@ -89,7 +121,8 @@ class LLM:
         prefill_force_fifo_every: int = 0,
         chunked_prefill: bool = True,
         decode_first: bool = False,
-        kv_memory_fraction: float = 0.85,
+        gpu_memory_utilization: float = 0.9,
+        max_model_len: int | None = None,
         max_num_seqs: int | None = None,
     ) -> None:
         # Checked here, under the names the caller used (the configs below name their own fields).
@@ -109,7 +142,7 @@ class LLM:
         ):
             checks.flag(name, value)
         checks.integer("seed", seed, 0, SEED_LIMIT)
-        checks.real("kv_memory_fraction", kv_memory_fraction)  # its range: `_num_blocks`, when it is used
+        checks.optional_integer("num_blocks", num_blocks, 1)
         admission = AdmissionConfig(
             policy=prefill_admission_policy,
             max_requests=max_batch_size if prefill_max_batch_size is None else prefill_max_batch_size,
@@ -122,17 +155,41 @@ class LLM:
             max_batch_size=max_batch_size, max_num_seqs=max_num_seqs, admission=admission, decode_first=decode_first,
             seed=seed,
         )
+        check_utilization(gpu_memory_utilization)
+        start = None
+        if torch_device.type == "cuda":
+            torch.cuda.empty_cache()  # cached but unused blocks are nobody's: counted as free
+            start = DeviceMemory.read(torch_device)
         loaded = load_model(model, torch_device, dtype, seed)
         m = loaded.model
-        bytes_per_block = KVStore.bytes_per_block(m.num_layers, block_size, m.num_kv_heads, m.head_dim, loaded.dtype)
-        blocks = _num_blocks(num_blocks, kv_memory_fraction, bytes_per_block, torch_device)
-        kv = KVStore(m.num_layers, blocks, block_size, m.num_kv_heads, m.head_dim, loaded.dtype, torch_device)
+        context_len = resolve_max_model_len(max_model_len, m.max_context_len)
+        if start is None:
+            weights_bytes = module_bytes(m)
+        else:
+            weights_bytes = DeviceMemory.read(torch_device).allocated - start.allocated
+        # the longest pass: a round's budget, or without chunking one prompt of the whole context
+        longest_pass = max(admission.max_tokens, 0 if chunked_prefill else context_len)
         runner = ModelRunner(
-            m, kv, get_backend(str(torch_device)), torch_device, max_batch_size,
-            # a round's budget, plus a recomputed last position per fully cached prompt; plus a continuing chunk
-            prefill_max_tokens=admission.max_tokens + admission.max_requests,
+            m, None, get_backend(str(torch_device)), torch_device, max_batch_size,
+            # plus a recomputed last position per fully cached prompt; plus a continuing chunk
+            prefill_max_tokens=longest_pass + admission.max_requests,
             prefill_max_seqs=admission.max_requests + 1,
+            max_context_len=context_len,
+            block_size=block_size,
         )
+        bytes_per_block = KVStore.bytes_per_block(
+            m.num_layers, block_size, m.num_kv_heads, m.head_dim, loaded.dtype
+        )
+        self.memory_plan: MemoryPlan = _plan_memory(
+            runner, start, weights_bytes, bytes_per_block, gpu_memory_utilization, num_blocks)
+        blocks = self.memory_plan.num_blocks
+        runner.bind_kv(
+            KVStore(
+                m.num_layers, blocks, block_size, m.num_kv_heads, m.head_dim, loaded.dtype,
+                torch_device,
+            )
+        )
+        logger.info("%s", self.memory_plan.summary())
         cache = KVCacheManager(blocks, block_size, enable_prefix_cache)
         self.tokenizer = loaded.tokenizer
         self.engine = LLMEngine(runner, cache, loaded.tokenizer, loaded.eos_token_ids, config)

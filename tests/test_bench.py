@@ -304,10 +304,10 @@ def bench_log(monkeypatch):
     (counted from 0) raise."""
     log = SimpleNamespace(opened=[], fractions=[], blocks=[], events=[], fail_open=None, fail_run=None)
 
-    def fake_open(variant, model, args, kv_memory_fraction, num_blocks):
+    def fake_open(variant, model, args, gpu_memory_utilization, num_blocks):
         if len(log.opened) == log.fail_open:
             raise RuntimeError("open failed")
-        log.fractions.append(kv_memory_fraction)
+        log.fractions.append(gpu_memory_utilization)
         log.blocks.append(num_blocks)
         log.opened.append(VariantBackend(variant.label, log.events))
         return log.opened[-1]
@@ -337,7 +337,7 @@ def test_warmups_come_first_then_abba_rounds_with_every_backend_open(bench_log):
     measured = [[(label, "reset"), (label, "run", 2)] for label in (ON, OFF, OFF, ON, ON, OFF)]
     assert bench_log.events == [(ON, "run", 2), (OFF, "run", 2), *(e for pair in measured for e in pair)]
     assert all(b.closed for b in bench_log.opened)
-    assert bench_log.fractions == [pytest.approx(0.85 / 2), 0.85]  # the second is given the first one's pool size
+    assert bench_log.fractions == [pytest.approx(0.9 / 2)] * 2  # each engine its share of the GPU
     on, off = result["runs"]
     assert on["label"] == ON and len(on["repeats"]) == len(off["repeats"]) == 3
     assert on["metrics"]["requests"] == 3 * 2 and on["repeats"][0]["requests"] == 2
@@ -346,14 +346,22 @@ def test_warmups_come_first_then_abba_rounds_with_every_backend_open(bench_log):
     assert set(result["comparisons"][0]["speedup"]) == set(speedups(on["metrics"], off["metrics"]))
 
 
-def test_kv_fraction_is_split_between_variants_only_and_every_pool_has_the_first_ones_size(bench_log):
-    runner.run_bench(bench_args(*SMALL, "--kv-memory-fraction", "0.6", "--compare-policies", "fifo,pack,lpm"))
-    runner.run_bench(bench_args(*SMALL, "--kv-memory-fraction", "0.6"))
+def test_gpu_share_is_split_between_variants_and_every_pool_has_the_first_ones_size(bench_log):
+    runner.run_bench(bench_args(*SMALL, "--gpu-memory-utilization", "0.6",
+                                "--compare-policies", "fifo,pack,lpm"))
+    runner.run_bench(bench_args(*SMALL, "--gpu-memory-utilization", "0.6"))
     runner.run_bench(bench_args(*SMALL, "--num-blocks", "64", "--compare-no-cache"))
-    # the first sizes the pool from its share; the others are given its size, the whole fraction a ceiling
-    assert bench_log.fractions == [pytest.approx(0.2), 0.6, 0.6, 0.6, 0.85, 0.85]
+    # every engine is open at once: each may use its share; the first sizes the pool, the others get
+    # its size
+    assert bench_log.fractions == pytest.approx([0.2, 0.2, 0.2, 0.6, 0.45, 0.45])
     first = bench_log.opened[0].info["kv_blocks"]
     assert bench_log.blocks == [None, first, first, None, 64, 64]
+
+
+def test_transformers_given_the_pool_size_gets_the_whole_fraction_as_its_ceiling(bench_log):
+    runner.run_bench(bench_args(*SMALL, "--compare-backends"))
+    # radixinfer its share; transformers checks its given pool against the whole fraction
+    assert bench_log.fractions == pytest.approx([0.45, 0.9])
 
 
 @pytest.mark.parametrize(("flag", "young"),
@@ -385,7 +393,7 @@ def test_every_opened_backend_is_closed_when_something_fails(bench_log, failure)
 
 
 @pytest.mark.parametrize("kind", ["radixinfer", "hf"])
-def test_open_backend_hands_the_given_kv_fraction_to_the_backend(monkeypatch, kind):
+def test_open_backend_hands_the_given_gpu_share_to_the_backend(monkeypatch, kind):
     seen = {}
 
     def capture(*args, **kwargs):
@@ -396,7 +404,7 @@ def test_open_backend_hands_the_given_kv_fraction_to_the_backend(monkeypatch, ki
     monkeypatch.setattr(runner, "HFBackend", capture)
     with pytest.raises(StopIteration):
         open_backend(Variant(kind, True, "fifo" if kind == "radixinfer" else None), "tiny", bench_args(), 0.25)
-    assert seen["kv_memory_fraction"] == 0.25
+    assert seen["gpu_memory_utilization" if kind == "radixinfer" else "kv_memory_fraction"] == 0.25
     with pytest.raises(StopIteration):
         open_backend(Variant(kind, True, "fifo" if kind == "radixinfer" else None), "tiny", bench_args(), 0.25, 10)
     assert (seen["num_blocks"] if kind == "radixinfer" else seen["kv_tokens"] // 16) == 10  # --block-size 16

@@ -69,7 +69,7 @@ def test_hf_baseline_produces_radixinfers_greedy_tokens(tmp_path, batching):
     model = str(export_checkpoint("tiny", tmp_path, "cpu", "auto", seed=0))
     outputs = []
     for variant in (Variant("radixinfer", True, "fifo"), Variant("hf", True, None)):
-        backend = open_backend(variant, model, args, args.kv_memory_fraction)
+        backend = open_backend(variant, model, args, args.gpu_memory_utilization)
         try:
             sessions = build_workload(args, backend.tokenizer, backend.vocab_size)
             records, _ = run_workload(backend, sessions, [0.0] * len(sessions), args, variant.label)

@@ -40,11 +40,16 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--dtype", default="auto", choices=DTYPE_NAMES, metavar="DTYPE",
                        help="auto | float32 | bfloat16 | float16 (or bf16, fp16, fp32, half) [auto]")
     model.add_argument("--block-size", type=int, default=16, help="tokens per KV block [16]")
-    model.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from --kv-memory-fraction)")
-    model.add_argument("--kv-memory-fraction", type=float, default=0.85,
-                       help="fraction of free GPU memory for KV when --num-blocks is not given; compared variants "
-                            "are open at once: the first takes its share (fraction / variants), the others as "
-                            "many blocks [0.85]")
+    model.add_argument("--num-blocks", type=int, default=None,
+                       help="KV blocks (default: what --gpu-memory-utilization leaves after "
+                            "weights, activations and CUDA graphs)")
+    model.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                       help="fraction of the whole GPU the engines may use; compared variants are "
+                            "open at once and each takes an equal share (the first sizes its KV "
+                            "pool from its share, the others are given as many blocks) [0.9]")
+    model.add_argument("--max-model-len", type=int, default=None,
+                       help="longest prompt + output served, and what context-sized workspaces "
+                            "are sized for [the model's context]")
     model.add_argument("--max-batch-size", type=int, default=64, help="sequences decoded per step [64]")
     model.add_argument("--max-num-seqs", type=int, default=None,
                        help="requests holding KV at once [unbounded: KV memory decides]")
@@ -127,6 +132,10 @@ def check_bench_arguments(parser: argparse.ArgumentParser, args: argparse.Namesp
         parser.error("--request-rate must be > 0")
     if args.gc_threshold < 0:
         parser.error("--gc-threshold must be >= 0")
+    if not 0.0 < args.gpu_memory_utilization <= 1.0:
+        parser.error("--gpu-memory-utilization must be in (0, 1]")
+    if args.max_model_len is not None and args.max_model_len < 1:
+        parser.error("--max-model-len must be >= 1")
     if args.warmup_runs < 0 or args.repeat_runs < 1:
         parser.error("--warmup-runs must be >= 0 and --repeat-runs >= 1")
     for name in ("num_requests", "max_new_tokens", "input_len", "num_groups", "prompts_per_group", "question_len",
@@ -152,8 +161,6 @@ def _check_engine_arguments(parser: argparse.ArgumentParser, args: argparse.Name
         value = getattr(args, name)
         if value is not None and value < low:  # None: the flag's default, left to the engine
             parser.error(f"--{name.replace('_', '-')} must be >= {low}")
-    if not 0.0 < args.kv_memory_fraction < 1.0:
-        parser.error("--kv-memory-fraction must be in (0, 1)")
     try:
         checks.device(args.device)
         checkpoint_dir(args.model)

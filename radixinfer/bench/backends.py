@@ -60,7 +60,11 @@ class RadixBackend:
         self.tokenizer = llm.tokenizer
         self.vocab_size = llm.engine.vocab_size
         self.max_context_len = llm.engine.max_context_len
-        self.info = {"radixinfer": radixinfer.__version__, "kv_blocks": llm.cache_stats()["total_blocks"]}
+        self.info = {
+            "radixinfer": radixinfer.__version__,
+            "kv_blocks": llm.cache_stats()["total_blocks"],
+            "memory_plan": llm.memory_plan.as_dict(),
+        }
         self._server = EngineServer(llm.engine)
 
     def submit(self, prompt: list[int] | np.ndarray, params: SamplingParams,
@@ -81,10 +85,12 @@ class RadixBackend:
 
 
 def open_radixinfer(model: str, args: argparse.Namespace, prefix_cache: bool, policy: str,
-                    kv_memory_fraction: float | None = None, num_blocks: int | None = None) -> RadixBackend:
-    """An `LLM` configured from the bench flags, with ``prefix_cache`` and admission ``policy`` per variant, and
-    a KV pool of ``num_blocks`` or else ``kv_memory_fraction`` of free GPU memory (variants open side by side
-    share the GPU; None: ``--num-blocks`` / ``--kv-memory-fraction``, for a backend alone)."""
+                    gpu_memory_utilization: float | None = None,
+                    num_blocks: int | None = None) -> RadixBackend:
+    """An `LLM` configured from the bench flags, with ``prefix_cache`` and admission ``policy`` per
+    variant, using ``gpu_memory_utilization`` of the GPU and a KV pool of ``num_blocks`` or else
+    what that leaves (variants open side by side split the GPU; None: ``--gpu-memory-utilization`` /
+    ``--num-blocks``, for a backend alone)."""
     llm = LLM(
         model,
         device=args.device,
@@ -102,6 +108,9 @@ def open_radixinfer(model: str, args: argparse.Namespace, prefix_cache: bool, po
         prefill_force_fifo_every=args.prefill_force_fifo_every,
         chunked_prefill=not args.no_chunked_prefill,
         decode_first=args.decode_first,
-        kv_memory_fraction=args.kv_memory_fraction if kv_memory_fraction is None else kv_memory_fraction,
+        gpu_memory_utilization=args.gpu_memory_utilization
+        if gpu_memory_utilization is None
+        else gpu_memory_utilization,
+        max_model_len=args.max_model_len,
     )
     return RadixBackend(llm)

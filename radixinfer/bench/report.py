@@ -94,6 +94,33 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
 
 
+# (row label, memory_plan key, shown in GiB); a figure a plan lacks (None: not measured, a CPU)
+# shows "-"
+MEMORY_ROWS = (
+    ("budget GiB", "budget_bytes", True), ("weights GiB", "weights_bytes", True),
+    ("activations GiB", "activation_bytes", True), ("CUDA graphs GiB", "cuda_graph_bytes", True),
+    ("other GiB", "other_bytes", True), ("KV cache GiB", "kv_bytes", True),
+    ("KV blocks", "num_blocks", False), ("KV tokens", "kv_tokens", False),
+    ("max_model_len", "max_model_len", False),
+)
+
+
+def _memory_table(runs: list[dict]) -> str:
+    """Each run's start-up memory plan (`radixinfer.engine.memory.MemoryPlan`), one column per run
+    that has one; empty when none has (another backend)."""
+    planned = [run for run in runs if run.get("info", {}).get("memory_plan")]
+    if not planned:
+        return ""
+
+    def cell(plan: dict, key: str, in_gib: bool) -> str:
+        value = plan.get(key)
+        return _fmt(value / 2**30 if in_gib and value is not None else value)
+
+    rows = [[label, *(cell(run["info"]["memory_plan"], key, gib) for run in planned)]
+            for label, key, gib in MEMORY_ROWS]
+    return _table(["memory plan", *(run["label"] for run in planned)], rows)
+
+
 def _round_spread(comparison: dict) -> str:
     """`` (min–max)`` of the per-round output-throughput ratios; empty with a single round (nothing to add)."""
     paired = comparison["paired_output_throughput"]
@@ -116,6 +143,8 @@ def format_report(result: dict) -> str:
         text += "\n\n" + _table(header, rows)
         if any(spreads):
             text += "\n(in parentheses beside output_throughput: min–max of the paired rounds' ratios)"
+    if memory := _memory_table(runs):
+        text += "\n\n" + memory
     return text
 
 

@@ -4,9 +4,13 @@ Measured one after another (open, warm up, measure, close, next), the ratios bet
 10-14% with process state and order: the first variant of a process always ran first. That is far more than
 the effects compared (a cache that costs < 2% throughput), so every variant now runs side by side:
 
-1. every variant's backend opens up front and stays open to the end (all close in a ``finally``). They share
-   the GPU: without ``--num-blocks`` the first sizes its KV pool from ``--kv-memory-fraction / len(variants)``
-   of free memory and the others take as many blocks, so every variant runs with the same pool;
+1. every variant's backend opens up front and stays open to the end (all close in a ``finally``).
+They split
+   the GPU: each radixinfer engine may use ``--gpu-memory-utilization / len(variants)`` of it (its
+   weights, activations and CUDA graphs measured, `radixinfer.engine.memory`); without
+   ``--num-blocks`` the first sizes its KV pool from its share and the others take as many blocks,
+   so every variant runs with the same pool. (Closing each before opening the next would give each
+   the whole budget, but the variants must stay open to run in alternating rounds, below.)
 2. every variant's ``--warmup-runs`` unmeasured runs, before any measured run;
 3. ``--repeat-runs`` rounds; round r runs one measured repeat of each variant, in variant order for even r
    and reversed for odd r (A B, B A, A B, ...): the variants of a round run back to back in the same process
@@ -235,17 +239,21 @@ def measure(variants: list[Variant], backends: list[Backend], args: argparse.Nam
     return [arm.result() for arm in arms]
 
 
-def open_backend(variant: Variant, model: str, args: argparse.Namespace, kv_memory_fraction: float,
-                 num_blocks: int | None = None) -> Backend:
+def open_backend(variant: Variant, model: str, args: argparse.Namespace,
+                 gpu_memory_utilization: float, num_blocks: int | None = None) -> Backend:
     """The variant's backend with a KV pool of ``num_blocks`` (of ``--block-size`` tokens), or when None of
-    ``kv_memory_fraction`` of free GPU memory."""
+    what ``gpu_memory_utilization`` leaves (transformers: that fraction of the memory free after
+    loading)."""
     if variant.backend == "hf":
         return HFBackend(model, device=args.device, dtype=args.dtype, max_batch_size=args.max_batch_size,
                          prefix_cache=variant.prefix_cache,
                          kv_tokens=num_blocks * args.block_size if num_blocks else None,
-                         kv_memory_fraction=kv_memory_fraction, attn_implementation=args.hf_attn_implementation,
+                         kv_memory_fraction=gpu_memory_utilization,
+                         attn_implementation=args.hf_attn_implementation,
                          batching=args.hf_batching, seed=args.seed)
-    return open_radixinfer(model, args, variant.prefix_cache, variant.policy, kv_memory_fraction, num_blocks)
+    return open_radixinfer(
+        model, args, variant.prefix_cache, variant.policy, gpu_memory_utilization, num_blocks
+    )
 
 
 def _close_all(backends: list[Backend]) -> None:
@@ -276,12 +284,13 @@ def _release_device_memory() -> None:
 def run_bench(args: argparse.Namespace) -> dict:
     """Every variant's metrics and the speedups of the first over the others (also written to --json)."""
     variants = plan_variants(args)
-    # All backends are open at once, so they split the KV memory: the first sizes its pool from its share,
-    # the others take as many blocks (an even split of what is free when each opens would shrink later ones).
-    # A backend given its pool size gets the whole fraction as a ceiling only: transformers' continuous
-    # batching checks that pool against that fraction of what is free when it opens (its share alone, of
-    # what the first left, would refuse the pool the first took).
-    share = args.kv_memory_fraction / len(variants)
+    # All backends are open at once, so they split the GPU: each radixinfer engine may use an equal
+    # share of it, and the first sizes its KV pool from its share while the others take as many
+    # blocks (an even split of what is free when each opens would shrink later ones). transformers'
+    # continuous batching, given its pool size, gets the whole fraction as a ceiling only: it checks
+    # that pool against that fraction of what is free when it opens (its share alone, of what the
+    # first left, would refuse the pool).
+    share = args.gpu_memory_utilization / len(variants)
     num_blocks = args.num_blocks
     with tempfile.TemporaryDirectory(prefix="radixinfer-bench-") as tmp:
         model = args.model
@@ -290,7 +299,8 @@ def run_bench(args: argparse.Namespace) -> dict:
         backends: list[Backend] = []
         try:
             for variant in variants:
-                fraction = share if num_blocks is None else args.kv_memory_fraction
+                whole = variant.backend == "hf" and num_blocks is not None
+                fraction = args.gpu_memory_utilization if whole else share
                 backends.append(open_backend(variant, model, args, fraction, num_blocks))
                 num_blocks = num_blocks or backends[-1].info.get("kv_blocks")
             with _gc_threshold(args.gc_threshold):

@@ -163,7 +163,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.config = config
         self.vocab_size = runner.model.vocab_size
-        self.max_context_len = runner.model.max_context_len
+        self.max_context_len = runner.max_context_len  # the model's, or max_model_len when lower
         self.counters = EngineCounters()
         self.waiting: deque[Request] = deque()
         self.active: list[Request] = []  # PREFILLING + RUNNING, in admission order

@@ -34,8 +34,10 @@ from kernels.paged_attention import (
     shared_prefix_seqs_per_tile,
 )
 from radixinfer.attention import AttentionBackend, AttentionMetadata, ForwardContext
-from radixinfer.attention.shared_prefix import SharedPrefixPlanner
+from radixinfer.attention.shared_prefix import MIN_SHARED_LEN, SharedPrefixPlanner
 from radixinfer.cache.kv_store import KVStore
+from radixinfer.engine.memory import DeviceMemory, ProfiledMemory
+from radixinfer.engine.sampler import SamplingBatch, sample
 from radixinfer.models.base import PagedCausalLM
 
 
@@ -267,28 +269,42 @@ class ModelRunner:
 
     ``prefill_max_tokens`` / ``prefill_max_seqs``: the largest prefill pass the engine plans (its token budget
     plus one recomputed position per cached prompt, and its requests per round plus a continuing chunk); the
-    prefill graphs and buffers are sized for it, and a larger pass runs eagerly in buffers of its own."""
+    prefill graphs and buffers are sized for it, and a larger pass runs eagerly in buffers of its
+    own. ``max_context_len``: the longest sequence served (None: the model's context); block tables
+    and the decode graphs' split counts are sized by it.
+
+    ``kv`` None: the runner starts on a scratch store of one block (``block_size`` tokens) and
+    captures no graph, for `profile_memory`; `bind_kv` then gives it its pool. A store given here is
+    bound at once."""
 
     def __init__(
         self,
         model: PagedCausalLM,
-        kv: KVStore,
+        kv: KVStore | None,
         backend: AttentionBackend,
         device: torch.device,
         max_batch_size: int,
         use_cuda_graphs: bool | None = None,
         prefill_max_tokens: int = 8192,
         prefill_max_seqs: int = 64,
+        max_context_len: int | None = None,
+        block_size: int | None = None,
     ) -> None:
+        if kv is None and block_size is None:
+            raise ValueError("ModelRunner needs a KV store, or the block size of the one to come")
         self.model = model
-        self.kv = kv
         self.backend = backend
         self.device = device
-        self.block_size = kv.k.shape[2]
-        self.table_width = -(-model.max_context_len // self.block_size)
+        self.block_size = kv.k.shape[2] if kv is not None else block_size
+        self.max_context_len = min(model.max_context_len, max_context_len or model.max_context_len)
+        self.table_width = -(-self.max_context_len // self.block_size)
         self.max_batch_size = max_batch_size
+        self.prefill_max_tokens, self.prefill_max_seqs = prefill_max_tokens, prefill_max_seqs
+        dtype = next(model.parameters()).dtype
+        self.kv = kv if kv is not None else KVStore(
+            model.num_layers, 1, self.block_size, model.num_kv_heads, model.head_dim, dtype, device)
         self._planner: SharedPrefixPlanner | None = None
-        seqs_per_tile = shared_prefix_seqs_per_tile(model.num_heads, model.num_kv_heads, kv.k.dtype)
+        seqs_per_tile = shared_prefix_seqs_per_tile(model.num_heads, model.num_kv_heads, dtype)
         if backend.reads_shared_prefixes_once and seqs_per_tile >= 2:
             self._planner = SharedPrefixPlanner(self.block_size, seqs_per_tile)
         max_tiles = self._planner.max_tiles(max_batch_size) if self._planner else 0
@@ -296,7 +312,7 @@ class ModelRunner:
             max_batch_size, max_batch_size, self.table_width, device, max_tiles, seqs_per_tile)
         self._decode_buffers.query_start[:] = np.arange(max_batch_size + 1)  # one token per sequence
         self._decode_tables = BlockTableRows(self._decode_buffers.tables)
-        self._block_m = extend_block_m(kv.k.dtype)
+        self._block_m = extend_block_m(dtype)
         self._prefill_sizes = prefill_graph_token_counts(prefill_max_tokens)
         self._prefill_buffers = self._prefill_step_buffers(
             self._prefill_sizes[-1], prefill_max_seqs, self.table_width)
@@ -304,10 +320,96 @@ class ModelRunner:
         self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._graph_sizes: list[int] = []
         self._prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # tokens -> (graph, hidden)
+        # every graph's output lives in one of these (replays never overlap): [max_batch_size,
+        # vocab] logits and [largest prefill bucket, hidden] hidden states
+        self._graph_outputs: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._capture_stream: torch.cuda.Stream | None = None
         if use_cuda_graphs is None:
             use_cuda_graphs = device.type == "cuda"
-        if use_cuda_graphs:
+        self.use_cuda_graphs = use_cuda_graphs
+        if kv is not None and use_cuda_graphs:
             self._capture_graphs()
+
+    def bind_kv(self, kv: KVStore) -> None:
+        """Serve from ``kv`` (same block size) from now on; the graphs, which hold the old store's
+        addresses, are captured again against it."""
+        if kv.k.shape[2] != self.block_size:
+            raise ValueError(
+                f"the KV store's block size {kv.k.shape[2]} is not the runner's {self.block_size}"
+            )
+        self._release_graphs()
+        self.kv = kv
+        if self.use_cuda_graphs:
+            self._capture_graphs()
+
+    # ------------------------------------------------------------------ memory profile
+    @torch.inference_mode()
+    def profile_memory(self) -> ProfiledMemory:
+        """Measure what this runner needs beside its KV pool (CUDA only; see
+        `radixinfer.engine.memory`).
+
+        With CUDA graphs, every graph is captured against the current store (the scratch one: call
+        this before `bind_kv`) and the device memory the capture holds is the graph figure. Then
+        `run_worst_case_step` runs as the engine would run it (through the graphs when there are
+        some), and its peak allocation above what was allocated before it is the activation figure.
+        The graphs are released again before returning, and the allocator's cache emptied."""
+        if self.device.type != "cuda":
+            raise ValueError(f"profile_memory measures CUDA memory, not {self.device} memory")
+        self._release_graphs()
+        before = DeviceMemory.read(self.device)
+        if self.use_cuda_graphs:
+            self._capture_graphs()
+        captured = DeviceMemory.read(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.run_worst_case_step()
+        torch.cuda.synchronize(self.device)
+        profiled = ProfiledMemory(
+            activation_bytes=torch.cuda.max_memory_allocated(self.device) - captured.allocated,
+            activation_reserved_bytes=(
+                torch.cuda.max_memory_reserved(self.device) - captured.reserved
+            ),
+            cuda_graph_bytes=captured.used - before.used,
+        )
+        self._release_graphs()
+        return profiled
+
+    @torch.inference_mode()
+    def run_worst_case_step(self) -> None:
+        """The largest step this runner is sized for, on whatever its store holds (the outputs are
+        meaningless; nothing is stored: every slot is -1 and every table reads block 0):
+
+        1. a prefill pass of ``prefill_max_tokens`` over ``prefill_max_seqs`` sequences (each at
+           most ``max_context_len`` long), then the LM head and the sampler on every sequence's
+           last row;
+        2. a decode step of ``max_batch_size`` sequences, one at the longest context and the
+           others sharing a prefix (the decode attention's largest workspace), then the sampler on
+           every row.
+
+        The sampler runs with temperature, top-k and top-p on every row, its most expensive mode."""
+        seqs = self.prefill_max_seqs
+        tokens = min(max(self.prefill_max_tokens, seqs), seqs * self.max_context_len)
+        query_lens = np.full(seqs, tokens // seqs, dtype=np.int64)
+        query_lens[: tokens % seqs] += 1
+        positions = np.concatenate([np.arange(n) for n in query_lens])
+        tables = [[0] * -(-int(n) // self.block_size) for n in query_lens]
+        ids = np.zeros(tokens, np.int64)
+        hidden = self.prefill(ids, positions, [-1] * tokens, tables, query_lens, query_lens)
+        last_rows = torch.as_tensor(np.cumsum(query_lens) - 1, device=self.device)
+        self._sample_worst_case(self.logits(hidden[last_rows]))
+        del hidden
+        n = self.max_batch_size
+        context_lens = np.full(n, min(self.max_context_len, 2 * MIN_SHARED_LEN), dtype=np.int64)
+        context_lens[0] = self.max_context_len
+        tables = [[0] * -(-int(c) // self.block_size) for c in context_lens]
+        ids = np.zeros(n, np.int64)
+        logits = self.decode(ids, context_lens - 1, [-1] * n, tables, context_lens)
+        self._sample_worst_case(logits)
+
+    def _sample_worst_case(self, logits: torch.Tensor) -> None:
+        rows = logits.shape[0]
+        ones, zeros = [1.0] * rows, [0] * rows  # temperatures; seeds and steps
+        batch = SamplingBatch.build(ones, [0.9] * rows, [50] * rows, zeros, zeros, self.device)
+        sample(logits, batch)
 
     # ------------------------------------------------------------------ prefill
     def _prefill_step_buffers(self, max_tokens: int, max_seqs: int, width: int) -> _StepBuffers:
@@ -356,11 +458,16 @@ class ModelRunner:
 
     def _prefill_graph_forward(self, num_tokens: int) -> torch.Tensor:
         """The forward a prefill graph of ``num_tokens`` captures: every sequence slot of the buffers, the whole
-        work list (its grid), ``max_query_len`` at the bucket (above 1: the extend kernel)."""
+        work list (its grid), ``max_query_len`` at the bucket (above 1: the extend kernel). Its
+        hidden states are copied into the graphs' shared output (a few MB per pass, against a pool's
+        worth per graph)."""
         buf = self._prefill_buffers
-        meta = buf.metadata(num_tokens, buf.max_seqs, num_tokens, self.model.max_context_len, num_work=buf.max_work)
+        meta = buf.metadata(
+            num_tokens, buf.max_seqs, num_tokens, self.max_context_len, num_work=buf.max_work
+        )
         ctx = ForwardContext(meta, self.kv.k, self.kv.v, self.backend)
-        return self.model(buf.dev64[0, :num_tokens], buf.dev64[1, :num_tokens], ctx)
+        hidden = self.model(buf.dev64[0, :num_tokens], buf.dev64[1, :num_tokens], ctx)
+        return self._graph_outputs[1][:num_tokens].copy_(hidden)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -418,26 +525,39 @@ class ModelRunner:
             return graph[1][:n]
         return self._decode_forward(n, int(np.max(context_lens)), shared)
 
-    def _decode_forward(self, num_seqs: int, max_context_len: int, shared: bool) -> torch.Tensor:
+    def _decode_forward(
+        self, num_seqs: int, max_context_len: int, shared: bool, logits: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``shared``: attention reads the planned shared prefixes once per tile (grid: the most tiles a
-        batch of ``num_seqs`` can have)."""
+        batch of ``num_seqs`` can have). ``logits``: ``[num_seqs, vocab]`` to write into (None:
+        allocated)."""
         buf = self._decode_buffers
         num_tiles = self._planner.max_tiles(num_seqs) if shared else 0
         meta = buf.metadata(num_seqs, num_seqs, 1, max_context_len, num_tiles)
         ctx = ForwardContext(meta, self.kv.k, self.kv.v, self.backend)
         hidden = self.model(buf.dev64[0, :num_seqs], buf.dev64[1, :num_seqs], ctx)
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden, out=logits)
 
     @torch.inference_mode()
     def _capture_graphs(self) -> None:
         """Capture the decode graphs per batch bucket, then the prefill graphs per token bucket, largest first,
-        in one memory pool (replays never overlap, and each graph's output stays referenced). Decode: one
-        plain graph and one reading shared prefixes once when the backend can (a step picks by whether the
-        planner found any), with the model's whole context as ``max_context_len`` (it only sizes the decode
-        kernel's split count). Captured on empty inputs: no slot stored, no context, every work item idle."""
+        in one memory pool. Replays never overlap, so every graph writes its output into one shared
+        tensor per kind (`_graph_outputs`; a logits tensor per decode bucket would be ~20 GB at
+        batch 1,024 and a 152k vocabulary) and the pool holds one pass's temporaries. Decode: one
+        plain graph and one reading shared prefixes once when the backend can (a step picks by
+        whether the planner found any), with ``max_context_len`` as the context (it only sizes the
+        decode kernel's split count). Captured on empty inputs: no slot stored, no context, every
+        work item idle. The warm-up passes' cached blocks are returned to the device afterwards."""
         pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
+        if self._capture_stream is None:  # one per runner: cuBLAS keeps a workspace per stream
+            self._capture_stream = torch.cuda.Stream(self.device)
+        stream = self._capture_stream
         stream.wait_stream(torch.cuda.current_stream())
+        dtype, dev = self.kv.k.dtype, self.device
+        self._graph_outputs = (
+            torch.empty((self.max_batch_size, self.model.vocab_size), dtype=dtype, device=dev),
+            torch.empty((self._prefill_sizes[-1], self.model.hidden_size), dtype=dtype, device=dev),
+        )
 
         def capture(forward, *args) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
             forward(*args)  # warm up: compile, autotune
@@ -457,10 +577,25 @@ class ModelRunner:
         sizes = sorted(graph_batch_sizes(self.max_batch_size), reverse=True)
         with torch.cuda.stream(stream):
             for size, shared in itertools.product(sizes, variants):
+                logits = self._graph_outputs[0][:size]
                 self._graphs[size, shared] = capture(
-                    self._decode_forward, size, self.model.max_context_len, shared)
+                    self._decode_forward, size, self.max_context_len, shared, logits)
             for num_tokens in reversed(self._prefill_sizes):
                 self._prefill_graphs[num_tokens] = capture(self._prefill_graph_forward, num_tokens)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         self._graph_sizes = sorted(sizes)
+
+    def _release_graphs(self) -> None:
+        """Drop every graph and its outputs, and give their memory back to the device (steps run
+        eagerly until the next capture)."""
+        for graph, _ in itertools.chain(self._graphs.values(), self._prefill_graphs.values()):
+            graph.reset()
+        self._graphs.clear()
+        self._prefill_graphs.clear()
+        self._graph_sizes = []
+        self._graph_outputs = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()

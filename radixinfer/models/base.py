@@ -60,11 +60,12 @@ class PagedCausalLM(nn.Module):
         final norm, ``[num_tokens, hidden_size]`` in the model dtype."""
         raise NotImplementedError
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The output projection alone: ``[n, hidden_size]`` -> ``[n, vocab_size]`` in the model dtype. Not cast
-        to float32 here: at batch 512 and a 152k vocabulary that cast moves ~0.5 GB per decode step, and greedy
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The output projection alone: ``[n, hidden_size]`` -> ``[n, vocab_size]`` in the model
+        dtype, written into ``out`` when given (a CUDA graph's shared output). Not cast to float32
+        here: at batch 512 and a 152k vocabulary that cast moves ~0.5 GB per decode step, and greedy
         rows (argmax; the cast is monotonic) never need it; the sampler casts when a row samples."""
-        return self.lm_head(hidden)
+        return torch.mm(hidden, self.lm_head.weight.t(), out=out)  # nn.Linear's GEMM (no bias)
 
     def make_lm_head(self, embedding: nn.Embedding) -> nn.Linear:
         """The output projection; shares the embedding's weight (no allocation) when the config ties them."""
