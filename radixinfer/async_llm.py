@@ -1,23 +1,26 @@
 """The asyncio front: `AsyncLLM` serves one `LLM` to any number of concurrent callers.
 
-The engine is single-threaded by contract, so one background thread owns it and makes every engine call.
-Callers only touch three small inboxes (submissions, aborts, calls) under one condition variable::
+The engine is single-threaded by contract, so one background thread owns it and makes every engine
+call. Callers only touch three small inboxes (submissions, aborts, calls) under one condition
+variable::
 
-    add_request() / submit() / abort() / call()  --(inbox, notify)-->  loop thread: add, abort, call, step
-    sinks: an event loop's router, a queue        <--[events]-------   one list per sink per step, in order
+    add_request / submit / abort / call  --(inbox, notify)-->  loop thread: add, abort, call, step
+    sinks: an event loop's router, queues <--[events]-------   one list per sink per step, in order
 
-The loop sleeps on the condition while the engine has nothing to do (no polling) and steps it back to back
-while it has. Each step's events go to their sinks as one list per sink: all the streams of one asyncio
-event loop share one sink (`_Router`), so the loop thread wakes the event loop once a step with
-``call_soon_threadsafe``, not once a token per request, and the event loop fans the list out to the
-streams. A consumer of many requests that is not a coroutine (the benchmark) passes its own sink, a
-``queue.SimpleQueue``, and receives the lists as they are: a steady decode step's tokens of requests that
-do not detokenize stay one `TokenBatch` there. A delta's ``timestamp`` is taken inside the engine step that
-produced its tokens, so queueing between the loop and a consumer never shows up in measured latencies.
+The loop sleeps on the condition while the engine has nothing to do (no polling) and steps it back
+to back while it has. Each step's events go to their sinks as one list per sink: all the streams of
+one asyncio event loop share one sink (`_Router`), so the loop thread wakes the event loop once a
+step with ``call_soon_threadsafe``, not once a token per request, and the event loop fans the list
+out to the streams. A consumer of many requests that is not a coroutine (the benchmark) passes its
+own sink, a ``queue.SimpleQueue``, and receives the lists as they are: a steady decode step's tokens
+of requests that do not detokenize stay one `TokenBatch` there. A delta's ``timestamp`` is taken
+inside the engine step that produced its tokens, so queueing between the loop and a consumer never
+shows up in measured latencies.
 
-Failures never leave a consumer waiting: a request the engine rejects gets a `StreamFailure` carrying its
-``ValueError``; an exception inside the loop fails every open request with an `EngineLoopError` and makes
-later submissions raise it. `AsyncLLM.close` aborts what is still running and joins the thread.
+Failures never leave a consumer waiting: a request the engine rejects gets a `StreamFailure`
+carrying its ``ValueError``; an exception inside the loop fails every open request with an
+`EngineLoopError` and makes later submissions raise it. `AsyncLLM.close` aborts what is still
+running and joins the thread.
 """
 
 from __future__ import annotations
@@ -58,8 +61,8 @@ class StreamFailure:
 
     request_id: str
     error: BaseException
-    # Like a delta's flag: nothing follows it. A consumer of many requests checks ``event.finished`` on
-    # every event and tells failures apart only then.
+    # Like a delta's flag: nothing follows it. A consumer of many requests checks
+    # ``event.finished`` on every event and tells failures apart only then.
     finished: ClassVar[bool] = True
 
 
@@ -70,8 +73,8 @@ StreamEvents = list[
 
 
 class Sink(Protocol):
-    """Where the loop thread puts a step's events of the requests submitted with it. ``put`` runs on the
-    loop thread: it must not block (``queue.SimpleQueue.put`` qualifies)."""
+    """Where the loop thread puts a step's events of the requests submitted with it. ``put`` runs on
+    the loop thread: it must not block (``queue.SimpleQueue.put`` qualifies)."""
 
     def put(self, events: StreamEvents) -> None: ...
 
@@ -88,13 +91,14 @@ class _Submission:
 class AsyncLLM:
     """Serves ``llm`` from a background thread to concurrent callers until `close`.
 
-    ``max_waiting`` bounds the requests submitted and not yet admitted (no KV held yet): one more raises
-    `QueueFullError` at once. ``request_timeout`` (seconds, None: none) is the default of `add_request`'s
-    ``timeout``. Nothing else may drive ``llm`` while this front owns it (no ``LLM.generate``).
+    ``max_waiting`` bounds the requests submitted and not yet admitted (no KV held yet): one more
+    raises `QueueFullError` at once. ``request_timeout`` (seconds, None: none) is the default of
+    `add_request`'s ``timeout``. Nothing else may drive ``llm`` while this front owns it (no
+    ``LLM.generate``).
 
-    The coroutine side (`add_request`, `generate`, the awaitable helpers) runs on any asyncio event loop;
-    `submit`, `abort` and `call` may be used from any thread. Use as a context manager or call `close`:
-    the loop thread is not a daemon, so a forgotten front keeps the process alive.
+    The coroutine side (`add_request`, `generate`, the awaitable helpers) runs on any asyncio event
+    loop; `submit`, `abort` and `call` may be used from any thread. Use as a context manager or call
+    `close`: the loop thread is not a daemon, so a forgotten front keeps the process alive.
     """
 
     def __init__(
@@ -133,12 +137,14 @@ class AsyncLLM:
         *,
         timeout: float | None = None,
     ) -> AsyncStream:
-        """Queue a request and return its stream at once; call from a coroutine. Raises ``ValueError`` for a
-        bad prompt (checked here), `QueueFullError`, `EngineLoopError` and ``RuntimeError`` after `close`;
-        errors the engine finds later (a request too large for the pool) are raised by the stream.
+        """Queue a request and return its stream at once; call from a coroutine. Raises
+        ``ValueError`` for a bad prompt (checked here), `QueueFullError`, `EngineLoopError` and
+        ``RuntimeError`` after `close`; errors the engine finds later (a request too large for the
+        pool) are raised by the stream.
 
-        The caller must iterate the stream to its end or `AsyncStream.close` it (`generate` does both). A
-        string prompt is encoded here, on the caller's thread (the engine thread only decodes)."""
+        The caller must iterate the stream to its end or `AsyncStream.close` it (`generate` does
+        both). A string prompt is encoded here, on the caller's thread (the engine thread only
+        decodes)."""
         loop = asyncio.get_running_loop()
         router = self._routers.get(loop)
         if router is None:  # a new event loop: forget the routers of closed ones
@@ -157,8 +163,9 @@ class AsyncLLM:
         *,
         timeout: float | None = None,
     ) -> AsyncIterator[StreamDelta]:
-        """Yield the request's deltas as they are produced (the last has ``finished`` set). Cancelling the
-        consumer, or closing the iterator early, aborts the request and frees its blocks within a step."""
+        """Yield the request's deltas as they are produced (the last has ``finished`` set).
+        Cancelling the consumer, or closing the iterator early, aborts the request and frees its
+        blocks within a step."""
         stream = self.add_request(prompt, params, cache_salt, timeout=timeout)
         try:
             async for delta in stream:
@@ -171,7 +178,8 @@ class AsyncLLM:
         return await asyncio.wrap_future(self.call(lambda llm: llm.cache_stats()))
 
     async def reset_prefix_cache(self) -> None:
-        """Empty the prefix cache; ``RuntimeError`` while requests hold KV (the engine refuses then)."""
+        """Empty the prefix cache; ``RuntimeError`` while requests hold KV (the engine refuses
+        then)."""
         await asyncio.wrap_future(self.call(lambda llm: llm.reset_prefix_cache()))
 
     async def stats(self) -> dict[str, float | int]:
@@ -187,11 +195,13 @@ class AsyncLLM:
         cache_salt: Hashable,
         sink: Sink,
     ) -> str:
-        """Queue a request whose events go to ``sink`` (in lists, one per step, shared with the sink's other
-        requests: a delta carries its ``request_id``, a `TokenBatch` one per row). Returns its request id.
+        """Queue a request whose events go to ``sink`` (in lists, one per step, shared with the
+        sink's other requests: a delta carries its ``request_id``, a `TokenBatch` one per row).
+        Returns its request id.
 
-        Raises ``ValueError`` for a bad prompt, `QueueFullError`, `EngineLoopError` if the loop has died and
-        ``RuntimeError`` after `close`; a request the engine rejects later gets a `StreamFailure`."""
+        Raises ``ValueError`` for a bad prompt, `QueueFullError`, `EngineLoopError` if the loop has
+        died and ``RuntimeError`` after `close`; a request the engine rejects later gets a
+        `StreamFailure`."""
         prompt_ids = self._engine.prompt_ids(prompt)
         if params is not None and not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -209,12 +219,13 @@ class AsyncLLM:
 
     @property
     def num_waiting(self) -> int:
-        """Requests submitted and not yet admitted (exact between steps, else off by what one step admits)."""
+        """Requests submitted and not yet admitted (exact between steps, else off by what one step
+        admits)."""
         return len(self._submissions) + len(self._engine.waiting)
 
     def abort(self, request_id: str) -> None:
-        """Stop a request wherever it is; its sink gets a final ``"abort"`` delta. A no-op for a request that
-        has already finished."""
+        """Stop a request wherever it is; its sink gets a final ``"abort"`` delta. A no-op for a
+        request that has already finished."""
         with self._cond:
             if self._closing or self._error is not None:
                 return
@@ -222,7 +233,8 @@ class AsyncLLM:
             self._cond.notify()
 
     def call(self, fn: Callable[[LLM], T]) -> Future[T]:
-        """Run ``fn(llm)`` on the loop thread between two steps; the future holds its result or exception."""
+        """Run ``fn(llm)`` on the loop thread between two steps; the future holds its result or
+        exception."""
         future: Future[T] = Future()
         with self._cond:
             self._check_open()
@@ -259,8 +271,8 @@ class AsyncLLM:
             self._fail_everyone(exc)
 
     def _serve_once(self) -> bool:
-        """Take the inboxes (sleeping while there is nothing to do), apply them, run one engine step.
-        Returns False once the front is closing and every request has been aborted."""
+        """Take the inboxes (sleeping while there is nothing to do), apply them, run one engine
+        step. Returns False once the front is closing and every request has been aborted."""
         engine = self._engine
         with self._cond:
             while not (
@@ -303,8 +315,8 @@ class AsyncLLM:
         return True
 
     def _deliver(self, events: list[EngineEvent | StreamFailure]) -> None:
-        """Put ``events`` on their sinks, one list per sink (a `TokenBatch` split by sink); forget the
-        requests that finished."""
+        """Put ``events`` on their sinks, one list per sink (a `TokenBatch` split by sink); forget
+        the requests that finished."""
         batches: dict[Sink, StreamEvents] = {}  # sinks hash by identity
         sinks = self._sinks
         for event in events:
@@ -322,8 +334,8 @@ class AsyncLLM:
             sink.put(sink_events)
 
     def _route_batch(self, batch: TokenBatch, batches: dict[Sink, StreamEvents]) -> None:
-        """Add ``batch`` to ``batches``: whole when one sink takes all its rows (one consumer of many
-        requests: no per-row object), else as one `TokenBatch` of its rows per sink."""
+        """Add ``batch`` to ``batches``: whole when one sink takes all its rows (one consumer of
+        many requests: no per-row object), else as one `TokenBatch` of its rows per sink."""
         routes = [self._sinks[request_id] for request_id in batch.request_ids]
         if routes.count(routes[0]) == len(routes):
             batches.setdefault(routes[0], []).append(batch)
@@ -357,8 +369,8 @@ def _stats(llm: LLM) -> dict[str, float | int]:
 
 
 class _Router:
-    """The sink of every stream opened on one asyncio event loop: the loop thread hands it a step's events
-    with one ``call_soon_threadsafe``, and the event loop routes them to their streams."""
+    """The sink of every stream opened on one asyncio event loop: the loop thread hands it a step's
+    events with one ``call_soon_threadsafe``, and the event loop routes them to their streams."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -393,9 +405,10 @@ class _Router:
 
 
 class AsyncStream:
-    """One request's deltas, as an async iterator (the last delta has ``finished`` set); iteration raises
-    the request's error instead when it fails (`RequestTimeoutError` past its timeout). ``prompt_token_ids``
-    is the prompt as the engine runs it. Use it on the event loop that opened it."""
+    """One request's deltas, as an async iterator (the last delta has ``finished`` set); iteration
+    raises the request's error instead when it fails (`RequestTimeoutError` past its timeout).
+    ``prompt_token_ids`` is the prompt as the engine runs it. Use it on the event loop that opened
+    it."""
 
     def __init__(
         self, owner: AsyncLLM, router: _Router, request_id: str, prompt_ids: np.ndarray
@@ -420,8 +433,8 @@ class AsyncStream:
         return self._take(self._events.popleft())
 
     async def next_deltas(self) -> list[StreamDelta]:
-        """Every delta that has arrived since the last call, waiting for at least one (a consumer that
-        fell behind takes several steps' tokens at once); ``[]`` once the stream has ended."""
+        """Every delta that has arrived since the last call, waiting for at least one (a consumer
+        that fell behind takes several steps' tokens at once); ``[]`` once the stream has ended."""
         if not self._events:
             if self.finished:
                 return []

@@ -1,6 +1,6 @@
-"""The asyncio front: concurrent streams equal generate's, one event-loop wake per step, shared sinks and
-token batches, cancellation and timeouts abort and free blocks, a bounded waiting queue, bad input, loop
-failures reach every consumer, no busy loop while idle, clean shutdown."""
+"""The asyncio front: concurrent streams equal generate's, one event-loop wake per step, shared
+sinks and token batches, cancellation and timeouts abort and free blocks, a bounded waiting queue,
+bad input, loop failures reach every consumer, no busy loop while idle, clean shutdown."""
 
 from __future__ import annotations
 
@@ -96,9 +96,9 @@ def test_one_sink_for_many_requests(llm):
 
 
 def test_token_batches_go_whole_to_a_shared_sink_and_as_deltas_to_streams(llm):
-    """Ids-only requests decode in one batch, so their steady tokens come as `TokenBatch`es: a shared sink
-    gets its own requests' rows only, a coroutine's stream gets deltas, and every stream equals
-    generate's."""
+    """Ids-only requests decode in one batch, so their steady tokens come as `TokenBatch`es: a
+    shared sink gets its own requests' rows only, a coroutine's stream gets deltas, and every stream
+    equals generate's."""
     params = SamplingParams(max_tokens=12, ignore_eos=True, detokenize=False)
     expected = {p: o.token_ids for p, o in zip(PROMPTS, llm.generate(PROMPTS, params))}
     llm.reset_prefix_cache()

@@ -21,7 +21,15 @@ from radixinfer.models.loader import MODEL_CLASSES, build_model, init_random_wei
 from radixinfer.models.presets import PRESET_NAMES, preset_config
 from radixinfer.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
-__all__ = ["MODEL_CLASSES", "PRESET_NAMES", "LoadedModel", "PagedCausalLM", "load_model", "resolve_dtype"]
+__all__ = [
+    "MODEL_CLASSES",
+    "PRESET_NAMES",
+    "LoadedModel",
+    "PagedCausalLM",
+    "load_model",
+    "load_tokenizer",
+    "resolve_dtype",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -61,18 +69,7 @@ def load_model(
     `resolve_dtype`. Raises ValueError for an unknown name, an unsupported architecture or a bad dtype.
     """
     device = torch.device(device)
-    checkpoint: Path | None = None
-    if isinstance(model, PretrainedConfig):
-        config = model
-    elif str(model) in PRESET_NAMES:
-        config = preset_config(str(model))
-    elif Path(model).is_dir():
-        checkpoint = Path(model)
-        config = AutoConfig.from_pretrained(checkpoint)
-    else:
-        raise ValueError(
-            f"model={model!r} is neither a preset ({', '.join(PRESET_NAMES)}) nor a local checkpoint directory"
-        )
+    config, checkpoint = _resolve(model)
     dtype = resolve_dtype(dtype, config, device)
     net = build_model(config, device, dtype)
     if checkpoint is not None:
@@ -81,6 +78,26 @@ def load_model(
         init_random_weights(net, seed)
     tokenizer = _load_tokenizer(checkpoint, config)
     return LoadedModel(net, tokenizer, _eos_token_ids(tokenizer, checkpoint, config), dtype)
+
+
+def load_tokenizer(model: str | os.PathLike) -> tuple[Tokenizer, PretrainedConfig]:
+    """The tokenizer and config `load_model` would use for ``model``, without building the model (a client
+    that talks to a server running it)."""
+    config, checkpoint = _resolve(model)
+    return _load_tokenizer(checkpoint, config), config
+
+
+def _resolve(model: str | os.PathLike | PretrainedConfig) -> tuple[PretrainedConfig, Path | None]:
+    """``model``'s config, and its checkpoint dir when it is one."""
+    if isinstance(model, PretrainedConfig):
+        return model, None
+    if str(model) in PRESET_NAMES:
+        return preset_config(str(model)), None
+    if Path(model).is_dir():
+        return AutoConfig.from_pretrained(Path(model)), Path(model)
+    raise ValueError(
+        f"model={model!r} is neither a preset ({', '.join(PRESET_NAMES)}) nor a local checkpoint directory"
+    )
 
 
 def resolve_dtype(dtype: str | torch.dtype, config: PretrainedConfig, device: torch.device) -> torch.dtype:
