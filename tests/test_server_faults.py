@@ -138,6 +138,31 @@ def test_a_flood_beyond_the_queue_gets_429_and_the_server_keeps_answering():
         )
 
 
+def test_requests_past_their_timeout_get_504_or_an_error_event_and_free_their_blocks():
+    llm = LLM("tiny", block_size=4, num_blocks=1024)
+    with running_server(llm, request_timeout=1.0) as running:
+        url = f"{running.url}/v1/completions"
+        body = {"prompt": "slow", "max_tokens": 2000, "ignore_eos": True}
+        whole = httpx.post(url, json=body, timeout=60)
+        assert whole.status_code == 504 and "timeout" in whole.json()["error"]["message"]
+        with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as streamed:
+            lines = [line for line in streamed.iter_lines() if line.startswith("data: ")]
+        assert '"error"' in lines[-2] and lines[-1] == "data: [DONE]"
+        assert wait_idle(running)["decode_forwards"] < 1500  # aborted, not run to 2,000 tokens
+        assert httpx.post(f"{running.url}/reset_prefix_cache").status_code == 200
+        metrics = httpx.get(f"{running.url}/metrics").text
+        assert 'radixinfer_requests_total{finish_reason="timeout"} 2.0' in metrics
+
+
+def test_a_chunked_body_over_the_limit_gets_413(server):
+    def ten_megabytes():
+        for _ in range(10):
+            yield b"x" * 2**20
+
+    answer = httpx.post(f"{server.url}/v1/completions", content=ten_megabytes(), timeout=60)
+    assert answer.status_code == 413 and answer.json()["error"]["message"]
+
+
 HUGE_INT = b"9" * 5000
 BODIES = {
     "empty": b"",

@@ -147,5 +147,10 @@ def serve(args: argparse.Namespace) -> None:
     ) as engine:
         app = build_app(engine, config)
         uvicorn.run(
-            app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=30
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_keep_alive=30,
+            timeout_graceful_shutdown=5,  # then open streams are cut and their requests aborted
         )
