@@ -6,6 +6,7 @@ Imports FastAPI and uvicorn only when serving, so the other subcommands run with
 from __future__ import annotations
 
 import argparse
+import gc
 
 import torch
 
@@ -52,6 +53,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="larger request bodies get 413 [4 MiB]",
     )
     http.add_argument("--log-level", default="warning", help="uvicorn's log level [warning]")
+    http.add_argument(
+        "--gc-threshold",
+        type=int,
+        default=50_000,
+        metavar="N",
+        help="the garbage collector's young-generation threshold (streaming allocates a delta per "
+        "token; Python's default of 700 collects every step of a wide batch; 0 leaves it) [50000]",
+    )
 
     engine = parser.add_argument_group("model and engine")
     engine.add_argument(
@@ -110,6 +119,8 @@ def check_serve_arguments(parser: argparse.ArgumentParser, args: argparse.Namesp
         parser.error("--max-waiting and --max-body-bytes must be >= 1")
     if args.request_timeout is not None and not args.request_timeout > 0:
         parser.error("--request-timeout must be > 0")
+    if args.gc_threshold < 0:
+        parser.error("--gc-threshold must be >= 0")
     if args.api_key is not None and not args.api_key:
         parser.error("--api-key must not be empty")
 
@@ -142,9 +153,10 @@ def serve(args: argparse.Namespace) -> None:
         cache_salt_header=args.cache_salt_header,
         max_body_bytes=args.max_body_bytes,
     )
-    with AsyncLLM(
-        llm, max_waiting=args.max_waiting, request_timeout=args.request_timeout
-    ) as engine:
+    if args.gc_threshold:
+        gc.set_threshold(args.gc_threshold, *gc.get_threshold()[1:])
+    front = AsyncLLM(llm, max_waiting=args.max_waiting, request_timeout=args.request_timeout)
+    with front as engine:
         app = build_app(engine, config)
         uvicorn.run(
             app,
