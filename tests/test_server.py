@@ -5,6 +5,7 @@ tenant, metrics, the API key, unsupported fields, the admin reset."""
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import signal
 import socket
@@ -245,6 +246,27 @@ def test_neutral_values_of_unsupported_fields_are_accepted(server):
         "unknown_field": [1],
     }
     assert httpx.post(f"{server.url}/v1/completions", json=body, headers=AUTH).status_code == 200
+
+
+def test_a_stream_interval_sends_fewer_larger_chunks_with_the_same_text(expected):
+    with running_server(LLM("tiny", block_size=4, num_blocks=256), stream_interval=3) as running:
+        body = {
+            "prompt": PROMPTS[0],
+            "max_tokens": 8,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "return_token_ids": True,
+        }
+        with httpx.stream("POST", f"{running.url}/v1/completions", json=body) as response:
+            chunks = [
+                json.loads(line[6:])["choices"][0]
+                for line in response.iter_lines()
+                if line.startswith("data: {")
+            ]
+    sizes = [len(c["token_ids"]) for c in chunks]  # [3, 3, 2] unless the server fell behind
+    assert sum(sizes) == 8 and min(sizes[:-1]) >= 3 and len(sizes) <= 3
+    assert "".join(c["text"] for c in chunks) == expected[0]
 
 
 def test_reset_prefix_cache_refuses_while_requests_run(server):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import sys
 
 import torch
 
@@ -53,6 +54,22 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="larger request bodies get 413 [4 MiB]",
     )
     http.add_argument("--log-level", default="warning", help="uvicorn's log level [warning]")
+    http.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        metavar="N",
+        help="tokens per streamed chunk (the last may hold fewer): fewer chunks cost the server "
+        "less per token, at the price of coarser streaming [1]",
+    )
+    http.add_argument(
+        "--switch-interval-ms",
+        type=float,
+        default=None,
+        metavar="MS",
+        help="how long the engine thread may wait for the GIL while the HTTP thread holds it "
+        "(sys.setswitchinterval) [Python's: 5]",
+    )
     http.add_argument(
         "--gc-threshold",
         type=int,
@@ -115,10 +132,12 @@ def check_serve_arguments(parser: argparse.ArgumentParser, args: argparse.Namesp
     """Cross-flag checks argparse cannot express; errors exit through ``parser.error``."""
     if not 0 <= args.port < 65536:
         parser.error("--port must be in [0, 65535]")
-    if args.max_waiting < 1 or args.max_body_bytes < 1:
-        parser.error("--max-waiting and --max-body-bytes must be >= 1")
+    if min(args.max_waiting, args.max_body_bytes, args.stream_interval) < 1:
+        parser.error("--max-waiting, --max-body-bytes and --stream-interval must be >= 1")
     if args.request_timeout is not None and not args.request_timeout > 0:
         parser.error("--request-timeout must be > 0")
+    if args.switch_interval_ms is not None and not args.switch_interval_ms > 0:
+        parser.error("--switch-interval-ms must be > 0")
     if args.gc_threshold < 0:
         parser.error("--gc-threshold must be >= 0")
     if args.api_key is not None and not args.api_key:
@@ -152,9 +171,12 @@ def serve(args: argparse.Namespace) -> None:
         api_key=args.api_key,
         cache_salt_header=args.cache_salt_header,
         max_body_bytes=args.max_body_bytes,
+        stream_interval=args.stream_interval,
     )
     if args.gc_threshold:
         gc.set_threshold(args.gc_threshold, *gc.get_threshold()[1:])
+    if args.switch_interval_ms is not None:
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
     front = AsyncLLM(llm, max_waiting=args.max_waiting, request_timeout=args.request_timeout)
     with front as engine:
         app = build_app(engine, config)
