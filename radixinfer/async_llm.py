@@ -67,9 +67,8 @@ class StreamFailure:
 
 
 StreamEvent = StreamDelta | TokenBatch | StreamFailure
-StreamEvents = list[
-    StreamEvent
-]  # what a sink receives: one step's events for its requests, in order
+# what a sink receives: one step's events for its requests, in order
+StreamEvents = list[StreamEvent]
 
 
 class Sink(Protocol):
@@ -287,9 +286,8 @@ class AsyncLLM:
             aborts, self._aborts = self._aborts, []
             calls, self._calls = self._calls, []
             closing = self._closing
-        self._sinks.update(
-            (sub.request_id, sub.sink) for sub in submissions
-        )  # failed if the loop dies
+        # registered first: the loop fails them too if it dies
+        self._sinks.update((sub.request_id, sub.sink) for sub in submissions)
         failures: list[EngineEvent | StreamFailure] = []
         for sub in submissions:
             try:

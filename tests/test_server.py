@@ -134,9 +134,8 @@ def test_cached_tokens_repeat_within_a_tenant_and_never_across_tenants(server):
     assert cached("tenant-a") == 0
     assert cached("tenant-a") > 0
     assert cached("tenant-b") == 0
-    assert (
-        cached("tenant-a", body_salt="tenant-c") > 0
-    )  # the header decides; the body's salt is ignored
+    # the header decides; the body's salt is ignored
+    assert cached("tenant-a", body_salt="tenant-c") > 0
 
 
 def test_the_body_salt_separates_tenants_without_a_header():
@@ -184,9 +183,8 @@ def test_metrics_move_by_what_the_requests_did(server, client):
         and after["radixinfer_num_requests_waiting"] == 0
     )
     assert after["radixinfer_kv_blocks_used"] + after["radixinfer_kv_blocks_free"] == 1024
-    assert (
-        after["radixinfer_kv_blocks_used"] > 0
-    )  # the prefix cache holds what the requests computed
+    # the prefix cache holds what the requests computed
+    assert after["radixinfer_kv_blocks_used"] > 0
     assert "radixinfer_preemptions_total" in after
 
 
@@ -195,9 +193,8 @@ def test_the_api_key_is_enforced(server):
     url = f"{server.url}/v1/completions"
     assert httpx.post(url, json=body).status_code == 401
     assert httpx.post(url, json=body, headers={"Authorization": "Bearer wrong"}).status_code == 401
-    assert (
-        httpx.post(url, json=body, headers={"Authorization": KEY}).status_code == 401
-    )  # no scheme
+    no_scheme = {"Authorization": KEY}
+    assert httpx.post(url, json=body, headers=no_scheme).status_code == 401
     assert httpx.post(url, json=body, headers=AUTH).status_code == 200
     assert httpx.get(f"{server.url}/v1/models").status_code == 401
     assert httpx.post(f"{server.url}/reset_prefix_cache").status_code == 401

@@ -49,9 +49,8 @@ from radixinfer.server.protocol import (
 
 T = TypeVar("T")
 
-COMPLETION_DEFAULT_MAX_TOKENS = (
-    16  # OpenAI's default for /v1/completions; chat defaults to the context
-)
+# OpenAI's default for /v1/completions; chat completions default to what the context leaves
+COMPLETION_DEFAULT_MAX_TOKENS = 16
 
 
 @dataclass(frozen=True)
