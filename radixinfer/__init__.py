@@ -1,8 +1,9 @@
 """radixinfer: LLM inference around a token-level radix-tree prefix cache over refcounted paged KV blocks."""
 
 from radixinfer.api import LLM
+from radixinfer.async_llm import AsyncLLM
 from radixinfer.outputs import RequestOutput, StreamDelta
 from radixinfer.sampling_params import SamplingParams
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams", "StreamDelta"]
+__all__ = ["AsyncLLM", "LLM", "RequestOutput", "SamplingParams", "StreamDelta"]
 __version__ = "0.1.0"

@@ -2,6 +2,7 @@
 dispatches.
 
     radixinfer bench [flags]     streaming benchmark (radixinfer.bench); ``radixinfer bench -h`` for flags
+    radixinfer serve [flags]     OpenAI-compatible HTTP server (radixinfer.server)
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from radixinfer.bench.args import add_bench_arguments, check_bench_arguments
+from radixinfer.server.launch import add_serve_arguments, check_serve_arguments
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -18,6 +20,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     bench = commands.add_parser("bench", help="streaming benchmark of the engine")
     add_bench_arguments(bench)
+    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_serve_arguments(serve)
     return parser
 
 
@@ -27,6 +31,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.command == "bench":
         check_bench_arguments(parser, args)
+    if args.command == "serve":
+        check_serve_arguments(parser, args)
     return args
 
 
@@ -36,6 +42,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from radixinfer.bench.runner import main as bench_main
 
         bench_main(args)
+    if args.command == "serve":
+        from radixinfer.server.launch import serve
+
+        serve(args)
     return 0
 
 

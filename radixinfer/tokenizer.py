@@ -90,6 +90,15 @@ class HFTokenizer:
     def is_special(self, token_id: int) -> bool:
         return token_id in self._special_ids or not 0 <= token_id < self.vocab_size
 
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int] | None:
+        """The ids of ``messages`` (``{"role", "content"}`` dicts) rendered by the tokenizer's chat template
+        with the assistant's turn opened, or None when it has no template. The template writes its own
+        special tokens (BOS included), so none is added."""
+        if not self._tok.chat_template:
+            return None
+        text = self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self._tok.encode(text, add_special_tokens=False)
+
 
 class IncrementalDetokenizer:
     """Turns generated ids, one at a time, into text deltas for streaming.

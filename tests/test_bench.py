@@ -23,7 +23,7 @@ from radixinfer.bench.workloads import (
 from radixinfer.cli import parse_args
 from radixinfer.outputs import StreamDelta
 from radixinfer.sampling_params import SamplingParams
-from radixinfer.serving import StreamFailure
+from radixinfer.async_llm import StreamFailure
 from radixinfer.tokenizer import ByteTokenizer, HFTokenizer
 
 SHARED_PROMPT = "You are a helpful assistant. Answer the question concisely and cite your sources."

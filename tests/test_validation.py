@@ -4,6 +4,8 @@ Also: 64-bit sampling seeds give distinct streams."""
 
 from __future__ import annotations
 
+import asyncio
+
 import math
 
 import numpy as np
@@ -14,7 +16,7 @@ from radixinfer import LLM, SamplingParams
 from radixinfer.bench import runner
 from radixinfer.cli import main, parse_args
 from radixinfer.models import PRESET_NAMES
-from radixinfer.serving import EngineServer
+from radixinfer.async_llm import AsyncLLM
 
 GREEDY = SamplingParams(max_tokens=3, ignore_eos=True)
 NUM_BLOCKS = 64
@@ -144,11 +146,14 @@ def test_stream_refuses_params_that_are_not_sampling_params(llm):
     assert_serving_and_leak_free(llm)
 
 
-def test_the_threaded_front_refuses_a_bad_salt_and_keeps_serving(llm):
-    with EngineServer(llm.engine) as server:
+def test_the_async_front_refuses_a_bad_salt_and_keeps_serving(llm):
+    async def collect(salt) -> list:
+        return [delta async for delta in front.generate("fine prompt", GREEDY, cache_salt=salt)]
+
+    with AsyncLLM(llm) as front:
         with pytest.raises(ValueError, match="^cache_salt"):
-            list(server.submit("fine prompt", GREEDY, cache_salt=["x"]))
-        deltas = list(server.submit("fine prompt", GREEDY, cache_salt="tenant"))
+            asyncio.run(collect(["x"]))
+        deltas = asyncio.run(collect("tenant"))
         assert sum(len(d.token_ids) for d in deltas) == 3 and deltas[-1].finished
     assert_serving_and_leak_free(llm)
 

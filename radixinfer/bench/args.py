@@ -22,7 +22,7 @@ from radixinfer.bench.workloads import WORKLOADS, parse_repeats
 from radixinfer.engine.admission import POLICIES
 from radixinfer.models import DTYPE_NAMES, checkpoint_dir
 
-BACKENDS = ("radixinfer", "hf")
+BACKENDS = ("radixinfer", "hf", "openai")
 
 
 def _policies(text: str) -> list[str]:
@@ -69,8 +69,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
     backend = parser.add_argument_group("backends and comparisons")
     backend.add_argument("--backend", choices=BACKENDS, default="radixinfer",
-                         help="radixinfer, or hf: the same workload through transformers on the same weights "
-                              "[radixinfer]")
+                         help="radixinfer, or hf: the same workload through transformers on the "
+                              "same weights, or openai: through an OpenAI-compatible server at "
+                              "--base-url [radixinfer]")
+    backend.add_argument("--base-url", default=None, metavar="URL",
+                         help="openai: the server, e.g. http://127.0.0.1:8000 "
+                              "(API key: $OPENAI_API_KEY)")
     backend.add_argument("--compare-backends", action="store_true",
                          help="run radixinfer and hf side by side (speedups are radixinfer's over hf)")
     backend.add_argument("--compare-no-cache", action="store_true",
@@ -130,6 +134,11 @@ def check_bench_arguments(parser: argparse.ArgumentParser, args: argparse.Namesp
         parser.error("give --request-rate or --submit-interval-ms, not both")
     if args.request_rate <= 0:
         parser.error("--request-rate must be > 0")
+    if (args.backend == "openai") != (args.base_url is not None):
+        parser.error("--backend openai and --base-url go together")
+    comparing = args.compare_backends or args.compare_no_cache or args.compare_policies
+    if args.backend == "openai" and comparing:
+        parser.error("--backend openai compares nothing: the server's settings are its own")
     if args.gc_threshold < 0:
         parser.error("--gc-threshold must be >= 0")
     if not 0.0 < args.gpu_memory_utilization <= 1.0:

@@ -15,7 +15,7 @@ import numpy as np
 
 import radixinfer
 from radixinfer.api import LLM
-from radixinfer.serving import EngineServer, StreamEvents
+from radixinfer.async_llm import AsyncLLM, StreamEvents
 from radixinfer.sampling_params import SamplingParams
 from radixinfer.tokenizer import Tokenizer
 
@@ -53,7 +53,8 @@ class Backend(Protocol):
 
 
 class RadixBackend:
-    """radixinfer's `LLM` behind an `EngineServer` (the engine steps on its own thread)."""
+    """radixinfer's `LLM` behind an `AsyncLLM` (the engine steps on its own thread); the run loop is one
+    consumer of many requests, so it takes their events through one queue (`AsyncLLM.submit`)."""
 
     def __init__(self, llm: LLM) -> None:
         self.llm = llm
@@ -65,23 +66,23 @@ class RadixBackend:
             "kv_blocks": llm.cache_stats()["total_blocks"],
             "memory_plan": llm.memory_plan.as_dict(),
         }
-        self._server = EngineServer(llm.engine)
+        self._front = AsyncLLM(llm)
 
     def submit(self, prompt: list[int] | np.ndarray, params: SamplingParams,
                sink: queue.SimpleQueue[StreamEvents]) -> str:
-        return self._server.submit(prompt, params, sink=sink).request_id
+        return self._front.submit(prompt, params, None, sink)
 
     def native_prompt(self, prompt: list[int]) -> np.ndarray:
         return self.llm.engine.prompt_ids(prompt)
 
     def cache_stats(self) -> dict:
-        return self._server.call(lambda _: self.llm.cache_stats()).result()
+        return self._front.call(lambda llm: llm.cache_stats()).result()
 
     def reset_cache(self) -> None:
-        self._server.call(lambda _: self.llm.reset_prefix_cache()).result()
+        self._front.call(lambda llm: llm.reset_prefix_cache()).result()
 
     def close(self) -> None:
-        self._server.close()
+        self._front.close()
 
 
 def open_radixinfer(model: str, args: argparse.Namespace, prefix_cache: bool, policy: str,

@@ -31,7 +31,7 @@ from radixinfer.models.loader import RANDOM_INIT_STD
 from radixinfer.models.presets import preset_config
 from radixinfer.outputs import StreamDelta
 from radixinfer.sampling_params import SamplingParams
-from radixinfer.serving import StreamEvents, StreamFailure
+from radixinfer.async_llm import StreamEvents, StreamFailure
 from radixinfer.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 # Same rule as radixinfer.models: a checkpoint with any of these files brings its own tokenizer.

@@ -62,14 +62,14 @@ from radixinfer.bench.workloads import Session, arrival_offsets, build_workload,
 from radixinfer.models import PRESET_NAMES
 from radixinfer.outputs import TokenBatch
 from radixinfer.sampling_params import SamplingParams
-from radixinfer.serving import StreamFailure
+from radixinfer.async_llm import StreamFailure
 
 
 @dataclass(frozen=True)
 class Variant:
     backend: str
     prefix_cache: bool
-    policy: str | None  # admission policy; None for hf, which has its own scheduler
+    policy: str | None  # admission policy; None for hf and openai, which schedule on their own
 
     @property
     def label(self) -> str:
@@ -244,6 +244,10 @@ def open_backend(variant: Variant, model: str, args: argparse.Namespace,
     """The variant's backend with a KV pool of ``num_blocks`` (of ``--block-size`` tokens), or when None of
     what ``gpu_memory_utilization`` leaves (transformers: that fraction of the memory free after
     loading)."""
+    if variant.backend == "openai":
+        from radixinfer.bench.openai_backend import OpenAIBackend
+
+        return OpenAIBackend(args.base_url, model)
     if variant.backend == "hf":
         return HFBackend(model, device=args.device, dtype=args.dtype, max_batch_size=args.max_batch_size,
                          prefix_cache=variant.prefix_cache,

@@ -239,7 +239,7 @@ class LLMEngine:
         once here, where checking the ids needs an array anyway. ``array("q", ids)`` converts at C speed and
         refuses what is not an integer (a float, a string) instead of truncating it. Raises ``ValueError``.
 
-        For token ids it reads nothing that changes, so any thread may call it: `EngineServer.submit` converts
+        For token ids it reads nothing that changes, so any thread may call it: `AsyncLLM.submit` converts
         them on the submitting thread and hands the engine the array (~30 us for 1,000 ids, that the engine
         loop would otherwise spend before planning a step). A string is encoded with the engine's tokenizer,
         which only the engine's thread uses."""

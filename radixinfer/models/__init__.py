@@ -22,8 +22,15 @@ from radixinfer.models.presets import PRESET_NAMES, preset_config
 from radixinfer.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 __all__ = [
-    "DTYPE_NAMES", "MODEL_CLASSES", "PRESET_NAMES", "LoadedModel", "PagedCausalLM", "checkpoint_dir",
-    "load_model", "resolve_dtype",
+    "DTYPE_NAMES",
+    "MODEL_CLASSES",
+    "PRESET_NAMES",
+    "LoadedModel",
+    "PagedCausalLM",
+    "checkpoint_dir",
+    "load_model",
+    "load_tokenizer",
+    "resolve_dtype",
 ]
 
 logger = logging.getLogger(__name__)
@@ -65,16 +72,7 @@ def load_model(
     `resolve_dtype`. Raises ValueError for an unknown name, an unsupported architecture or a bad dtype.
     """
     device = torch.device(device)
-    checkpoint: Path | None = None
-    if isinstance(model, PretrainedConfig):
-        config = model
-    elif (checkpoint := checkpoint_dir(model)) is None:
-        config = preset_config(str(model))
-    else:
-        try:
-            config = AutoConfig.from_pretrained(checkpoint)
-        except (OSError, ValueError) as exc:  # unreadable JSON, no or an unknown model_type
-            raise ValueError(f"model={str(model)!r}: its config.json cannot be read: {exc}") from None
+    config, checkpoint = _resolve(model)
     dtype = resolve_dtype(dtype, config, device)
     net = build_model(config, device, dtype)
     if checkpoint is not None:
@@ -106,6 +104,26 @@ def checkpoint_dir(model: str | os.PathLike) -> Path | None:
             f"model={str(model)!r}: the directory has no config.json, so it is not an HF checkpoint"
         )
     return path
+
+
+def load_tokenizer(model: str | os.PathLike) -> tuple[Tokenizer, PretrainedConfig]:
+    """The tokenizer and config `load_model` would use for ``model``, without building the model (a client
+    that talks to a server running it)."""
+    config, checkpoint = _resolve(model)
+    return _load_tokenizer(checkpoint, config), config
+
+
+def _resolve(model: str | os.PathLike | PretrainedConfig) -> tuple[PretrainedConfig, Path | None]:
+    """``model``'s config, and its checkpoint dir when it is one (see `checkpoint_dir`)."""
+    if isinstance(model, PretrainedConfig):
+        return model, None
+    checkpoint = checkpoint_dir(model)
+    if checkpoint is None:
+        return preset_config(str(model)), None
+    try:
+        return AutoConfig.from_pretrained(checkpoint), checkpoint
+    except (OSError, ValueError) as exc:  # unreadable JSON, no or an unknown model_type
+        raise ValueError(f"model={str(model)!r}: its config.json cannot be read: {exc}") from None
 
 
 def resolve_dtype(dtype: str | torch.dtype, config: PretrainedConfig, device: torch.device) -> torch.dtype:

@@ -1,0 +1,172 @@
+"""The benchmark against any OpenAI-compatible server (``radixinfer serve``, vLLM, SGLang):
+streaming ``/v1/completions`` requests with token-id prompts, measured from the client's side.
+
+A token's timestamp is the client's ``perf_counter`` when the chunk holding it arrived, so TTFT, ITL
+and throughput include the server's HTTP path and the network, as a user sees them. Chunks carry
+their token ids when the server returns them (``return_token_ids``, which radixinfer and vLLM
+honour); otherwise a chunk's ids are its text encoded with the model's tokenizer (exact for one
+token a chunk, an estimate for a chunk that merges several). The server's own prefix cache counters
+are not reported (``cache_stats`` is None); ``--cold-cache`` empties it through ``POST
+/reset_prefix_cache``.
+
+Requests run as coroutines of one client event loop on its own thread. Deltas reach the run loop in
+lists: one list per pass of the client loop, not one queue put per chunk, so the run loop wakes once
+per burst.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import queue
+import threading
+import time
+from typing import Any
+
+import httpx
+
+from radixinfer.async_llm import StreamEvents, StreamFailure
+from radixinfer.models import load_tokenizer
+from radixinfer.outputs import StreamDelta
+from radixinfer.sampling_params import SamplingParams
+
+
+class OpenAIBackend:
+    """A server at ``base_url`` running ``model`` (a preset name or local checkpoint dir: its
+    tokenizer and config, read here without loading weights, build the same workload as in process).
+    The API key, if the server needs one, comes from ``OPENAI_API_KEY``."""
+
+    def __init__(self, base_url: str, model: str) -> None:
+        self.tokenizer, config = load_tokenizer(model)
+        self.vocab_size: int = config.vocab_size
+        headers = {}
+        if api_key := os.environ.get("OPENAI_API_KEY"):
+            headers["Authorization"] = f"Bearer {api_key}"
+        base_url = base_url.rstrip("/")
+        base_url = base_url if base_url.endswith("/v1") else f"{base_url}/v1"
+        card = (
+            httpx.get(f"{base_url}/models", headers=headers, timeout=30).raise_for_status().json()
+        )
+        card = card["data"][0]
+        self.served_model: str = card["id"]
+        self.max_context_len: int = card.get("max_model_len") or config.max_position_embeddings
+        self.info = {"base_url": base_url, "served_model": self.served_model}
+        self._base_url = base_url
+        self._headers = headers
+        self._ids = itertools.count()
+        self._pending: dict[queue.SimpleQueue[StreamEvents], StreamEvents] = {}
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="openai-client", daemon=True
+        )
+        self._thread.start()
+        self._client = self._on_loop(self._open_client()).result()
+
+    async def _open_client(self) -> httpx.AsyncClient:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        return httpx.AsyncClient(headers=self._headers, limits=limits, timeout=None)
+
+    def _on_loop(self, coroutine: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+
+    def submit(
+        self, prompt: list[int], params: SamplingParams, sink: queue.SimpleQueue[StreamEvents]
+    ) -> str:
+        request_id = f"http-{next(self._ids)}"
+        self._on_loop(self._request(request_id, prompt, params, sink))
+        return request_id
+
+    def native_prompt(self, prompt: list[int]) -> list[int]:
+        return prompt
+
+    def cache_stats(self) -> None:
+        return None
+
+    def reset_cache(self) -> None:
+        url = self._base_url.removesuffix("/v1") + "/reset_prefix_cache"
+        httpx.post(url, headers=self._headers, timeout=60).raise_for_status()
+
+    def close(self) -> None:
+        self._on_loop(self._client.aclose()).result()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    # ------------------------------------------------------------------ client loop
+    def _emit(
+        self, sink: queue.SimpleQueue[StreamEvents], event: StreamDelta | StreamFailure
+    ) -> None:
+        """Queue ``event`` for ``sink``; the first event queued in a pass of the loop schedules the
+        flush."""
+        if not self._pending:
+            self._loop.call_soon(self._flush)
+        self._pending.setdefault(sink, []).append(event)
+
+    def _flush(self) -> None:
+        pending, self._pending = self._pending, {}
+        for sink, events in pending.items():
+            sink.put(events)
+
+    async def _request(
+        self, request_id: str, prompt: list[int], params: SamplingParams, sink: queue.SimpleQueue
+    ) -> None:
+        try:
+            await self._stream(request_id, prompt, params, sink)
+        except Exception as exc:  # noqa: BLE001 - every failure reaches the run loop
+            self._emit(sink, StreamFailure(request_id, exc))
+
+    async def _stream(
+        self, request_id: str, prompt: list[int], params: SamplingParams, sink: queue.SimpleQueue
+    ) -> None:
+        body = {
+            "model": self.served_model,
+            "prompt": prompt,
+            "max_tokens": params.max_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "ignore_eos": params.ignore_eos,
+            "return_token_ids": True,
+        }
+        if params.top_k:
+            body["top_k"] = params.top_k
+        if params.seed is not None:
+            body["seed"] = params.seed
+        ending: StreamDelta | None = None
+        async with self._client.stream(
+            "POST", f"{self._base_url}/completions", json=body
+        ) as response:
+            if response.status_code != 200:
+                text = (await response.aread()).decode(errors="replace")
+                raise RuntimeError(f"HTTP {response.status_code}: {text[:500]}")
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == "[DONE]":
+                    break
+                now = time.perf_counter()
+                chunk = json.loads(payload)
+                if "error" in chunk:
+                    raise RuntimeError(f"the server failed the request: {chunk['error']}")
+                if usage := chunk.get("usage"):
+                    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                    if ending is not None:
+                        ending.num_cached_tokens = cached
+                for choice in chunk.get("choices", ()):
+                    text = choice.get("text") or ""
+                    ids = choice.get("token_ids")
+                    if ids is None:
+                        ids = self.tokenizer.encode(text) if text else []
+                    reason = choice.get("finish_reason")
+                    delta = StreamDelta(request_id, ids, text, reason is not None, reason, 0, now)
+                    if reason is not None:
+                        ending = delta  # sent once the usage (cached tokens) has come
+                    elif ids:
+                        self._emit(sink, delta)
+        if ending is None:
+            raise RuntimeError("the stream ended without a finish reason")
+        self._emit(sink, ending)

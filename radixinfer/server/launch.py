@@ -1,0 +1,190 @@
+"""The flags of ``radixinfer serve`` and the process that serves: an `LLM`, its `AsyncLLM`, uvicorn.
+
+Imports FastAPI and uvicorn only when serving, so the other subcommands run without them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+
+import torch
+
+from radixinfer.engine.admission import POLICIES
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    http = parser.add_argument_group("HTTP")
+    http.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on [127.0.0.1: loopback]"
+    )
+    http.add_argument("--port", type=int, default=8000, help="[8000]")
+    http.add_argument(
+        "--served-model-name", default=None, help="the model's name in the API [--model]"
+    )
+    http.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1/* and /reset_prefix_cache",
+    )
+    http.add_argument(
+        "--cache-salt-header",
+        default=None,
+        metavar="NAME",
+        help="take each request's cache salt (its tenant) from this header, set by a "
+        "gateway; the body's cache_salt is then ignored",
+    )
+    http.add_argument(
+        "--max-waiting",
+        type=int,
+        default=1024,
+        help="requests queued for admission; more get 429 [1024]",
+    )
+    http.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="seconds a request may run before it is aborted [none]",
+    )
+    http.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=4 * 2**20,
+        help="larger request bodies get 413 [4 MiB]",
+    )
+    http.add_argument("--log-level", default="warning", help="uvicorn's log level [warning]")
+    http.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        metavar="N",
+        help="tokens per streamed chunk (the last may hold fewer): fewer chunks cost the server "
+        "less per token, at the price of coarser streaming [1]",
+    )
+    http.add_argument(
+        "--switch-interval-ms",
+        type=float,
+        default=None,
+        metavar="MS",
+        help="how long the engine thread may wait for the GIL while the HTTP thread holds it "
+        "(sys.setswitchinterval) [Python's: 5]",
+    )
+    http.add_argument(
+        "--gc-threshold",
+        type=int,
+        default=50_000,
+        metavar="N",
+        help="the garbage collector's young-generation threshold (streaming allocates a delta per "
+        "token; Python's default of 700 collects every step of a wide batch; 0 leaves it) [50000]",
+    )
+
+    engine = parser.add_argument_group("model and engine")
+    engine.add_argument(
+        "--model", default="tiny", help="preset name or local HF checkpoint dir [tiny]"
+    )
+    engine.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="[cuda when available, else cpu]",
+    )
+    engine.add_argument(
+        "--dtype", default="auto", help="auto | float32 | bfloat16 | float16 [auto]"
+    )
+    engine.add_argument("--block-size", type=int, default=16, help="tokens per KV block [16]")
+    engine.add_argument(
+        "--num-blocks",
+        type=int,
+        default=None,
+        help="KV blocks (default: from --kv-memory-fraction)",
+    )
+    engine.add_argument(
+        "--kv-memory-fraction",
+        type=float,
+        default=0.85,
+        help="fraction of free GPU memory for KV [0.85]",
+    )
+    engine.add_argument(
+        "--max-batch-size", type=int, default=64, help="sequences decoded per step [64]"
+    )
+    engine.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="requests holding KV at once [unbounded: KV memory decides]",
+    )
+    engine.add_argument(
+        "--prefill-max-tokens",
+        type=int,
+        default=8192,
+        help="uncached prompt tokens per prefill round [8192]",
+    )
+    engine.add_argument(
+        "--prefill-admission-policy", choices=POLICIES, default="fifo", help="[fifo]"
+    )
+    engine.add_argument("--no-prefix-cache", action="store_true", help="disable the prefix cache")
+    engine.add_argument(
+        "--seed", type=int, default=0, help="random weights of presets, sampling [0]"
+    )
+
+
+def check_serve_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Cross-flag checks argparse cannot express; errors exit through ``parser.error``."""
+    if not 0 <= args.port < 65536:
+        parser.error("--port must be in [0, 65535]")
+    if min(args.max_waiting, args.max_body_bytes, args.stream_interval) < 1:
+        parser.error("--max-waiting, --max-body-bytes and --stream-interval must be >= 1")
+    if args.request_timeout is not None and not args.request_timeout > 0:
+        parser.error("--request-timeout must be > 0")
+    if args.switch_interval_ms is not None and not args.switch_interval_ms > 0:
+        parser.error("--switch-interval-ms must be > 0")
+    if args.gc_threshold < 0:
+        parser.error("--gc-threshold must be >= 0")
+    if args.api_key is not None and not args.api_key:
+        parser.error("--api-key must not be empty")
+
+
+def serve(args: argparse.Namespace) -> None:
+    """Load the model and serve it until interrupted."""
+    import uvicorn
+
+    from radixinfer.api import LLM
+    from radixinfer.async_llm import AsyncLLM
+    from radixinfer.server.app import ServerConfig, build_app
+
+    llm = LLM(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        max_batch_size=args.max_batch_size,
+        enable_prefix_cache=not args.no_prefix_cache,
+        seed=args.seed,
+        max_num_seqs=args.max_num_seqs,
+        prefill_max_tokens=args.prefill_max_tokens,
+        prefill_admission_policy=args.prefill_admission_policy,
+        kv_memory_fraction=args.kv_memory_fraction,
+    )
+    config = ServerConfig(
+        model_name=args.served_model_name or args.model,
+        api_key=args.api_key,
+        cache_salt_header=args.cache_salt_header,
+        max_body_bytes=args.max_body_bytes,
+        stream_interval=args.stream_interval,
+    )
+    if args.gc_threshold:
+        gc.set_threshold(args.gc_threshold, *gc.get_threshold()[1:])
+    if args.switch_interval_ms is not None:
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
+    front = AsyncLLM(llm, max_waiting=args.max_waiting, request_timeout=args.request_timeout)
+    with front as engine:
+        app = build_app(engine, config)
+        uvicorn.run(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_keep_alive=30,
+            timeout_graceful_shutdown=5,  # then open streams are cut and their requests aborted
+        )

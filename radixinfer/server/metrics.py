@@ -1,0 +1,139 @@
+"""The server's Prometheus metrics (``GET /metrics``), each in its own registry so servers in one
+process never share counters.
+
+Counters and gauges:
+
+- ``radixinfer_requests_total{finish_reason}``: finished requests by reason: stop, length,
+  abort (the client went away, or the server closed), timeout, error
+- ``radixinfer_prompt_tokens_total``, ``radixinfer_generation_tokens_total``: tokens of finished
+  requests
+- ``radixinfer_num_requests_running`` (requests holding KV), ``radixinfer_num_requests_waiting``
+  (queued for admission): gauges
+- ``radixinfer_prefix_cache_queried_tokens_total``: prompt tokens looked up in the prefix cache;
+  ``radixinfer_prefix_cache_hit_tokens_total``: of those, found there (not computed)
+- ``radixinfer_kv_blocks_used`` (held by requests or the prefix cache),
+  ``radixinfer_kv_blocks_free``: gauges
+- ``radixinfer_preemptions_total``: requests preempted under memory pressure
+
+Histograms (seconds): ``radixinfer_time_to_first_token_seconds`` (first token - arrival),
+``radixinfer_inter_token_latency_seconds`` (the gap between two engine steps that gave a request
+tokens), ``radixinfer_e2e_request_latency_seconds`` (last token - arrival).
+
+Token times are the engine step's (`StreamDelta.timestamp`), arrival the server's ``perf_counter``
+when the request was queued. The engine's own counters (cache, blocks, preemptions, running /
+waiting) are read from a snapshot taken between two steps at scrape time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class _EngineCollector:
+    """Turns the last engine snapshot into metric families when the registry is collected."""
+
+    def __init__(self) -> None:
+        self.snapshot: dict[str, int] = {}
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.snapshot
+        if not s:
+            return
+        yield _gauge("radixinfer_num_requests_running", "requests holding KV", s["running"])
+        yield _gauge(
+            "radixinfer_num_requests_waiting", "requests queued for admission", s["waiting"]
+        )
+        yield _counter(
+            "radixinfer_prefix_cache_queried_tokens",
+            "prompt tokens looked up in the prefix cache",
+            s["prompt_tokens"],
+        )
+        yield _counter(
+            "radixinfer_prefix_cache_hit_tokens",
+            "prompt tokens found in the prefix cache",
+            s["cached_tokens"],
+        )
+        yield _gauge(
+            "radixinfer_kv_blocks_used",
+            "KV blocks held by requests or the prefix cache",
+            s["total_blocks"] - s["free_blocks"],
+        )
+        yield _gauge("radixinfer_kv_blocks_free", "KV blocks free", s["free_blocks"])
+        yield _counter(
+            "radixinfer_preemptions", "requests preempted under memory pressure", s["preemptions"]
+        )
+
+
+def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, documentation, value=value)
+
+
+def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, documentation, value=value)
+
+
+class ServerMetrics:
+    """The server's metrics: per-request ones recorded as requests finish, the engine's at scrape
+    time."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self._engine = _EngineCollector()
+        self.registry.register(self._engine)
+        r = self.registry
+        self.requests = Counter(
+            "radixinfer_requests", "finished requests", ["finish_reason"], registry=r
+        )
+        self.prompt_tokens = Counter(
+            "radixinfer_prompt_tokens", "prompt tokens of finished requests", registry=r
+        )
+        self.generation_tokens = Counter(
+            "radixinfer_generation_tokens", "tokens generated", registry=r
+        )
+        self.ttft = Histogram(
+            "radixinfer_time_to_first_token_seconds",
+            "first token - arrival",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "radixinfer_inter_token_latency_seconds",
+            "gap between token steps",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "radixinfer_e2e_request_latency_seconds",
+            "last token - arrival",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+
+    def record(
+        self, finish_reason: str, prompt_tokens: int, token_times: list[float], arrival: float
+    ) -> None:
+        """One finished request: its reason, prompt length, and the engine-step time of each of its
+        tokens (one entry per token, equal for tokens of the same step)."""
+        self.requests.labels(finish_reason).inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(len(token_times))
+        if not token_times:
+            return
+        self.ttft.observe(token_times[0] - arrival)
+        self.e2e.observe(token_times[-1] - arrival)
+        previous = token_times[0]
+        for t in token_times[1:]:
+            if t != previous:
+                self.itl.observe(t - previous)
+                previous = t
+
+    def render(self, engine_snapshot: dict[str, int]) -> bytes:
+        """The Prometheus text exposition, with the engine's numbers from ``engine_snapshot``
+        (``cache_stats()`` plus ``running`` and ``waiting``)."""
+        self._engine.snapshot = engine_snapshot
+        return generate_latest(self.registry)

@@ -1,0 +1,156 @@
+"""The OpenAI request bodies the server accepts, and how one becomes a `SamplingParams`.
+
+Bodies are validated strictly (a string where a number belongs is a 422, not a coercion). Fields the
+engine cannot honour yet but that would change the result (``n`` > 1, ``stop``, ``logprobs``,
+penalties, ...) are refused with a 400 naming the field instead of being ignored: `UNSUPPORTED`
+lists each with the value that leaves the result unchanged. Fields that change nothing (``user``)
+and fields unknown to OpenAI's API are ignored, as OpenAI-compatible servers do. ``ignore_eos``,
+``stop_token_ids`` and ``top_k`` are accepted as vLLM accepts them; ``cache_salt`` names the tenant
+whose cache a request may share, ``return_token_ids`` (vLLM's extra) adds each choice's token ids to
+the response.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from radixinfer.sampling_params import SamplingParams
+
+_INT64 = 2**63 - 1  # ints beyond any engine limit are refused by the schema, not carried further
+_TokenId = Annotated[int, Field(ge=0, le=_INT64)]
+
+
+def _absent_or(*neutral: Any) -> Callable[[Any], bool]:
+    return lambda value: (
+        value is None or any(value == n and type(value) is type(n) for n in neutral)
+    )
+
+
+# field -> whether a value leaves the result as the engine computes it today (None = not given)
+UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "n": _absent_or(1),
+    "best_of": _absent_or(1),
+    "stop": lambda value: value is None or value == "" or value == [],
+    "logprobs": _absent_or(False),
+    "top_logprobs": _absent_or(0),
+    "echo": _absent_or(False),
+    "suffix": _absent_or(""),
+    "presence_penalty": _absent_or(0, 0.0),
+    "frequency_penalty": _absent_or(0, 0.0),
+    "repetition_penalty": _absent_or(1, 1.0),
+    "min_p": _absent_or(0, 0.0),
+    "min_tokens": _absent_or(0),
+    "logit_bias": lambda value: not value,
+    "use_beam_search": _absent_or(False),
+    "tools": lambda value: not value,
+    "response_format": lambda value: value is None or value == {"type": "text"},
+}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    include_usage: bool = False
+
+
+class SamplingRequest(BaseModel):
+    """The fields completions and chat completions share. Every field of `UNSUPPORTED` is declared
+    loosely (``Any``) so the refusal names it whatever its type."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=-_INT64, le=_INT64)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = Field(default=0, ge=-1, le=_INT64)  # vLLM's: -1 or 0 disables it
+    seed: int | None = Field(default=None, ge=-_INT64, le=_INT64)
+    ignore_eos: bool = False
+    stop_token_ids: list[_TokenId] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    cache_salt: str | None = None
+    return_token_ids: bool = False
+    user: str | None = None
+    n: Any = None
+    best_of: Any = None
+    stop: Any = None
+    logprobs: Any = None
+    top_logprobs: Any = None
+    echo: Any = None
+    suffix: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    repetition_penalty: Any = None
+    min_p: Any = None
+    min_tokens: Any = None
+    logit_bias: Any = None
+    use_beam_search: Any = None
+    tools: Any = None
+    response_format: Any = None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt of the body; ``ValueError`` for a batch (one prompt per request)."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise ValueError(f"prompt: one prompt per request is supported, got {len(prompt)}")
+            return prompt[0]
+        return prompt
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=-_INT64, le=_INT64)
+
+
+def sampling_params(request: SamplingRequest, default_max_tokens: int) -> SamplingParams:
+    """The engine's `SamplingParams` for ``request``: ``ValueError`` naming the field for an
+    unsupported or invalid value. ``default_max_tokens`` applies when the body gives no limit."""
+    for name, neutral in UNSUPPORTED.items():
+        if not neutral(getattr(request, name)):
+            raise ValueError(
+                f"{name}: not supported by this server (got {getattr(request, name)!r})"
+            )
+    max_tokens = request.max_tokens
+    if isinstance(request, ChatCompletionRequest) and request.max_completion_tokens is not None:
+        max_tokens = request.max_completion_tokens
+    return SamplingParams(
+        max_tokens=default_max_tokens if max_tokens is None else max_tokens,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        top_k=max(request.top_k, 0),
+        seed=request.seed,
+        ignore_eos=request.ignore_eos,
+        stop_token_ids=request.stop_token_ids,
+    )

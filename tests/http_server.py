@@ -1,0 +1,58 @@
+"""A real `radixinfer serve` app on a free loopback port, in a thread of the test process (uvicorn
+on its own event loop), for the HTTP tests."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import uvicorn
+
+from radixinfer import LLM, AsyncLLM
+from radixinfer.server.app import ServerConfig, build_app
+
+MODEL = "tiny"
+
+
+@dataclass
+class RunningServer:
+    url: str  # http://127.0.0.1:PORT
+    engine: AsyncLLM
+    llm: LLM
+
+
+@contextlib.contextmanager
+def running_server(
+    llm: LLM,
+    *,
+    max_waiting: int | None = None,
+    request_timeout: float | None = None,
+    **config: object,
+) -> Iterator[RunningServer]:
+    """Serve ``llm`` until the block ends; ``config``: `ServerConfig` fields beside the model
+    name."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    with AsyncLLM(llm, max_waiting=max_waiting, request_timeout=request_timeout) as engine:
+        app = build_app(engine, ServerConfig(model_name=MODEL, **config))
+        server = uvicorn.Server(
+            uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1)
+        )
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.01)
+        try:
+            yield RunningServer(f"http://127.0.0.1:{port}", engine, llm)
+        finally:
+            server.should_exit = True
+            thread.join(timeout=10)
+            sock.close()

@@ -1,0 +1,249 @@
+"""The asyncio front: concurrent streams equal generate's, one event-loop wake per step, shared
+sinks and token batches, cancellation and timeouts abort and free blocks, a bounded waiting queue,
+bad input, loop failures reach every consumer, no busy loop while idle, clean shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+
+import pytest
+
+from radixinfer import LLM, AsyncLLM, SamplingParams
+from radixinfer.async_llm import (
+    EngineLoopError,
+    QueueFullError,
+    RequestTimeoutError,
+    StreamFailure,
+)
+from radixinfer.outputs import TokenBatch
+
+PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
+LONG = SamplingParams(max_tokens=1000, ignore_eos=True)
+PROMPTS = ["alpha", "beta beta", "gamma gamma gamma", "alpha and more", "delta"]
+
+
+@pytest.fixture
+def llm():
+    return LLM("tiny", block_size=4, num_blocks=256)
+
+
+def tokens(deltas) -> list[int]:
+    return [t for d in deltas for t in d.token_ids]
+
+
+async def collect(front: AsyncLLM, prompt, params=PARAMS, **kwargs) -> list:
+    return [delta async for delta in front.generate(prompt, params, **kwargs)]
+
+
+async def wait_idle(front: AsyncLLM) -> dict:
+    """The front's stats once no request runs (within 30 s)."""
+    deadline = time.monotonic() + 30
+    while (stats := await front.stats())["running"] or stats["waiting"]:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.01)
+    return stats
+
+
+async def all_blocks_free(front: AsyncLLM) -> bool:
+    await front.reset_prefix_cache()
+    stats = await front.stats()
+    return stats["free_blocks"] == stats["total_blocks"] and stats["running"] == 0
+
+
+def test_concurrent_streams_equal_generate_and_wake_the_event_loop_once_a_step(llm):
+    expected = {p: o.token_ids for p, o in zip(PROMPTS, llm.generate(PROMPTS, PARAMS))}
+    llm.reset_prefix_cache()
+    wakes = 0
+
+    async def main() -> dict[str, list[int]]:
+        nonlocal wakes
+        loop = asyncio.get_running_loop()
+        call_soon_threadsafe = loop.call_soon_threadsafe
+
+        def counting(*args):
+            nonlocal wakes
+            wakes += 1
+            return call_soon_threadsafe(*args)
+
+        loop.call_soon_threadsafe = counting
+        with AsyncLLM(llm) as front:
+            streams = await asyncio.gather(*(collect(front, p) for p in PROMPTS))
+        for deltas in streams:
+            assert deltas[-1].finished and deltas[-1].finish_reason == "length"
+            assert [d.timestamp for d in deltas] == sorted(d.timestamp for d in deltas)
+        return {p: tokens(d) for p, d in zip(PROMPTS, streams)}
+
+    assert asyncio.run(main()) == expected
+    # 5 streams x 6 tokens = 30 deltas; they share steps, and a step wakes the event loop once
+    assert wakes <= 6 + len(PROMPTS)
+
+
+def test_one_sink_for_many_requests(llm):
+    sink: queue.SimpleQueue = queue.SimpleQueue()
+    with AsyncLLM(llm) as front:
+        ids = {front.submit(p, PARAMS, None, sink) for p in PROMPTS}
+        finished: set[str] = set()
+        widest = 0
+        while finished != ids:
+            batch = sink.get(timeout=30)  # one step's events of every request on this sink
+            assert {delta.request_id for delta in batch} <= ids - finished
+            widest = max(widest, len({delta.request_id for delta in batch}))
+            finished |= {delta.request_id for delta in batch if delta.finished}
+        assert widest > 1  # requests decoded in one step arrive in one list
+
+
+def test_token_batches_go_whole_to_a_shared_sink_and_as_deltas_to_streams(llm):
+    """Ids-only requests decode in one batch, so their steady tokens come as `TokenBatch`es: a
+    shared sink gets its own requests' rows only, a coroutine's stream gets deltas, and every stream
+    equals generate's."""
+    params = SamplingParams(max_tokens=12, ignore_eos=True, detokenize=False)
+    expected = {p: o.token_ids for p, o in zip(PROMPTS, llm.generate(PROMPTS, params))}
+    llm.reset_prefix_cache()
+    sink: queue.SimpleQueue = queue.SimpleQueue()
+
+    async def main(front: AsyncLLM) -> tuple[dict, dict, int]:
+        shared = {front.submit(p, params, None, sink): p for p in PROMPTS[:3]}
+        private = await asyncio.gather(*(collect(front, p, params) for p in PROMPTS[3:]))
+        streamed: dict[str, list[int]] = {}
+        batches = 0
+        while sum(len(streamed.get(r, ())) for r in shared) < 12 * len(shared):
+            for event in await asyncio.to_thread(sink.get, timeout=30):
+                if isinstance(event, TokenBatch):
+                    batches += 1
+                    assert set(event.request_ids) <= set(shared)
+                    for request_id, token in zip(event.request_ids, event.token_ids):
+                        streamed.setdefault(request_id, []).append(token)
+                else:
+                    streamed.setdefault(event.request_id, []).extend(event.token_ids)
+        by_prompt = {shared[r]: t for r, t in streamed.items()}
+        return by_prompt, {p: tokens(d) for p, d in zip(PROMPTS[3:], private)}, batches
+
+    with AsyncLLM(llm) as front:
+        shared, private, batches = asyncio.run(main(front))
+    assert batches > 0
+    assert shared == {p: expected[p] for p in PROMPTS[:3]}
+    assert private == {p: expected[p] for p in PROMPTS[3:]}
+
+
+def test_cancelling_a_consumer_aborts_its_request_and_frees_its_blocks(llm):
+    async def main() -> None:
+        with AsyncLLM(llm) as front:
+            started = asyncio.Event()
+
+            async def consume() -> None:
+                async for _ in front.generate("a long one", LONG):
+                    started.set()
+
+            tasks = [asyncio.create_task(consume()) for _ in range(3)]
+            await asyncio.wait_for(started.wait(), 30)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            assert (await wait_idle(front))[
+                "decode_forwards"
+            ] < 500  # stopped long before 1,000 tokens
+            assert await all_blocks_free(front)
+            assert tokens(await collect(front, "fine")) == expected  # and the front keeps serving
+
+    expected = llm.generate(["fine"], PARAMS)[0].token_ids
+    asyncio.run(main())
+
+
+def test_a_request_past_its_timeout_fails_and_frees_its_blocks(llm):
+    async def main() -> None:
+        with AsyncLLM(llm, request_timeout=0.2) as front:
+            with pytest.raises(RequestTimeoutError, match="timeout"):
+                await collect(front, "a long one", LONG)
+            assert (await wait_idle(front))["decode_forwards"] < 500  # aborted, not run to the end
+            assert await all_blocks_free(front)
+            assert (await collect(front, "quick", timeout=30))[-1].finish_reason == "length"
+
+    asyncio.run(main())
+
+
+def test_a_full_waiting_queue_refuses_at_once_and_drains():
+    llm = LLM("tiny", block_size=4, num_blocks=256, max_num_seqs=1)
+    sink: queue.SimpleQueue = queue.SimpleQueue()
+    with AsyncLLM(llm, max_waiting=2) as front:
+        running = front.submit("runs", LONG, None, sink)
+        assert not sink.get(timeout=30)[0].finished  # admitted: it holds the only seat
+        queued = [front.submit("waits", PARAMS, None, sink) for _ in range(2)]
+        with pytest.raises(QueueFullError):
+            front.submit("one too many", PARAMS, None, sink)
+        front.abort(running)
+        finished: set[str] = set()
+        while finished != {running, *queued}:
+            finished |= {e.request_id for e in sink.get(timeout=30) if e.finished}
+        front.submit("room again", PARAMS, None, sink)
+
+
+def test_bad_input_raises_and_the_front_keeps_serving(llm):
+    async def main() -> None:
+        with AsyncLLM(llm) as front:
+            with pytest.raises(ValueError, match="empty"):
+                front.add_request("", PARAMS)
+            with pytest.raises(ValueError, match="prompt: token id 100000"):
+                front.add_request([1, 100000], PARAMS)
+            with pytest.raises(
+                ValueError, match="max_tokens"
+            ):  # found by the engine: raised by the stream
+                await collect(front, "too big for the pool", SamplingParams(max_tokens=5000))
+            assert tokens(await collect(front, "fine")) == expected
+
+    expected = llm.generate(["fine"], PARAMS)[0].token_ids
+    asyncio.run(main())
+
+
+def test_a_loop_failure_reaches_waiting_consumers_and_later_submits(llm, monkeypatch):
+    front = AsyncLLM(llm)
+
+    def broken_step():
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(llm.engine, "step", broken_step)
+
+    async def main() -> None:
+        with pytest.raises(EngineLoopError) as info:
+            await collect(front, "x")
+        assert isinstance(info.value.__cause__, RuntimeError)
+        with pytest.raises(EngineLoopError):
+            front.add_request("y", PARAMS)
+
+    asyncio.run(main())
+    front.close()
+
+
+def test_the_loop_sleeps_while_idle(llm, monkeypatch):
+    checks = 0
+    has_unfinished = llm.engine.has_unfinished
+
+    def counting() -> bool:
+        nonlocal checks
+        checks += 1
+        return has_unfinished()
+
+    monkeypatch.setattr(llm.engine, "has_unfinished", counting)
+    with AsyncLLM(llm) as front:
+        asyncio.run(collect(front, "wake up"))
+        before = checks
+        time.sleep(0.3)
+        assert checks - before <= 2  # a spinning loop would check thousands of times
+
+
+def test_close_aborts_open_requests_and_stops_the_thread(llm):
+    front = AsyncLLM(llm)
+    sink: queue.SimpleQueue = queue.SimpleQueue()
+    front.submit("never finishes", SamplingParams(max_tokens=900, ignore_eos=True), None, sink)
+    assert not sink.get(timeout=30)[0].finished  # running
+    front.close()
+    events = []
+    while not sink.empty():
+        events.extend(sink.get())
+    assert events[-1].finish_reason == "abort" and not isinstance(events[-1], StreamFailure)
+    assert "radixinfer-engine" not in {t.name for t in threading.enumerate()}  # joined
+    with pytest.raises(RuntimeError, match="closed"):
+        front.submit("late", PARAMS, None, sink)
+    front.close()  # idempotent

@@ -1,0 +1,104 @@
+"""``radixinfer bench --backend openai`` against a real ``radixinfer serve`` on a loopback port: the same
+greedy tokens as in process, multi-turn answers fed back, a shared-prefix run end to end through the
+CLI with its metrics, and the flags that go together."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from radixinfer import LLM
+from radixinfer.bench.runner import Variant, open_backend, run_workload
+from radixinfer.bench.workloads import build_workload
+from radixinfer.cli import main, parse_args
+from tests.http_server import running_server
+
+
+@pytest.fixture(scope="module")
+def server():
+    with running_server(LLM("tiny", block_size=16, num_blocks=1024)) as running:
+        yield running
+
+
+@pytest.mark.parametrize(
+    "workload",
+    [
+        ["--num-requests", "4", "--unique-prompts"],
+        [
+            "--dataset",
+            "multi-turn",
+            "--num-conversations",
+            "2",
+            "--turns",
+            "2",
+            "--input-len",
+            "24",
+        ],
+    ],
+)
+def test_the_server_streams_the_tokens_radixinfer_generates_in_process(server, workload):
+    flags = ["bench", *workload, "--ignore-eos", "--max-new-tokens", "6"]
+    outputs = []
+    for variant, extra in (
+        (Variant("radixinfer", True, "fifo"), []),
+        (Variant("openai", True, None), ["--backend", "openai", "--base-url", server.url]),
+    ):
+        args = parse_args(flags + extra)
+        backend = open_backend(variant, "tiny", args, args.kv_memory_fraction)
+        try:
+            sessions = build_workload(args, backend.tokenizer, backend.vocab_size)
+            records, _ = run_workload(backend, sessions, [0.0] * len(sessions), args, variant.label)
+        finally:
+            backend.close()
+        outputs.append(sorted((r.prompt_len, r.token_ids, r.finish_reason) for r in records))
+    assert outputs[0] == outputs[1]
+    assert all(len(ids) == 6 for _, ids, _ in outputs[1])
+
+
+def test_a_shared_prefix_run_through_the_cli(server, tmp_path):
+    out = tmp_path / "result.json"
+    flags = [
+        "bench",
+        "--backend",
+        "openai",
+        "--base-url",
+        server.url,
+        "--dataset",
+        "shared-prefix",
+        "--num-groups",
+        "2",
+        "--prompts-per-group",
+        "4",
+        "--system-prompt-len",
+        "64",
+        "--question-len",
+        "8",
+        "--max-new-tokens",
+        "4",
+        "--ignore-eos",
+        "--cold-cache",
+        "--json",
+        str(out),
+    ]
+    assert main(flags) == 0
+    (run,) = json.loads(out.read_text())["runs"]
+    metrics = run["metrics"]
+    assert run["backend"] == "openai" and run["info"]["served_model"] == "tiny"
+    assert metrics["requests"] == 8 and metrics["completion_tokens"] == 8 * 4
+    assert metrics["ttft_ms"]["p50"] > 0 and metrics["tpot_ms"]["p50"] > 0
+    assert metrics["cached_tokens"] is None  # the server's counters are its own
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--backend", "openai"],
+        ["--base-url", "http://127.0.0.1:1"],
+        ["--backend", "openai", "--base-url", "http://x", "--compare-no-cache"],
+    ],
+)
+def test_openai_flags_go_together(flags, capsys):
+    with pytest.raises(SystemExit) as info:
+        parse_args(["bench", *flags])
+    assert info.value.code == 2 and "--backend openai" in capsys.readouterr().err
