@@ -14,13 +14,10 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
-
-from radixinfer import checks
 from radixinfer.bench.hf import BATCHING_MODES
 from radixinfer.bench.workloads import WORKLOADS, parse_repeats
 from radixinfer.engine.admission import POLICIES
-from radixinfer.models import DTYPE_NAMES, checkpoint_dir
+from radixinfer.engine_args import add_engine_arguments, check_engine_arguments
 
 BACKENDS = ("radixinfer", "hf", "openai")
 
@@ -33,39 +30,7 @@ def _policies(text: str) -> list[str]:
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    model = parser.add_argument_group("model and engine")
-    model.add_argument("--model", default="tiny", help="preset name or local HF checkpoint dir [tiny]")
-    model.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                       help="[cuda when available, else cpu]")
-    model.add_argument("--dtype", default="auto", choices=DTYPE_NAMES, metavar="DTYPE",
-                       help="auto | float32 | bfloat16 | float16 (or bf16, fp16, fp32, half) [auto]")
-    model.add_argument("--block-size", type=int, default=16, help="tokens per KV block [16]")
-    model.add_argument("--num-blocks", type=int, default=None,
-                       help="KV blocks (default: what --gpu-memory-utilization leaves after "
-                            "weights, activations and CUDA graphs)")
-    model.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                       help="fraction of the whole GPU the engines may use; compared variants are "
-                            "open at once and each takes an equal share (the first sizes its KV "
-                            "pool from its share, the others are given as many blocks) [0.9]")
-    model.add_argument("--max-model-len", type=int, default=None,
-                       help="longest prompt + output served, and what context-sized workspaces "
-                            "are sized for [the model's context]")
-    model.add_argument("--max-batch-size", type=int, default=64, help="sequences decoded per step [64]")
-    model.add_argument("--max-num-seqs", type=int, default=None,
-                       help="requests holding KV at once [unbounded: KV memory decides]")
-    model.add_argument("--prefill-max-batch-size", type=int, default=None,
-                       help="requests admitted per prefill round [--max-batch-size]")
-    model.add_argument("--prefill-max-tokens", type=int, default=8192,
-                       help="uncached prompt tokens per prefill round; longer prompts are chunked [8192]")
-    model.add_argument("--prefill-admission-policy", choices=POLICIES, default="fifo", help="[fifo]")
-    model.add_argument("--prefill-admission-lookahead", type=int, default=64,
-                       help="waiting requests pack / lpm look at [64]")
-    model.add_argument("--prefill-force-fifo-every", type=int, default=0,
-                       help="every N-th round is fifo, so pack / lpm cannot starve a long prompt (0 = never) [0]")
-    model.add_argument("--no-chunked-prefill", action="store_true", help="run an over-budget prompt alone instead")
-    model.add_argument("--decode-first", action="store_true", help="run the decode step before each prefill round")
-    model.add_argument("--no-prefix-cache", action="store_true", help="disable the prefix cache")
-    model.add_argument("--seed", type=int, default=0, help="model weights (presets), workload and arrivals [0]")
+    add_engine_arguments(parser)
 
     backend = parser.add_argument_group("backends and comparisons")
     backend.add_argument("--backend", choices=BACKENDS, default="radixinfer",
@@ -141,10 +106,6 @@ def check_bench_arguments(parser: argparse.ArgumentParser, args: argparse.Namesp
         parser.error("--backend openai compares nothing: the server's settings are its own")
     if args.gc_threshold < 0:
         parser.error("--gc-threshold must be >= 0")
-    if not 0.0 < args.gpu_memory_utilization <= 1.0:
-        parser.error("--gpu-memory-utilization must be in (0, 1]")
-    if args.max_model_len is not None and args.max_model_len < 1:
-        parser.error("--max-model-len must be >= 1")
     if args.warmup_runs < 0 or args.repeat_runs < 1:
         parser.error("--warmup-runs must be >= 0 and --repeat-runs >= 1")
     for name in ("num_requests", "max_new_tokens", "input_len", "num_groups", "prompts_per_group", "question_len",
@@ -157,24 +118,9 @@ def check_bench_arguments(parser: argparse.ArgumentParser, args: argparse.Namesp
         parse_repeats(args.prompt_repeats)
     except ValueError as exc:
         parser.error(str(exc))
-    _check_engine_arguments(parser, args)
+    check_engine_arguments(parser, args)
     if args.json is not None:
         _check_writable(parser, "--json", Path(args.json))
-
-
-def _check_engine_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """The model and engine flags, checked before anything loads: a bad one is a usage error."""
-    for name, low in (("block_size", 1), ("max_batch_size", 1), ("prefill_max_tokens", 1),
-                      ("prefill_admission_lookahead", 1), ("num_blocks", 1), ("max_num_seqs", 1),
-                      ("prefill_max_batch_size", 1), ("prefill_force_fifo_every", 0), ("seed", 0)):
-        value = getattr(args, name)
-        if value is not None and value < low:  # None: the flag's default, left to the engine
-            parser.error(f"--{name.replace('_', '-')} must be >= {low}")
-    try:
-        checks.device(args.device)
-        checkpoint_dir(args.model)
-    except ValueError as exc:  # their messages start with the argument's name
-        parser.error(f"--{exc}")
 
 
 def _check_writable(parser: argparse.ArgumentParser, flag: str, path: Path) -> None:

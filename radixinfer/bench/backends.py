@@ -16,6 +16,7 @@ import numpy as np
 import radixinfer
 from radixinfer.api import LLM
 from radixinfer.async_llm import AsyncLLM, StreamEvents
+from radixinfer.engine_args import llm_kwargs
 from radixinfer.sampling_params import SamplingParams
 from radixinfer.tokenizer import Tokenizer
 
@@ -92,26 +93,11 @@ def open_radixinfer(model: str, args: argparse.Namespace, prefix_cache: bool, po
     variant, using ``gpu_memory_utilization`` of the GPU and a KV pool of ``num_blocks`` or else
     what that leaves (variants open side by side split the GPU; None: ``--gpu-memory-utilization`` /
     ``--num-blocks``, for a backend alone)."""
-    llm = LLM(
-        model,
-        device=args.device,
-        dtype=args.dtype,
-        block_size=args.block_size,
-        num_blocks=args.num_blocks if num_blocks is None else num_blocks,
-        max_batch_size=args.max_batch_size,
-        max_num_seqs=args.max_num_seqs,
-        enable_prefix_cache=prefix_cache,
-        seed=args.seed,
-        prefill_max_batch_size=args.prefill_max_batch_size,
-        prefill_max_tokens=args.prefill_max_tokens,
-        prefill_admission_policy=policy,
-        prefill_admission_lookahead=args.prefill_admission_lookahead,
-        prefill_force_fifo_every=args.prefill_force_fifo_every,
-        chunked_prefill=not args.no_chunked_prefill,
-        decode_first=args.decode_first,
-        gpu_memory_utilization=args.gpu_memory_utilization
-        if gpu_memory_utilization is None
-        else gpu_memory_utilization,
-        max_model_len=args.max_model_len,
-    )
+    kwargs = llm_kwargs(args)
+    kwargs.update(model=model, enable_prefix_cache=prefix_cache, prefill_admission_policy=policy)
+    if gpu_memory_utilization is not None:
+        kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+    if num_blocks is not None:
+        kwargs["num_blocks"] = num_blocks
+    llm = LLM(**kwargs)
     return RadixBackend(llm)

@@ -9,9 +9,7 @@ import argparse
 import gc
 import sys
 
-import torch
-
-from radixinfer.engine.admission import POLICIES
+from radixinfer.engine_args import add_engine_arguments, check_engine_arguments, llm_kwargs
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -79,53 +77,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "token; Python's default of 700 collects every step of a wide batch; 0 leaves it) [50000]",
     )
 
-    engine = parser.add_argument_group("model and engine")
-    engine.add_argument(
-        "--model", default="tiny", help="preset name or local HF checkpoint dir [tiny]"
-    )
-    engine.add_argument(
-        "--device",
-        default="cuda" if torch.cuda.is_available() else "cpu",
-        help="[cuda when available, else cpu]",
-    )
-    engine.add_argument(
-        "--dtype", default="auto", help="auto | float32 | bfloat16 | float16 [auto]"
-    )
-    engine.add_argument("--block-size", type=int, default=16, help="tokens per KV block [16]")
-    engine.add_argument(
-        "--num-blocks",
-        type=int,
-        default=None,
-        help="KV blocks (default: from --kv-memory-fraction)",
-    )
-    engine.add_argument(
-        "--kv-memory-fraction",
-        type=float,
-        default=0.85,
-        help="fraction of free GPU memory for KV [0.85]",
-    )
-    engine.add_argument(
-        "--max-batch-size", type=int, default=64, help="sequences decoded per step [64]"
-    )
-    engine.add_argument(
-        "--max-num-seqs",
-        type=int,
-        default=None,
-        help="requests holding KV at once [unbounded: KV memory decides]",
-    )
-    engine.add_argument(
-        "--prefill-max-tokens",
-        type=int,
-        default=8192,
-        help="uncached prompt tokens per prefill round [8192]",
-    )
-    engine.add_argument(
-        "--prefill-admission-policy", choices=POLICIES, default="fifo", help="[fifo]"
-    )
-    engine.add_argument("--no-prefix-cache", action="store_true", help="disable the prefix cache")
-    engine.add_argument(
-        "--seed", type=int, default=0, help="random weights of presets, sampling [0]"
-    )
+    add_engine_arguments(parser)
 
 
 def check_serve_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -142,6 +94,7 @@ def check_serve_arguments(parser: argparse.ArgumentParser, args: argparse.Namesp
         parser.error("--gc-threshold must be >= 0")
     if args.api_key is not None and not args.api_key:
         parser.error("--api-key must not be empty")
+    check_engine_arguments(parser, args)
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -152,20 +105,7 @@ def serve(args: argparse.Namespace) -> None:
     from radixinfer.async_llm import AsyncLLM
     from radixinfer.server.app import ServerConfig, build_app
 
-    llm = LLM(
-        args.model,
-        device=args.device,
-        dtype=args.dtype,
-        block_size=args.block_size,
-        num_blocks=args.num_blocks,
-        max_batch_size=args.max_batch_size,
-        enable_prefix_cache=not args.no_prefix_cache,
-        seed=args.seed,
-        max_num_seqs=args.max_num_seqs,
-        prefill_max_tokens=args.prefill_max_tokens,
-        prefill_admission_policy=args.prefill_admission_policy,
-        kv_memory_fraction=args.kv_memory_fraction,
-    )
+    llm = LLM(**llm_kwargs(args))
     config = ServerConfig(
         model_name=args.served_model_name or args.model,
         api_key=args.api_key,
