@@ -45,7 +45,7 @@ def test_the_server_streams_the_tokens_radixinfer_generates_in_process(server, w
         (Variant("openai", True, None), ["--backend", "openai", "--base-url", server.url]),
     ):
         args = parse_args(flags + extra)
-        backend = open_backend(variant, "tiny", args, args.kv_memory_fraction)
+        backend = open_backend(variant, "tiny", args, args.gpu_memory_utilization)
         try:
             sessions = build_workload(args, backend.tokenizer, backend.vocab_size)
             records, _ = run_workload(backend, sessions, [0.0] * len(sessions), args, variant.label)
