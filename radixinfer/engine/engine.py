@@ -395,8 +395,7 @@ class LLMEngine:
                 # which fits the pool once everything unlocked is evicted (`add_request` checked that).
                 self.cache.release(seq)
                 req.seq = seq = self.cache.admit(tokens, req.salt, use_cache=False)
-                start = 0
-                end = min(n, max(num_tokens, 1))
+                start = 0  # computes from the start up to the end planned for the hit
                 plan = self.cache.reserve([seq], [end])
                 assert plan is not None, "a request that fits the empty pool did not fit it"
             if plan is None:
