@@ -32,10 +32,17 @@ from radixinfer.cache.radix_tree import RadixTree, as_token_array
 BLOCK_SIZE = 16
 PROMPT_LEN = 8192
 BATCH = 256
-TARGETS_US = {"match_8k": 100.0, "insert_8k": 300.0, "append_cow_256": 2.0 * BATCH, "append_256": 2.0 * BATCH}
+TARGETS_US = {
+    "match_8k": 100.0,
+    "insert_8k": 300.0,
+    "append_cow_256": 2.0 * BATCH,
+    "append_256": 2.0 * BATCH,
+}
 
 
-def measure(call: Callable[[], object], setup: Callable[[], object] | None = None, runs: int = 200) -> list[float]:
+def measure(
+    call: Callable[[], object], setup: Callable[[], object] | None = None, runs: int = 200
+) -> list[float]:
     """Microseconds per run of ``call`` (``setup`` runs before each, untimed)."""
     times = []
     for _ in range(runs):
@@ -69,7 +76,10 @@ def bench_insert(rng: np.random.Generator) -> list[float]:
     pool = BlockPool(num_blocks=200_000, block_size=BLOCK_SIZE)
     tree = RadixTree(pool)
     runs = 300
-    paths = [as_token_array(np.concatenate([[i], rng.integers(0, 32_000, PROMPT_LEN - 1)])) for i in range(runs)]
+    paths = [
+        as_token_array(np.concatenate([[i], rng.integers(0, 32_000, PROMPT_LEN - 1)]))
+        for i in range(runs)
+    ]
     blocks = [fresh_blocks(pool, PROMPT_LEN) for _ in range(runs)]
     jobs = iter(zip(paths, blocks))
     return measure(lambda: tree.insert(*next(jobs)), runs=runs)
@@ -151,9 +161,13 @@ CASES: dict[str, Callable[[np.random.Generator], list[float]]] = {
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON object instead of a table"
+    )
     parser.add_argument("--only", nargs="*", choices=list(CASES), help="run only these cases")
-    parser.add_argument("--repeat", type=int, default=3, help="repetitions of each case (best median kept)")
+    parser.add_argument(
+        "--repeat", type=int, default=3, help="repetitions of each case (best median kept)"
+    )
     args = parser.parse_args()
     results = {}
     for name in args.only or CASES:
@@ -179,7 +193,9 @@ def main() -> None:
         per_seq = "" if r["per_seq_us"] is None else f"{r['per_seq_us']:.2f}"
         target = "" if r["target_us"] is None else f"{r['target_us']:.0f}"
         ok = {None: "", True: "yes", False: "NO"}[r["meets_target"]]
-        print(f"{name:<16} {r['median_us']:>10.1f} {r['p90_us']:>10.1f} {per_seq:>8} {target:>10}  {ok}")
+        print(
+            f"{name:<16} {r['median_us']:>10.1f} {r['p90_us']:>10.1f} {per_seq:>8} {target:>10}  {ok}"
+        )
 
 
 if __name__ == "__main__":

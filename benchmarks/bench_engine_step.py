@@ -81,9 +81,18 @@ class StubLM(PagedCausalLM):
     """A `PagedCausalLM` that computes nothing: hidden states and logits are slices of preallocated tensors.
     The logits favour printable ASCII bytes, so the byte tokenizer's detokenizer sees ordinary text."""
 
-    def __init__(self, vocab_size: int, device: torch.device, max_tokens: int = 16384, max_rows: int = 1024) -> None:
-        config = LlamaConfig(vocab_size=vocab_size, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
-                             num_attention_heads=1, num_key_value_heads=1, max_position_embeddings=MAX_CONTEXT)
+    def __init__(
+        self, vocab_size: int, device: torch.device, max_tokens: int = 16384, max_rows: int = 1024
+    ) -> None:
+        config = LlamaConfig(
+            vocab_size=vocab_size,
+            hidden_size=8,
+            intermediate_size=8,
+            num_hidden_layers=1,
+            num_attention_heads=1,
+            num_key_value_heads=1,
+            max_position_embeddings=MAX_CONTEXT,
+        )
         super().__init__(config)
         gen = torch.Generator().manual_seed(0)
         self.hidden = torch.randn(max_tokens, 8, generator=gen).to(device)  # [max_tokens, hidden]
@@ -102,15 +111,30 @@ class StubLM(PagedCausalLM):
         return self.all_logits[: hidden.shape[0]]
 
 
-def build_stub_engine(device: torch.device, vocab_size: int, max_batch_size: int, num_blocks: int,
-                      decode_first: bool = False) -> LLMEngine:
+def build_stub_engine(
+    device: torch.device,
+    vocab_size: int,
+    max_batch_size: int,
+    num_blocks: int,
+    decode_first: bool = False,
+) -> LLMEngine:
     """The engine `api.LLM` builds, around the stub model (same classes, same wiring)."""
     model = StubLM(vocab_size, device)
-    kv = KVStore(model.num_layers, num_blocks, BLOCK_SIZE, model.num_kv_heads, model.head_dim, torch.float32, device)
+    kv = KVStore(
+        model.num_layers,
+        num_blocks,
+        BLOCK_SIZE,
+        model.num_kv_heads,
+        model.head_dim,
+        torch.float32,
+        device,
+    )
     runner = ModelRunner(model, kv, get_backend(str(device)), device, max_batch_size)
     cache = KVCacheManager(num_blocks, BLOCK_SIZE, enable_prefix_cache=True)
     admission = AdmissionConfig(max_requests=max_batch_size)
-    config = EngineConfig(max_batch_size=max_batch_size, admission=admission, decode_first=decode_first)
+    config = EngineConfig(
+        max_batch_size=max_batch_size, admission=admission, decode_first=decode_first
+    )
     tokenizer = ByteTokenizer()
     return LLMEngine(runner, cache, tokenizer, (tokenizer.eos_token_id,), config)
 
@@ -208,7 +232,9 @@ def decode_phases(engine: LLMEngine) -> list[tuple[str, Any, str]]:
     return spec
 
 
-def random_prompts(rng: np.random.Generator, n: int, vocab: int, shared: list[int] | None = None) -> list[list[int]]:
+def random_prompts(
+    rng: np.random.Generator, n: int, vocab: int, shared: list[int] | None = None
+) -> list[list[int]]:
     """``n`` prompts of PROMPT_LEN tokens: ``shared`` then distinct tokens (ids 1..255 for the byte tokenizer's
     sake when the vocabulary allows; any id below ``vocab`` otherwise)."""
     shared = shared or []
@@ -216,7 +242,9 @@ def random_prompts(rng: np.random.Generator, n: int, vocab: int, shared: list[in
     return [shared + rng.integers(1, high, PROMPT_LEN - len(shared)).tolist() for _ in range(n)]
 
 
-def fill_decode_batch(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list[str]:
+def fill_decode_batch(
+    engine: LLMEngine, prompts: list[list[int]], params: SamplingParams
+) -> list[str]:
     ids = [engine.add_request(p, params) for p in prompts]
     while engine.waiting or any(engine.requests[i].output_ids == [] for i in ids):
         engine.step()
@@ -229,7 +257,9 @@ def abort_all(engine: LLMEngine, ids: list[str]) -> None:
         engine.pop_finished(i)
 
 
-def time_steps(engine: LLMEngine, steps: int, timer: PhaseTimer | None = None) -> tuple[list[int], list[dict]]:
+def time_steps(
+    engine: LLMEngine, steps: int, timer: PhaseTimer | None = None
+) -> tuple[list[int], list[dict]]:
     totals, phases = [], []
     for _ in range(steps):
         t0 = time.perf_counter_ns()
@@ -245,17 +275,29 @@ def summarise_phases(totals: list[int], phases: list[dict]) -> dict[str, float]:
     names = sorted({k for p in phases for k in p})
     out = {name: median_us([p.get(name, 0) for p in phases]) for name in names}
     top = ("reserve", "copy_blocks", "runner.decode", "mark_written", "_sample", "_read_back")
-    out["engine other"] = median_us([t - sum(p.get(k, 0) for k in top) for t, p in zip(totals, phases)])
-    out["decode other"] = median_us([p.get("runner.decode", 0) - p.get("block tables", 0)
-                                     - p.get("graph replay", 0) for p in phases])
+    out["engine other"] = median_us(
+        [t - sum(p.get(k, 0) for k in top) for t, p in zip(totals, phases)]
+    )
+    out["decode other"] = median_us(
+        [
+            p.get("runner.decode", 0) - p.get("block tables", 0) - p.get("graph replay", 0)
+            for p in phases
+        ]
+    )
     out["output processing"] = median_us([p.get("_read_back", 0) for p in phases])
     out["step (instrumented)"] = median_us(totals)
     return out
 
 
 # ---------------------------------------------------------------------------------------------- the cases
-def bench_decode(engine: LLMEngine, batch: int, params: SamplingParams, steps: int, warmup: int,
-                 rng: np.random.Generator) -> dict[str, Any]:
+def bench_decode(
+    engine: LLMEngine,
+    batch: int,
+    params: SamplingParams,
+    steps: int,
+    warmup: int,
+    rng: np.random.Generator,
+) -> dict[str, Any]:
     """Clean step times, then the same number of steps with every phase timed."""
     ids = fill_decode_batch(engine, random_prompts(rng, batch, engine.vocab_size), params)
     running = [engine.requests[i] for i in ids]
@@ -271,19 +313,26 @@ def bench_decode(engine: LLMEngine, batch: int, params: SamplingParams, steps: i
     abort_all(engine, ids)
     step_us = median_us(clean)
     return {
-        "batch": batch, "sampling": "greedy" if params.temperature == 0 else "random", "steps": steps,
+        "batch": batch,
+        "sampling": "greedy" if params.temperature == 0 else "random",
+        "steps": steps,
         "context_at_end": int(np.mean(contexts)),
-        "step_us": step_us, "per_seq_us": step_us / batch,
+        "step_us": step_us,
+        "per_seq_us": step_us / batch,
         "p90_step_us": float(np.percentile(clean, 90)) / 1e3,
         "phases_us": summarise_phases(totals, phases),
     }
 
 
-def bench_admit(device: torch.device, vocab: int, reps: int, rng: np.random.Generator) -> dict[str, Any]:
+def bench_admit(
+    device: torch.device, vocab: int, reps: int, rng: np.random.Generator
+) -> dict[str, Any]:
     """One prefill round of ADMIT_REQUESTS requests sharing a cached SHARED_PREFIX-token prefix; clean and
     instrumented repetitions alternate."""
     num_blocks = 4 * ADMIT_REQUESTS * (PROMPT_LEN // BLOCK_SIZE + 2)
-    engine = build_stub_engine(device, vocab, max_batch_size=256, num_blocks=num_blocks, decode_first=True)
+    engine = build_stub_engine(
+        device, vocab, max_batch_size=256, num_blocks=num_blocks, decode_first=True
+    )
     prefix = rng.integers(1, 256, SHARED_PREFIX).tolist()
     spec = [
         ("admit (match+lock)", engine.cache, "admit"),
@@ -299,7 +348,9 @@ def bench_admit(device: torch.device, vocab: int, reps: int, rng: np.random.Gene
     clean, adds, totals, phases = [], [], [], []
     for rep in range(2 * reps + 2):
         engine.reset_prefix_cache()
-        (warm,) = fill_decode_batch(engine, [prefix], SamplingParams(max_tokens=1))  # publishes the prefix
+        (warm,) = fill_decode_batch(
+            engine, [prefix], SamplingParams(max_tokens=1)
+        )  # publishes the prefix
         engine.pop_finished(warm)
         prompts = random_prompts(rng, ADMIT_REQUESTS, vocab, shared=prefix)
         t0 = time.perf_counter_ns()
@@ -315,7 +366,9 @@ def bench_admit(device: torch.device, vocab: int, reps: int, rng: np.random.Gene
             t2 = time.perf_counter_ns()
         assert all(engine.requests[i].num_cached_tokens >= SHARED_PREFIX for i in ids)
         first = [engine.requests[i] for i in ids]
-        assert all(r.num_sampled == 1 and not r.output_ids for r in first)  # first tokens sampled, read next step
+        assert all(
+            r.num_sampled == 1 and not r.output_ids for r in first
+        )  # first tokens sampled, read next step
         abort_all(engine, ids)
         if rep < 2:  # warm-up
             continue
@@ -330,8 +383,12 @@ def bench_admit(device: torch.device, vocab: int, reps: int, rng: np.random.Gene
     phase_us["step (instrumented)"] = median_us(totals)
     round_us = median_us(clean)
     return {
-        "requests": ADMIT_REQUESTS, "shared_prefix": SHARED_PREFIX, "prompt_len": PROMPT_LEN, "reps": reps,
-        "round_us": round_us, "per_request_us": round_us / ADMIT_REQUESTS,
+        "requests": ADMIT_REQUESTS,
+        "shared_prefix": SHARED_PREFIX,
+        "prompt_len": PROMPT_LEN,
+        "reps": reps,
+        "round_us": round_us,
+        "per_request_us": round_us / ADMIT_REQUESTS,
         "add_request_us_per_request": median_us(adds) / ADMIT_REQUESTS,
         "phases_us": phase_us,
     }
@@ -345,8 +402,15 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in unique.values())
 
 
-def bench_model_decode(engine: LLMEngine, batch: int, params: SamplingParams, steps: int, warmup: int,
-                       rng: np.random.Generator, hbm_tbps: float) -> dict[str, Any]:
+def bench_model_decode(
+    engine: LLMEngine,
+    batch: int,
+    params: SamplingParams,
+    steps: int,
+    warmup: int,
+    rng: np.random.Generator,
+    hbm_tbps: float,
+) -> dict[str, Any]:
     """Wall time per step, then GPU time of each step's decode forward (CUDA events around the graph replay),
     and the decode floor: (weights + KV the step reads) / HBM bandwidth."""
     ids = fill_decode_batch(engine, random_prompts(rng, batch, engine.vocab_size), params)
@@ -362,18 +426,28 @@ def bench_model_decode(engine: LLMEngine, batch: int, params: SamplingParams, st
     abort_all(engine, ids)
     model = engine.runner.model
     kv = engine.runner.kv.k
-    kv_bytes_per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * kv.element_size()
+    kv_bytes_per_token = (
+        2 * model.num_layers * model.num_kv_heads * model.head_dim * kv.element_size()
+    )
     mean_context = (context_start + context_end) / 2
     floor_bytes = weight_bytes(model) + batch * mean_context * kv_bytes_per_token
     floor_us = floor_bytes / (hbm_tbps * 1e12) * 1e6
     step_us = median_us(clean)
     gpu_us, sample_us = timer.median_us("forward"), timer.median_us("sample")
     return {
-        "batch": batch, "sampling": "greedy" if params.temperature == 0 else "random", "steps": steps,
-        "graph_replays": len(timer.events["forward"]), "mean_context": float(mean_context), "step_us": step_us, "per_seq_us": step_us / batch,
+        "batch": batch,
+        "sampling": "greedy" if params.temperature == 0 else "random",
+        "steps": steps,
+        "graph_replays": len(timer.events["forward"]),
+        "mean_context": float(mean_context),
+        "step_us": step_us,
+        "per_seq_us": step_us / batch,
         "step_us_with_events": median_us(evented),
-        "gpu_forward_us": gpu_us, "gpu_sample_us": sample_us, "host_us": step_us - gpu_us - sample_us,
-        "floor_MB": floor_bytes / 1e6, "floor_us": floor_us,
+        "gpu_forward_us": gpu_us,
+        "gpu_sample_us": sample_us,
+        "host_us": step_us - gpu_us - sample_us,
+        "floor_MB": floor_bytes / 1e6,
+        "floor_us": floor_us,
         "floor_fraction_of_gpu_forward": floor_us / gpu_us,
         "floor_fraction_of_step": floor_us / step_us,
     }
@@ -381,7 +455,11 @@ def bench_model_decode(engine: LLMEngine, batch: int, params: SamplingParams, st
 
 # ---------------------------------------------------------------------------------------------- report
 def machine() -> dict[str, str]:
-    info = {"python": platform.python_version(), "torch": torch.__version__, "cpu": platform.processor()}
+    info = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu": platform.processor(),
+    }
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -397,10 +475,24 @@ def machine() -> dict[str, str]:
 
 def print_decode(rows: list[dict], title: str) -> None:
     print(f"\n{title}")
-    phase_names = ["reserve", "copy_blocks", "runner.decode", "block tables", "graph replay", "decode other",
-                   "mark_written", "_sample", "sampling setup", "sample", "output processing",
-                   "engine other", "step (instrumented)"]
-    header = f"{'phase (median µs)':<24}" + "".join(f"{r['batch']:>8} {r['sampling'][:1]}" for r in rows)
+    phase_names = [
+        "reserve",
+        "copy_blocks",
+        "runner.decode",
+        "block tables",
+        "graph replay",
+        "decode other",
+        "mark_written",
+        "_sample",
+        "sampling setup",
+        "sample",
+        "output processing",
+        "engine other",
+        "step (instrumented)",
+    ]
+    header = f"{'phase (median µs)':<24}" + "".join(
+        f"{r['batch']:>8} {r['sampling'][:1]}" for r in rows
+    )
     print(header)
     print(f"{'step (clean)':<24}" + "".join(f"{r['step_us']:>10.1f}" for r in rows))
     print(f"{'  per sequence':<24}" + "".join(f"{r['per_seq_us']:>10.2f}" for r in rows))
@@ -415,22 +507,35 @@ def sampling_modes(args: argparse.Namespace) -> list[SamplingParams]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--batches", default="16,64,256")
-    parser.add_argument("--steps", type=int, default=200, help="timed decode steps per batch (twice: clean, phases)")
+    parser.add_argument(
+        "--steps", type=int, default=200, help="timed decode steps per batch (twice: clean, phases)"
+    )
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--admit-reps", type=int, default=40)
     parser.add_argument("--vocab", type=int, default=512, help="the stub model's vocabulary")
     parser.add_argument("--sampling", choices=("greedy", "both"), default="greedy")
-    parser.add_argument("--ids-only", action="store_true",
-                        help="requests stream token ids only (detokenize=False), as `radixinfer bench` asks")
-    parser.add_argument("--model", help="also run this real model (preset or checkpoint dir) through api.LLM")
+    parser.add_argument(
+        "--ids-only",
+        action="store_true",
+        help="requests stream token ids only (detokenize=False), as `radixinfer bench` asks",
+    )
+    parser.add_argument(
+        "--model", help="also run this real model (preset or checkpoint dir) through api.LLM"
+    )
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--model-steps", type=int, default=100)
-    parser.add_argument("--hbm-tbps", type=float, default=4.25, help="HBM bandwidth for the decode floor")
+    parser.add_argument(
+        "--hbm-tbps", type=float, default=4.25, help="HBM bandwidth for the decode floor"
+    )
     parser.add_argument("--skip-stub", action="store_true")
-    parser.add_argument("--json", nargs="?", const="-", help="write every number as JSON to this path (- = stdout)")
+    parser.add_argument(
+        "--json", nargs="?", const="-", help="write every number as JSON to this path (- = stdout)"
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     # The engine's host work is one thread; on a small shared CPU, torch's intra-op pool only adds jitter.
@@ -445,17 +550,24 @@ def main() -> None:
 
     if not args.skip_stub:
         max_batch = max(batches)
-        num_blocks = max_batch * -(-(PROMPT_LEN + args.warmup + 2 * args.steps + 16) // BLOCK_SIZE) + 64
+        num_blocks = (
+            max_batch * -(-(PROMPT_LEN + args.warmup + 2 * args.steps + 16) // BLOCK_SIZE) + 64
+        )
         engine = build_stub_engine(device, args.vocab, max_batch, num_blocks)
         modes = sampling_modes(args)
-        result["stub_decode"] = [bench_decode(engine, b, params, args.steps, args.warmup, rng)
-                                 for params in modes for b in batches]
+        result["stub_decode"] = [
+            bench_decode(engine, b, params, args.steps, args.warmup, rng)
+            for params in modes
+            for b in batches
+        ]
         print_decode(result["stub_decode"], f"stub model, {device}: host time per decode step")
         dump()
         result["stub_admit"] = admit = bench_admit(device, args.vocab, args.admit_reps, rng)
-        print(f"\nadmission round: {admit['requests']} requests x {admit['prompt_len']} tokens sharing a cached "
-              f"{admit['shared_prefix']}-token prefix: {admit['round_us']:.0f} µs ({admit['per_request_us']:.1f} "
-              f"µs/request; add_request {admit['add_request_us_per_request']:.1f} µs/request)")
+        print(
+            f"\nadmission round: {admit['requests']} requests x {admit['prompt_len']} tokens sharing a cached "
+            f"{admit['shared_prefix']}-token prefix: {admit['round_us']:.0f} µs ({admit['per_request_us']:.1f} "
+            f"µs/request; add_request {admit['add_request_us_per_request']:.1f} µs/request)"
+        )
         for name, us in admit["phases_us"].items():
             print(f"  {name:<28}{us:>10.1f}")
         dump()
@@ -464,8 +576,13 @@ def main() -> None:
 
         context = PROMPT_LEN + args.warmup + 2 * args.model_steps + 16
         t0 = time.perf_counter()
-        llm = LLM(args.model, device=args.device, dtype=args.dtype, max_batch_size=max(batches),
-                  num_blocks=max(batches) * -(-context // BLOCK_SIZE) + 64)
+        llm = LLM(
+            args.model,
+            device=args.device,
+            dtype=args.dtype,
+            max_batch_size=max(batches),
+            num_blocks=max(batches) * -(-context // BLOCK_SIZE) + 64,
+        )
         result["model_build_s"] = time.perf_counter() - t0
         engine = llm.engine
         rows = []
@@ -473,14 +590,21 @@ def main() -> None:
             for b in batches:
                 try:  # one failing case (say, out of memory at the largest batch) keeps the others
                     if device.type == "cuda":
-                        rows.append(bench_model_decode(engine, b, params, args.model_steps, args.warmup, rng,
-                                                       args.hbm_tbps))
+                        rows.append(
+                            bench_model_decode(
+                                engine, b, params, args.model_steps, args.warmup, rng, args.hbm_tbps
+                            )
+                        )
                     else:
-                        rows.append(bench_decode(engine, b, params, args.model_steps, args.warmup, rng))
+                        rows.append(
+                            bench_decode(engine, b, params, args.model_steps, args.warmup, rng)
+                        )
                 except Exception as exc:  # noqa: BLE001 - reported, then the next case runs
                     traceback.print_exc()
                     rows.append({"batch": b, "sampling": params.temperature, "error": repr(exc)})
-                    abort_all(engine, [i for i, r in engine.requests.items() if r.finish_reason is None])
+                    abort_all(
+                        engine, [i for i, r in engine.requests.items() if r.finish_reason is None]
+                    )
                 print(json.dumps(rows[-1]))
                 result[f"model_decode:{args.model}"] = rows
                 dump()

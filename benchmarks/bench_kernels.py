@@ -20,9 +20,9 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -86,8 +86,12 @@ def ceilings() -> dict:
     read_tbs = x.numel() * x.element_size() / median_ms(lambda: x.sum(dtype=torch.float32)) / 1e9
     a, b = (torch.randn(8192, 8192, device="cuda", dtype=DTYPE) for _ in range(2))
     matmul_tflops = 2 * 8192**3 / median_ms(lambda: a @ b) / 1e9
-    return {"copy_TBps": copy_tbs, "read_TBps": read_tbs, "hbm_TBps": max(copy_tbs, read_tbs),
-            "matmul_TFLOPs": matmul_tflops}
+    return {
+        "copy_TBps": copy_tbs,
+        "read_TBps": read_tbs,
+        "hbm_TBps": max(copy_tbs, read_tbs),
+        "matmul_TFLOPs": matmul_tflops,
+    }
 
 
 def paged_pool(num_layers: int, num_seqs: int, context_len: int, m: Model):
@@ -95,53 +99,87 @@ def paged_pool(num_layers: int, num_seqs: int, context_len: int, m: Model):
     blocks_per_seq = math.ceil(context_len / BLOCK_SIZE)
     num_blocks = num_seqs * blocks_per_seq
     shape = (num_layers, num_blocks, BLOCK_SIZE, m.num_kv_heads, m.head_dim)
-    k_pool, v_pool = torch.randn(shape, device="cuda", dtype=DTYPE), torch.randn(shape, device="cuda", dtype=DTYPE)
-    tables = torch.randperm(num_blocks, device="cuda").to(torch.int32).view(num_seqs, blocks_per_seq)
+    k_pool, v_pool = (
+        torch.randn(shape, device="cuda", dtype=DTYPE),
+        torch.randn(shape, device="cuda", dtype=DTYPE),
+    )
+    tables = (
+        torch.randperm(num_blocks, device="cuda").to(torch.int32).view(num_seqs, blocks_per_seq)
+    )
     return k_pool, v_pool, tables
 
 
 def sdpa_decode_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
     """One SDPA flash call per layer of ``k``/``v`` (``[num_layers, B, Hkv, C, D]``), with native GQA (each
     KV head read once for its group); where this torch lacks that, over K/V repeated to the query heads."""
+
     def calls(k, v, **kwargs):
-        return [lambda i=i: scaled_dot_product_attention(q, k[i], v[i], scale=scale, **kwargs) for i in range(len(k))]
+        return [
+            lambda i=i: scaled_dot_product_attention(q, k[i], v[i], scale=scale, **kwargs)
+            for i in range(len(k))
+        ]
 
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         try:
             return graph_ms(calls(k, v, enable_gqa=True)), "flash"
         except RuntimeError:
             group = q.shape[1] // k.shape[2]
-            return graph_ms(calls(k.repeat_interleave(group, 2), v.repeat_interleave(group, 2))), "flash, repeated KV"
+            return graph_ms(
+                calls(k.repeat_interleave(group, 2), v.repeat_interleave(group, 2))
+            ), "flash, repeated KV"
 
 
 def bench_decode(m: Model, num_seqs: int, context_len: int, hbm_tbs: float) -> dict:
     kv_bytes = 2 * num_seqs * context_len * m.num_kv_heads * m.head_dim * DTYPE.itemsize
-    num_layers = max(2, min(16, int(4e9 // kv_bytes)))  # distinct caches per replay, a few GB at most
+    num_layers = max(
+        2, min(16, int(4e9 // kv_bytes))
+    )  # distinct caches per replay, a few GB at most
     k_pool, v_pool, tables = paged_pool(num_layers, num_seqs, context_len, m)
     q = torch.randn(num_seqs, m.num_heads, m.head_dim, device="cuda", dtype=DTYPE)
     context_lens = torch.full((num_seqs,), context_len, device="cuda", dtype=torch.int32)
     scale = m.head_dim**-0.5
-    triton_ms = graph_ms([
-        lambda i=i: paged_decode_attention_triton(q, k_pool[i], v_pool[i], tables, context_lens, context_len, scale)
-        for i in range(num_layers)
-    ])
+    triton_ms = graph_ms(
+        [
+            lambda i=i: paged_decode_attention_triton(
+                q, k_pool[i], v_pool[i], tables, context_lens, context_len, scale
+            )
+            for i in range(num_layers)
+        ]
+    )
     # the baseline: SDPA over the same amount of KV laid out contiguously
-    k, v = (torch.randn(num_layers, num_seqs, m.num_kv_heads, context_len, m.head_dim, device="cuda", dtype=DTYPE)
-            for _ in range(2))
+    k, v = (
+        torch.randn(
+            num_layers,
+            num_seqs,
+            m.num_kv_heads,
+            context_len,
+            m.head_dim,
+            device="cuda",
+            dtype=DTYPE,
+        )
+        for _ in range(2)
+    )
     sdpa_ms, sdpa_kind = sdpa_decode_calls(q.unsqueeze(2), k, v, scale)
     io_bytes = kv_bytes + 2 * q.numel() * q.element_size() + tables.numel() * 4
     floor_us = io_bytes / hbm_tbs / 1e6
     return {
-        "model": m.name, "batch x context": f"{num_seqs}x{context_len}",
+        "model": m.name,
+        "batch x context": f"{num_seqs}x{context_len}",
         "splits": decode_num_splits(num_seqs, m.num_kv_heads, context_len, q.device),
-        "KV MB": kv_bytes / 1e6, "floor us": floor_us,
-        "triton us": triton_ms * 1e3, "triton TB/s": io_bytes / triton_ms / 1e9,
+        "KV MB": kv_bytes / 1e6,
+        "floor us": floor_us,
+        "triton us": triton_ms * 1e3,
+        "triton TB/s": io_bytes / triton_ms / 1e9,
         "of floor": floor_us / (triton_ms * 1e3),
-        "sdpa us": sdpa_ms * 1e3, "sdpa TB/s": io_bytes / sdpa_ms / 1e9, "sdpa kernel": sdpa_kind,
+        "sdpa us": sdpa_ms * 1e3,
+        "sdpa TB/s": io_bytes / sdpa_ms / 1e9,
+        "sdpa kernel": sdpa_kind,
     }
 
 
-def bench_extend(m: Model, num_seqs: int, new_len: int, prefix_len: int, matmul_tflops: float) -> dict:
+def bench_extend(
+    m: Model, num_seqs: int, new_len: int, prefix_len: int, matmul_tflops: float
+) -> dict:
     context_len = prefix_len + new_len
     k_pool, v_pool, tables = paged_pool(1, num_seqs, context_len, m)
     q = torch.randn(num_seqs * new_len, m.num_heads, m.head_dim, device="cuda", dtype=DTYPE)
@@ -152,37 +190,68 @@ def bench_extend(m: Model, num_seqs: int, new_len: int, prefix_len: int, matmul_
     work = np.zeros((2, num_seqs * -(-new_len // block_m)), dtype=np.int32)
     plan_extend_work(np.full(num_seqs, new_len), np.full(num_seqs, context_len), block_m, work)
     work = torch.from_numpy(work).cuda()
-    triton_ms = graph_ms([lambda: extend_attention_triton(q, k_pool[0], v_pool[0], tables, context_lens,
-                                                          query_start_loc, work, scale)])
+    triton_ms = graph_ms(
+        [
+            lambda: extend_attention_triton(
+                q, k_pool[0], v_pool[0], tables, context_lens, query_start_loc, work, scale
+            )
+        ]
+    )
 
     # SDPA's flash kernel, bottom-right causal (new token i sees the prefix and new tokens 0..i), K/V heads
     # repeated to the query heads as that kernel needs
     q4 = q.view(num_seqs, new_len, m.num_heads, m.head_dim).transpose(1, 2)
-    k, v = (torch.randn(num_seqs, m.num_heads, context_len, m.head_dim, device="cuda", dtype=DTYPE)
-            for _ in range(2))
-    sdpa_ms = graph_ms([lambda: torch.ops.aten._scaled_dot_product_flash_attention(
-        q4, k, v, 0.0, is_causal=True, scale=scale)])
-    flops = 4 * num_seqs * m.num_heads * m.head_dim * (new_len * prefix_len + new_len * (new_len + 1) / 2)
+    k, v = (
+        torch.randn(num_seqs, m.num_heads, context_len, m.head_dim, device="cuda", dtype=DTYPE)
+        for _ in range(2)
+    )
+    sdpa_ms = graph_ms(
+        [
+            lambda: torch.ops.aten._scaled_dot_product_flash_attention(
+                q4, k, v, 0.0, is_causal=True, scale=scale
+            )
+        ]
+    )
+    flops = (
+        4
+        * num_seqs
+        * m.num_heads
+        * m.head_dim
+        * (new_len * prefix_len + new_len * (new_len + 1) / 2)
+    )
     return {
-        "model": m.name, "seqs x new (+prefix)": f"{num_seqs}x{new_len} (+{prefix_len})",
+        "model": m.name,
+        "seqs x new (+prefix)": f"{num_seqs}x{new_len} (+{prefix_len})",
         "floor us": flops / matmul_tflops / 1e6,
-        "triton us": triton_ms * 1e3, "triton TFLOP/s": flops / triton_ms / 1e9,
-        "sdpa us": sdpa_ms * 1e3, "sdpa TFLOP/s": flops / sdpa_ms / 1e9, "triton / sdpa": sdpa_ms / triton_ms,
+        "triton us": triton_ms * 1e3,
+        "triton TFLOP/s": flops / triton_ms / 1e9,
+        "sdpa us": sdpa_ms * 1e3,
+        "sdpa TFLOP/s": flops / sdpa_ms / 1e9,
+        "triton / sdpa": sdpa_ms / triton_ms,
     }
 
 
 def bench_copy_blocks(m: Model, num_copies: int, hbm_tbs: float) -> dict:
     num_blocks = 4 * num_copies
     shape = (m.num_layers, num_blocks, BLOCK_SIZE, m.num_kv_heads, m.head_dim)
-    k_pool, v_pool = torch.randn(shape, device="cuda", dtype=DTYPE), torch.randn(shape, device="cuda", dtype=DTYPE)
+    k_pool, v_pool = (
+        torch.randn(shape, device="cuda", dtype=DTYPE),
+        torch.randn(shape, device="cuda", dtype=DTYPE),
+    )
     perm = torch.randperm(num_blocks, device="cuda")
-    src, dst = perm[:num_copies], perm[num_copies:2 * num_copies]
-    moved = 2 * 2 * num_copies * k_pool[0, 0].numel() * m.num_layers * DTYPE.itemsize  # read + write, K and V
+    src, dst = perm[:num_copies], perm[num_copies : 2 * num_copies]
+    moved = (
+        2 * 2 * num_copies * k_pool[0, 0].numel() * m.num_layers * DTYPE.itemsize
+    )  # read + write, K and V
     triton_ms = graph_ms([lambda: copy_blocks_triton(k_pool, v_pool, src, dst)])
     ref_ms = graph_ms([lambda: copy_blocks_ref(k_pool, v_pool, src, dst)])
     return {
-        "kernel": f"copy_blocks {num_copies} blocks", "model": m.name, "MB moved": moved / 1e6,
-        "floor us": moved / hbm_tbs / 1e6, "triton us": triton_ms * 1e3, "TB/s": moved / triton_ms / 1e9,
+        "kernel": f"copy_blocks {num_copies} blocks",
+        "model": m.name,
+        "MB moved": moved / 1e6,
+        "floor us": moved / hbm_tbs / 1e6,
+        "triton us": triton_ms * 1e3,
+        "TB/s": moved / triton_ms / 1e9,
         "torch ref us": ref_ms * 1e3,
     }
 
@@ -190,13 +259,20 @@ def bench_copy_blocks(m: Model, num_copies: int, hbm_tbs: float) -> dict:
 def bench_store_kv(m: Model, num_tokens: int, hbm_tbs: float) -> dict:
     num_blocks = 4 * math.ceil(num_tokens / BLOCK_SIZE)
     k_pool, v_pool, _ = paged_pool(1, 1, num_blocks * BLOCK_SIZE, m)
-    k, v = (torch.randn(num_tokens, m.num_kv_heads, m.head_dim, device="cuda", dtype=DTYPE) for _ in range(2))
+    k, v = (
+        torch.randn(num_tokens, m.num_kv_heads, m.head_dim, device="cuda", dtype=DTYPE)
+        for _ in range(2)
+    )
     slots = torch.randperm(num_blocks * BLOCK_SIZE, device="cuda")[:num_tokens]
     moved = 2 * 2 * k.numel() * DTYPE.itemsize + slots.numel() * 8
     triton_ms = graph_ms([lambda: store_kv_triton(k_pool[0], v_pool[0], k, v, slots)])
     return {
-        "kernel": f"store_kv {num_tokens} tokens", "model": m.name, "MB moved": moved / 1e6,
-        "floor us": moved / hbm_tbs / 1e6, "triton us": triton_ms * 1e3, "TB/s": moved / triton_ms / 1e9,
+        "kernel": f"store_kv {num_tokens} tokens",
+        "model": m.name,
+        "MB moved": moved / 1e6,
+        "floor us": moved / hbm_tbs / 1e6,
+        "triton us": triton_ms * 1e3,
+        "TB/s": moved / triton_ms / 1e9,
         "torch ref us": None,  # store_kv_ref syncs (boolean indexing): no graph to time it in
     }
 
@@ -208,8 +284,12 @@ def bench_argmax(rows: int, vocab: int, hbm_tbs: float) -> dict:
     triton_ms = graph_ms([lambda: argmax_triton(logits)])
     torch_ms = graph_ms([lambda: logits.argmax(dim=-1)])
     return {
-        "kernel": f"argmax {rows} x {vocab}", "MB read": read / 1e6, "floor us": read / hbm_tbs / 1e6,
-        "triton us": triton_ms * 1e3, "TB/s": read / triton_ms / 1e9, "torch argmax us": torch_ms * 1e3,
+        "kernel": f"argmax {rows} x {vocab}",
+        "MB read": read / 1e6,
+        "floor us": read / hbm_tbs / 1e6,
+        "triton us": triton_ms * 1e3,
+        "TB/s": read / triton_ms / 1e9,
+        "torch argmax us": torch_ms * 1e3,
     }
 
 
@@ -224,29 +304,50 @@ def table(rows: list[dict]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--json", type=Path, help="also write every number here")
     args = parser.parse_args()
     props = torch.cuda.get_device_properties(0)
     ceil = ceilings()
-    print(f"# {props.name}, {props.multi_processor_count} SMs, L2 {props.L2_cache_size / 1e6:.0f} MB; "
-          f"torch {torch.__version__}; copy {ceil['copy_TBps']:.2f} TB/s (read+write), "
-          f"sum {ceil['read_TBps']:.2f} TB/s (read), "
-          f"bf16 matmul {ceil['matmul_TFLOPs']:.0f} TFLOP/s", flush=True)
+    print(
+        f"# {props.name}, {props.multi_processor_count} SMs, L2 {props.L2_cache_size / 1e6:.0f} MB; "
+        f"torch {torch.__version__}; copy {ceil['copy_TBps']:.2f} TB/s (read+write), "
+        f"sum {ceil['read_TBps']:.2f} TB/s (read), "
+        f"bf16 matmul {ceil['matmul_TFLOPs']:.0f} TFLOP/s",
+        flush=True,
+    )
 
-    decode = [bench_decode(m, b, c, ceil["hbm_TBps"])
-              for m in MODELS for b, c in [(1, 32768), (64, 4096), (256, 1024), (1, 1024)]]
+    decode = [
+        bench_decode(m, b, c, ceil["hbm_TBps"])
+        for m in MODELS
+        for b, c in [(1, 32768), (64, 4096), (256, 1024), (1, 1024)]
+    ]
     print("\n## decode attention (bf16, block_size 16; per layer)\n" + table(decode), flush=True)
     extend = [bench_extend(m, 8, 2048, p, ceil["matmul_TFLOPs"]) for m in MODELS for p in (0, 1024)]
     print("\n## extend attention (bf16, block_size 16)\n" + table(extend), flush=True)
     moves = [bench_copy_blocks(m, 256, ceil["hbm_TBps"]) for m in MODELS]
     moves += [bench_store_kv(m, n, ceil["hbm_TBps"]) for m in MODELS for n in (256, 16384)]
     print("\n## KV copies\n" + table(moves))
-    argmax = [bench_argmax(r, v, ceil["hbm_TBps"]) for r, v in [(512, 151936), (64, 151936), (128, 50257)]]
+    argmax = [
+        bench_argmax(r, v, ceil["hbm_TBps"]) for r, v in [(512, 151936), (64, 151936), (128, 50257)]
+    ]
     print("\n## greedy sampling: argmax over the logits\n" + table(argmax))
     if args.json:
-        args.json.write_text(json.dumps({"device": props.name, "ceilings": ceil, "decode": decode,
-                                         "extend": extend, "moves": moves, "argmax": argmax}, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "device": props.name,
+                    "ceilings": ceil,
+                    "decode": decode,
+                    "extend": extend,
+                    "moves": moves,
+                    "argmax": argmax,
+                },
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

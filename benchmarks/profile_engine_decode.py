@@ -24,7 +24,9 @@ from radixinfer.engine.request import Status
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="qwen2.5-0.5b")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--groups", type=int, default=16)
@@ -62,9 +64,11 @@ def main() -> None:
             step_us.append((time.perf_counter() - start) * 1e6)
     finally:
         torch.cuda.CUDAGraph.replay = replay
-    print(f"{torch.cuda.get_device_name()}, {args.model} batch {batch}: engine step "
-          f"{statistics.median(step_us):.0f} us (median of 30), graph replay host time "
-          f"{statistics.median(replay_us):.0f} us")
+    print(
+        f"{torch.cuda.get_device_name()}, {args.model} batch {batch}: engine step "
+        f"{statistics.median(step_us):.0f} us (median of 30), graph replay host time "
+        f"{statistics.median(replay_us):.0f} us"
+    )
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()

@@ -39,7 +39,9 @@ from radixinfer.engine.model_runner import ModelRunner
 from radixinfer.models import load_model
 
 
-def block_tables(batch: int, context: int, shared: int, groups: int, block_size: int) -> list[list[int]]:
+def block_tables(
+    batch: int, context: int, shared: int, groups: int, block_size: int
+) -> list[list[int]]:
     """Sequence ``s`` belongs to group ``s % groups``; a group's sequences share the blocks of the first
     ``shared`` positions (a whole number of blocks), the rest of every table is its own."""
     shared_blocks, total_blocks = shared // block_size, -(-context // block_size)
@@ -101,19 +103,25 @@ def print_kernels(per_kernel: dict[str, list[float]], top: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="qwen2.5-0.5b")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--batch", type=int, default=512)
     parser.add_argument("--context", type=int, default=1216)
     parser.add_argument("--shared", type=int, default=1024)
     parser.add_argument("--groups", type=int, default=16)
-    parser.add_argument("--query-len", type=int, default=1, help="positions each sequence computes (1 = decode)")
+    parser.add_argument(
+        "--query-len", type=int, default=1, help="positions each sequence computes (1 = decode)"
+    )
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--hbm-tbps", type=float, default=4.8)
-    parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16/fp16 peak (H100/H200 SXM)")
+    parser.add_argument(
+        "--peak-tflops", type=float, default=989.0, help="dense bf16/fp16 peak (H100/H200 SXM)"
+    )
     args = parser.parse_args()
 
     device = torch.device("cuda")
@@ -121,20 +129,31 @@ def main() -> None:
     model = loaded.model
     tables = block_tables(args.batch, args.context, args.shared, args.groups, args.block_size)
     num_blocks = max(max(t) for t in tables) + 1
-    kv = KVStore(model.num_layers, num_blocks, args.block_size, model.num_kv_heads, model.head_dim, loaded.dtype,
-                 device)
+    kv = KVStore(
+        model.num_layers,
+        num_blocks,
+        args.block_size,
+        model.num_kv_heads,
+        model.head_dim,
+        loaded.dtype,
+        device,
+    )
     kv.k.normal_()
     kv.v.normal_()
     runner = ModelRunner(model, kv, get_backend("cuda"), device, args.batch)
-    print(f"{args.model} {args.dtype} batch {args.batch} context {args.context} shared {args.shared} x {args.groups}"
-          f" groups, query {args.query_len} on {torch.cuda.get_device_name()}")
+    print(
+        f"{args.model} {args.dtype} batch {args.batch} context {args.context} shared {args.shared} x {args.groups}"
+        f" groups, query {args.query_len} on {torch.cuda.get_device_name()}"
+    )
     if args.query_len > 1:
         profile_prefill(args, model, runner, tables)
     else:
         profile_decode(args, model, runner, tables, kv)
 
 
-def profile_prefill(args: argparse.Namespace, model, runner: ModelRunner, tables: list[list[int]]) -> None:
+def profile_prefill(
+    args: argparse.Namespace, model, runner: ModelRunner, tables: list[list[int]]
+) -> None:
     q, c, n, bs = args.query_len, args.context, args.batch, args.block_size
     positions = [p for _ in range(n) for p in range(c - q, c)]
     slots = [t[p // bs] * bs + p % bs for t in tables for p in range(c - q, c)]
@@ -156,31 +175,44 @@ def profile_prefill(args: argparse.Namespace, model, runner: ModelRunner, tables
     torch.cuda.synchronize()
     per_kernel = kernel_times(forward)
     embed = model.vocab_size * model.hidden_size
-    body = sum(p.numel() for p in model.parameters()) - embed * (1 if model.config.tie_word_embeddings else 2)
+    body = sum(p.numel() for p in model.parameters()) - embed * (
+        1 if model.config.tie_word_embeddings else 2
+    )
     matmul = 2 * body * n * q + 2 * embed * n
     attention = 4 * model.num_layers * model.num_heads * model.head_dim * n * q * (c - (q - 1) / 2)
     floor_us = (matmul + attention) / (args.peak_tflops * 1e6)
-    print(f"prefill forward {us:.0f} us for {n * q} tokens ({us / (n * q) * 1e3:.0f} ns/token); FLOPs: matmuls "
-          f"{matmul / 1e12:.2f} T + attention {attention / 1e12:.2f} T = floor {floor_us:.0f} us at "
-          f"{args.peak_tflops:.0f} TFLOP/s ({floor_us / us:.0%} achieved)")
-    print(f"host time to launch it: {statistics.median(launch_us):.0f} us; GPU kernels alone: "
-          f"{sum(t for t, _ in per_kernel.values()):.0f} us")
+    print(
+        f"prefill forward {us:.0f} us for {n * q} tokens ({us / (n * q) * 1e3:.0f} ns/token); FLOPs: matmuls "
+        f"{matmul / 1e12:.2f} T + attention {attention / 1e12:.2f} T = floor {floor_us:.0f} us at "
+        f"{args.peak_tflops:.0f} TFLOP/s ({floor_us / us:.0%} achieved)"
+    )
+    print(
+        f"host time to launch it: {statistics.median(launch_us):.0f} us; GPU kernels alone: "
+        f"{sum(t for t, _ in per_kernel.values()):.0f} us"
+    )
     print_kernels(per_kernel, args.top)
     host_profile(forward, args.top)
 
 
-def profile_decode(args: argparse.Namespace, model, runner: ModelRunner, tables: list[list[int]], kv) -> None:
+def profile_decode(
+    args: argparse.Namespace, model, runner: ModelRunner, tables: list[list[int]], kv
+) -> None:
     n = args.batch
     ids, positions = [7] * n, [args.context - 1] * n
     slots = [t[-1] * args.block_size + (args.context - 1) % args.block_size for t in tables]
     contexts = [args.context] * n
 
-    runner.decode(ids, positions, slots, tables, contexts)  # fills the buffers; plans the shared prefixes
+    runner.decode(
+        ids, positions, slots, tables, contexts
+    )  # fills the buffers; plans the shared prefixes
     shared = bool(runner._decode_buffers.tile_lens.any())
     torch.cuda.synchronize()
     # both variants replay on the same buffers: the plain one ignores the planned tiles
-    graph_us = {variant: cuda_time_us(graph.replay, args.iters)
-                for (size, variant), (graph, _) in runner._graphs.items() if size == n}
+    graph_us = {
+        variant: cuda_time_us(graph.replay, args.iters)
+        for (size, variant), (graph, _) in runner._graphs.items()
+        if size == n
+    }
     per_kernel = kernel_times(lambda: runner._decode_forward(n, args.context, shared))
     eager_us = sum(t for t, _ in per_kernel.values())
     kernels = sum(c for _, c in per_kernel.values())
@@ -190,11 +222,18 @@ def profile_decode(args: argparse.Namespace, model, runner: ModelRunner, tables:
     kv_unique = n * args.context * per_pos
     kv_shared = (args.groups * args.shared + n * (args.context - args.shared)) * per_pos
     floor = lambda b: b / (args.hbm_tbps * 1e6)  # noqa: E731  bytes -> µs
-    replays = ", ".join(f"{'shared-prefix' if v else 'plain'} {t:.0f} us" for v, t in sorted(graph_us.items()))
-    print(f"graph replay: {replays}; eager kernels ({'shared-prefix' if shared else 'plain'}) {eager_us:.0f} us "
-          f"in {kernels:.0f} launches")
-    print(f"floor: weights {weight_bytes / 1e9:.2f} GB + KV {kv_unique / 1e9:.2f} GB = {floor(weight_bytes + kv_unique):.0f}"
-          f" us; with each shared prefix read once {floor(weight_bytes + kv_shared):.0f} us")
+    replays = ", ".join(
+        f"{'shared-prefix' if v else 'plain'} {t:.0f} us" for v, t in sorted(graph_us.items())
+    )
+    print(
+        f"graph replay: {replays}; eager kernels ({'shared-prefix' if shared else 'plain'}) {eager_us:.0f} us "
+        f"in {kernels:.0f} launches"
+    )
+    print(
+        f"floor: weights {weight_bytes / 1e9:.2f} GB + KV {kv_unique / 1e9:.2f} GB = "
+        f"{floor(weight_bytes + kv_unique):.0f}"
+        f" us; with each shared prefix read once {floor(weight_bytes + kv_shared):.0f} us"
+    )
     print_kernels(per_kernel, args.top)
 
 

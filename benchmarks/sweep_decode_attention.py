@@ -22,23 +22,34 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import kernels.paged_attention as pa  # noqa: E402
 from profile_forward import block_tables  # noqa: E402
+
+import kernels.paged_attention as pa  # noqa: E402
 from radixinfer.attention.shared_prefix import SharedPrefixPlanner  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS, BLOCK_SIZE = 14, 2, 64, 24, 16
-SHAPES = [(128, 4, 3), (128, 2, 3), (64, 4, 3), (64, 2, 3), (64, 2, 2)]  # (BLOCK_N, num_warps, num_stages)
+SHAPES = [
+    (128, 4, 3),
+    (128, 2, 3),
+    (64, 4, 3),
+    (64, 2, 3),
+    (64, 2, 2),
+]  # (BLOCK_N, num_warps, num_stages)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--batch", type=int, default=512)
     parser.add_argument("--context", type=int, default=1216)
     parser.add_argument("--shared", type=int, default=1024)
     parser.add_argument("--groups", type=int, default=16)
     args = parser.parse_args()
     dtype, n = torch.bfloat16, args.batch
-    tables = sorted(block_tables(n, args.context, args.shared, args.groups, BLOCK_SIZE), key=lambda t: t[0])
+    tables = sorted(
+        block_tables(n, args.context, args.shared, args.groups, BLOCK_SIZE), key=lambda t: t[0]
+    )
     num_blocks = max(max(t) for t in tables) + 1
     k = torch.randn(LAYERS, num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, device="cuda", dtype=dtype)
     v = torch.randn_like(k)
@@ -46,21 +57,37 @@ def main() -> None:
     for i, t in enumerate(tables):
         host_tables[i, : len(t)] = t
     context_lens = np.full(n, args.context, np.int32)
-    planner = SharedPrefixPlanner(BLOCK_SIZE, pa.shared_prefix_seqs_per_tile(HEADS, KV_HEADS, dtype))
+    planner = SharedPrefixPlanner(
+        BLOCK_SIZE, pa.shared_prefix_seqs_per_tile(HEADS, KV_HEADS, dtype)
+    )
     max_tiles = planner.max_tiles(n)
     tile_seqs = np.zeros((max_tiles, planner.seqs_per_tile), np.int32)
     tile_lens, kv_starts = np.zeros(max_tiles, np.int32), np.zeros(n, np.int32)
     used = planner.plan(host_tables, context_lens, tile_seqs, tile_lens, kv_starts)
-    shared = pa.SharedPrefixTiles(*(torch.from_numpy(a).cuda() for a in (tile_seqs, tile_lens, kv_starts)))
-    tables_dev, lens_dev = torch.from_numpy(host_tables).cuda(), torch.from_numpy(context_lens).cuda()
+    shared = pa.SharedPrefixTiles(
+        *(torch.from_numpy(a).cuda() for a in (tile_seqs, tile_lens, kv_starts))
+    )
+    tables_dev, lens_dev = (
+        torch.from_numpy(host_tables).cuda(),
+        torch.from_numpy(context_lens).cuda(),
+    )
     q = torch.randn(n, HEADS, HEAD_DIM, device="cuda", dtype=dtype)
     out = torch.empty_like(q)
 
     def replay_us(tiles: pa.SharedPrefixTiles | None) -> float:
         def step() -> None:
             for layer in range(LAYERS):
-                pa.paged_decode_attention_triton(q, k[layer], v[layer], tables_dev, lens_dev, args.context,
-                                                 HEAD_DIM**-0.5, out=out, shared=tiles)
+                pa.paged_decode_attention_triton(
+                    q,
+                    k[layer],
+                    v[layer],
+                    tables_dev,
+                    lens_dev,
+                    args.context,
+                    HEAD_DIM**-0.5,
+                    out=out,
+                    shared=tiles,
+                )
 
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -80,17 +107,24 @@ def main() -> None:
             times.append(start.elapsed_time(end) * 1e3)
         return statistics.median(times)
 
-    print(f"{torch.cuda.get_device_name()}: batch {n}, context {args.context}, {args.groups} groups sharing "
-          f"{args.shared} positions ({used} tiles); {LAYERS} layers' decode attention per graph replay, us")
+    print(
+        f"{torch.cuda.get_device_name()}: batch {n}, context {args.context}, {args.groups} groups sharing "
+        f"{args.shared} positions ({used} tiles); {LAYERS} layers' decode attention per graph replay, us"
+    )
     default = pa._decode_config
     for block_n, warps, stages in SHAPES:
         pa._decode_config = lambda block_d, dt, s=(block_n, warps, stages): dict(  # noqa: E731
-            BLOCK_N=s[0], num_warps=s[1], num_stages=s[2])
-        print(f"BLOCK_N {block_n:3d} warps {warps} stages {stages}: shared prefix {replay_us(shared):6.0f}  "
-              f"whole contexts {replay_us(None):6.0f}")
+            BLOCK_N=s[0], num_warps=s[1], num_stages=s[2]
+        )
+        print(
+            f"BLOCK_N {block_n:3d} warps {warps} stages {stages}: shared prefix {replay_us(shared):6.0f}  "
+            f"whole contexts {replay_us(None):6.0f}"
+        )
     pa._decode_config = default
-    print(f"default {default(HEAD_DIM, dtype)}: shared prefix {replay_us(shared):6.0f}  "
-          f"whole contexts {replay_us(None):6.0f}")
+    print(
+        f"default {default(HEAD_DIM, dtype)}: shared prefix {replay_us(shared):6.0f}  "
+        f"whole contexts {replay_us(None):6.0f}"
+    )
 
 
 if __name__ == "__main__":

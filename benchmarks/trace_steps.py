@@ -70,7 +70,10 @@ class StepTracer:
         runner.decode = self._wrap_gpu(runner.decode, "decode")
 
     def detach(self) -> None:
-        for obj, names in ((self.engine, ("step", "_prefill_round", "_decode")), (self.engine.runner, ("prefill", "decode"))):
+        for obj, names in (
+            (self.engine, ("step", "_prefill_round", "_decode")),
+            (self.engine.runner, ("prefill", "decode")),
+        ):
             for name in names:
                 vars(obj).pop(name, None)
 
@@ -85,6 +88,7 @@ class StepTracer:
             record.end = time.perf_counter()
             record.prompt_tokens = counters.computed_prompt_tokens - computed
             return out
+
         return step
 
     def _wrap_phase(self, fn, attr: str):
@@ -94,6 +98,7 @@ class StepTracer:
             out = fn(*args)
             setattr(self.steps[-1], attr, getattr(self.steps[-1], attr) + time.perf_counter() - t0)
             return out
+
         return phase
 
     def _wrap_gpu(self, fn, kind: str):
@@ -109,6 +114,7 @@ class StepTracer:
             end.record()
             self.steps[-1].gpu.append((kind, start, end))
             return out
+
         return call
 
     def summary(self, wall_s: float) -> dict:
@@ -116,9 +122,19 @@ class StepTracer:
             torch.cuda.synchronize()
         groups: dict[str, dict] = {}
         for s in self.steps:
-            g = groups.setdefault("prefill steps" if s.prompt_tokens else "decode-only steps", {
-                "steps": 0, "wall_ms": 0.0, "prefill_round_ms": 0.0, "decode_phase_ms": 0.0, "prompt_tokens": 0,
-                "decode_rows": 0, "gpu_prefill_ms": 0.0, "gpu_decode_ms": 0.0})
+            g = groups.setdefault(
+                "prefill steps" if s.prompt_tokens else "decode-only steps",
+                {
+                    "steps": 0,
+                    "wall_ms": 0.0,
+                    "prefill_round_ms": 0.0,
+                    "decode_phase_ms": 0.0,
+                    "prompt_tokens": 0,
+                    "decode_rows": 0,
+                    "gpu_prefill_ms": 0.0,
+                    "gpu_decode_ms": 0.0,
+                },
+            )
             g["steps"] += 1
             g["wall_ms"] += (s.end - s.start) * 1e3
             g["prefill_round_ms"] += s.prefill_s * 1e3
@@ -128,23 +144,37 @@ class StepTracer:
             for kind, start, end in s.gpu:
                 g[f"gpu_{kind}_ms"] += start.elapsed_time(end)
         in_steps = sum(s.end - s.start for s in self.steps)
-        return {"wall_ms": wall_s * 1e3, "in_steps_ms": in_steps * 1e3, "gap_ms": (wall_s - in_steps) * 1e3,
-                "groups": {k: {n: round(v, 3) if isinstance(v, float) else v for n, v in g.items()}
-                           for k, g in groups.items()}}
+        return {
+            "wall_ms": wall_s * 1e3,
+            "in_steps_ms": in_steps * 1e3,
+            "gap_ms": (wall_s - in_steps) * 1e3,
+            "groups": {
+                k: {n: round(v, 3) if isinstance(v, float) else v for n, v in g.items()}
+                for k, g in groups.items()
+            },
+        }
 
     def timeline(self) -> list[dict]:
         t0 = self.steps[0].start if self.steps else 0.0
         rows = []
         for s in self.steps:
-            row = {"start_ms": (s.start - t0) * 1e3, "end_ms": (s.end - t0) * 1e3, "prefill_ms": s.prefill_s * 1e3,
-                   "decode_ms": s.decode_s * 1e3, "prompt_tokens": s.prompt_tokens, "decode_batch": s.decode_batch}
+            row = {
+                "start_ms": (s.start - t0) * 1e3,
+                "end_ms": (s.end - t0) * 1e3,
+                "prefill_ms": s.prefill_s * 1e3,
+                "decode_ms": s.decode_s * 1e3,
+                "prompt_tokens": s.prompt_tokens,
+                "decode_batch": s.decode_batch,
+            }
             for kind, start, end in s.gpu:
                 row[f"gpu_{kind}_ms"] = row.get(f"gpu_{kind}_ms", 0.0) + start.elapsed_time(end)
             rows.append(row)
         return rows
 
 
-def drive_direct(engine: LLMEngine, prompts: Sequence[list[int]], params: Sequence[SamplingParams]) -> float:
+def drive_direct(
+    engine: LLMEngine, prompts: Sequence[list[int]], params: Sequence[SamplingParams]
+) -> float:
     """Add every prompt, step until done; returns the wall seconds (burst arrival only)."""
     start = time.perf_counter()
     for prompt, p in zip(prompts, params):
@@ -159,20 +189,37 @@ def drive_direct(engine: LLMEngine, prompts: Sequence[list[int]], params: Sequen
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_bench_arguments(parser)
-    parser.add_argument("--trace-json", default=None, help="write both summaries and per-step timelines here")
-    parser.add_argument("--host-profile", type=int, default=0, metavar="N",
-                        help="also profile the direct run's host side (cProfile) and print its top N functions")
+    parser.add_argument(
+        "--trace-json", default=None, help="write both summaries and per-step timelines here"
+    )
+    parser.add_argument(
+        "--host-profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also profile the direct run's host side (cProfile) and print its top N functions",
+    )
     args = parser.parse_args()
     check_bench_arguments(parser, args)
-    backend = open_radixinfer(args.model, args, not args.no_prefix_cache, args.prefill_admission_policy)
+    backend = open_radixinfer(
+        args.model, args, not args.no_prefix_cache, args.prefill_admission_policy
+    )
     engine, server = backend.llm.engine, backend._server
     sessions = build_workload(args, backend.tokenizer, backend.vocab_size)
     if any(s.num_turns > 1 for s in sessions):
         sys.exit("trace_steps: single-turn workloads only")
-    offsets = arrival_offsets(len(sessions), args.request_rate, args.submit_interval_ms,
-                              np.random.default_rng(args.seed + 1))
-    prompts, params = zip(*(request_for(s, s.prompt, backend.max_context_len, args) for s in sessions))
-    prompts = [backend.native_prompt(p) for p in prompts]  # converted before the clock, as the bench does
+    offsets = arrival_offsets(
+        len(sessions),
+        args.request_rate,
+        args.submit_interval_ms,
+        np.random.default_rng(args.seed + 1),
+    )
+    prompts, params = zip(
+        *(request_for(s, s.prompt, backend.max_context_len, args) for s in sessions)
+    )
+    prompts = [
+        backend.native_prompt(p) for p in prompts
+    ]  # converted before the clock, as the bench does
 
     def served() -> float:
         return run_workload(backend, sessions, offsets, args, "trace")[1]
@@ -188,6 +235,7 @@ def main() -> None:
             stats.sort_stats("tottime").print_stats(args.host_profile)
             stats.sort_stats("cumulative").print_stats(args.host_profile)
             return wall
+
         return server.call(run).result()
 
     result = {}

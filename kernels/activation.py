@@ -27,10 +27,14 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_xt, INTER: tl.constexpr, BLOCK: 
     gate = tl.load(x_ptr + token * stride_xt + cols, mask=mask).to(tl.float32)
     up = tl.load(x_ptr + token * stride_xt + INTER + cols, mask=mask).to(tl.float32)
     act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + token * INTER + cols, act * up, mask=mask)  # the store rounds to the model dtype
+    tl.store(
+        out_ptr + token * INTER + cols, act * up, mask=mask
+    )  # the store rounds to the model dtype
 
 
-def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:  # [T, 2 * I], any token stride -> [T, I] contiguous
+def silu_and_mul_triton(
+    x: torch.Tensor,
+) -> torch.Tensor:  # [T, 2 * I], any token stride -> [T, I] contiguous
     """Same function as `silu_and_mul_ref`, in one launch."""
     num_tokens, width = x.shape
     assert width % 2 == 0 and x.stride(1) == 1
@@ -39,5 +43,7 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:  # [T, 2 * I], any tok
     if num_tokens == 0:
         return out
     block = min(triton.next_power_of_2(inter), 1024)
-    _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](x, out, x.stride(0), INTER=inter, BLOCK=block)
+    _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
+        x, out, x.stride(0), INTER=inter, BLOCK=block
+    )
     return out

@@ -25,8 +25,9 @@ def argmax_ref(logits: torch.Tensor) -> torch.Tensor:  # [rows, vocab] -> [rows]
 
 
 @triton.jit
-def _argmax_partial_kernel(x_ptr, val_ptr, idx_ptr, stride_row, vocab, chunk_len, num_chunks,
-                           BLOCK: tl.constexpr):
+def _argmax_partial_kernel(
+    x_ptr, val_ptr, idx_ptr, stride_row, vocab, chunk_len, num_chunks, BLOCK: tl.constexpr
+):
     """Program (row, chunk): the maximum of positions ``[chunk * chunk_len, (chunk + 1) * chunk_len)`` and its
     first index. Each lane keeps its own best (strictly greater replaces, so a lane keeps its first
     occurrence, lanes visiting increasing positions), then the lanes reduce to the lowest index of the max."""
@@ -39,7 +40,9 @@ def _argmax_partial_kernel(x_ptr, val_ptr, idx_ptr, stride_row, vocab, chunk_len
     best_idx = tl.full([BLOCK], 2147483647, tl.int32)
     for off in range(start, end, BLOCK):
         cols = off + offs
-        x = tl.load(x_ptr + row * stride_row + cols, mask=cols < end, other=float("-inf")).to(tl.float32)
+        x = tl.load(x_ptr + row * stride_row + cols, mask=cols < end, other=float("-inf")).to(
+            tl.float32
+        )
         # strictly greater replaces; an equal value only from an earlier position (so a row of -inf still
         # names its first index), never from past the chunk's end
         take = ((x > best) | ((x == best) & (cols < best_idx))) & (cols < end)
@@ -47,7 +50,9 @@ def _argmax_partial_kernel(x_ptr, val_ptr, idx_ptr, stride_row, vocab, chunk_len
         best_idx = tl.where(take, cols, best_idx)
     top = tl.max(best, 0)
     tl.store(val_ptr + row * num_chunks + chunk, top)
-    tl.store(idx_ptr + row * num_chunks + chunk, tl.min(tl.where(best == top, best_idx, 2147483647), 0))
+    tl.store(
+        idx_ptr + row * num_chunks + chunk, tl.min(tl.where(best == top, best_idx, 2147483647), 0)
+    )
 
 
 @triton.jit
@@ -78,7 +83,8 @@ def argmax_triton(logits: torch.Tensor, chunks: int | None = None) -> torch.Tens
     chunks = triton.cdiv(vocab, chunk_len)  # none empty
     vals = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)
     idxs = torch.empty(rows, chunks, dtype=torch.int32, device=logits.device)
-    _argmax_partial_kernel[(rows, chunks)](logits, vals, idxs, logits.stride(0), vocab, chunk_len, chunks,
-                                           BLOCK=BLOCK, num_warps=8)
+    _argmax_partial_kernel[(rows, chunks)](
+        logits, vals, idxs, logits.stride(0), vocab, chunk_len, chunks, BLOCK=BLOCK, num_warps=8
+    )
     _argmax_merge_kernel[(rows,)](vals, idxs, out, chunks, BLOCK_C=triton.next_power_of_2(chunks))
     return out

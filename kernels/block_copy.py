@@ -19,8 +19,12 @@ def copy_blocks_ref(
 
 @triton.jit
 def _copy_blocks_kernel(
-    k_cache_ptr, v_cache_ptr, src_ptr, dst_ptr,
-    stride_layer, stride_block,  # shared by both pools; one block's elements are contiguous
+    k_cache_ptr,
+    v_cache_ptr,
+    src_ptr,
+    dst_ptr,
+    stride_layer,
+    stride_block,  # shared by both pools; one block's elements are contiguous
     block_numel,  # block_size * num_kv_heads * head_dim
     CHUNK: tl.constexpr,
 ):
@@ -53,6 +57,12 @@ def copy_blocks_triton(
     assert k_cache.stride() == v_cache.stride() and k_cache[0, 0].is_contiguous()
     block_numel = k_cache[0, 0].numel()
     _copy_blocks_kernel[(num_copies, k_cache.shape[0])](
-        k_cache, v_cache, src.contiguous(), dst.contiguous(), k_cache.stride(0), k_cache.stride(1), block_numel,
+        k_cache,
+        v_cache,
+        src.contiguous(),
+        dst.contiguous(),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        block_numel,
         CHUNK=min(triton.next_power_of_2(block_numel), 4096),
     )

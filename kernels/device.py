@@ -7,7 +7,7 @@ import functools
 import torch
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device; 1 elsewhere (Triton's interpreter: fewer programs run
     faster)."""

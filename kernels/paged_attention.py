@@ -116,16 +116,25 @@ def paged_attention_ref(
 
 @triton.jit
 def _attend_kv_range(
-    acc, row_max, row_sum,  # running state: [M, BLOCK_D] f32, [M] f32 (log2 units), [M] f32
+    acc,
+    row_max,
+    row_sum,  # running state: [M, BLOCK_D] f32, [M] f32 (log2 units), [M] f32
     q,  # [M, BLOCK_D] query rows (unscaled)
     row_limit,  # [M] int32; last KV position each row may see (inclusive), read only when MASKED
-    k_head_ptr, v_head_ptr,  # cache pointers already offset to this KV head
+    k_head_ptr,
+    v_head_ptr,  # cache pointers already offset to this KV head
     table_ptr,  # this sequence's block-table row
-    lo, hi,  # KV positions [lo, hi) to visit; lo is BLOCK_N-aligned relative to the range start
+    lo,
+    hi,  # KV positions [lo, hi) to visit; lo is BLOCK_N-aligned relative to the range start
     qk_scale,  # softmax scale * log2(e)
-    stride_cb, stride_cs,
-    MASKED: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    stride_cb,
+    stride_cs,
+    MASKED: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Online-softmax update of (acc, row_max, row_sum) with the KV positions ``[lo, hi)``.
 
@@ -139,7 +148,9 @@ def _attend_kv_range(
         pos = start + offs_n  # [N]
         in_range = pos < hi
         block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
-        rows = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs  # [N] element offsets of the K/V rows
+        rows = (
+            block * stride_cb + (pos % BLOCK_SIZE) * stride_cs
+        )  # [N] element offsets of the K/V rows
         kv_mask = in_range[:, None] & (offs_d[None, :] < HEAD_DIM)
         k = tl.load(k_head_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [N, D]
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, N]
@@ -157,21 +168,69 @@ def _attend_kv_range(
 
 @triton.jit
 def _attend_kv_span(
-    acc, row_max, row_sum, q, row_limit, k_head_ptr, v_head_ptr, table_ptr,
-    lo, full_end, hi,  # [lo, full_end): every row sees every position; [full_end, hi): masked by row_limit
-    qk_scale, stride_cb, stride_cs,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    acc,
+    row_max,
+    row_sum,
+    q,
+    row_limit,
+    k_head_ptr,
+    v_head_ptr,
+    table_ptr,
+    lo,
+    full_end,
+    hi,  # [lo, full_end): every row sees every position; [full_end, hi): masked by row_limit
+    qk_scale,
+    stride_cb,
+    stride_cs,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """`_attend_kv_range` over a span whose unmasked part is a whole number of KV tiles and whose tail (at
     most a tile or a causal diagonal) is masked: the one loop shape every kernel here runs."""
     acc, row_max, row_sum = _attend_kv_range(
-        acc, row_max, row_sum, q, row_limit, k_head_ptr, v_head_ptr, table_ptr, lo, full_end, qk_scale,
-        stride_cb, stride_cs, False, BLOCK_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION,
+        acc,
+        row_max,
+        row_sum,
+        q,
+        row_limit,
+        k_head_ptr,
+        v_head_ptr,
+        table_ptr,
+        lo,
+        full_end,
+        qk_scale,
+        stride_cb,
+        stride_cs,
+        False,
+        BLOCK_SIZE,
+        BLOCK_N,
+        HEAD_DIM,
+        BLOCK_D,
+        DOT_PRECISION,
     )
     return _attend_kv_range(
-        acc, row_max, row_sum, q, row_limit, k_head_ptr, v_head_ptr, table_ptr, full_end, hi, qk_scale,
-        stride_cb, stride_cs, True, BLOCK_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION,
+        acc,
+        row_max,
+        row_sum,
+        q,
+        row_limit,
+        k_head_ptr,
+        v_head_ptr,
+        table_ptr,
+        full_end,
+        hi,
+        qk_scale,
+        stride_cb,
+        stride_cs,
+        True,
+        BLOCK_SIZE,
+        BLOCK_N,
+        HEAD_DIM,
+        BLOCK_D,
+        DOT_PRECISION,
     )
 
 
@@ -186,17 +245,32 @@ def _partial_result(acc, row_max, row_sum):
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    context_lens_ptr,
     kv_starts_ptr,  # [num_seqs] int32: first position this kernel covers (read only with SHARED_CHUNKS)
     part_out_ptr,  # [num_seqs, num_heads, num_slots, head_dim]; f32 workspace, or the output if 1 split
     part_lse_ptr,  # [num_seqs, num_heads, num_slots] f32, contiguous
-    qk_scale, num_splits,
-    stride_qt, stride_qh,
-    stride_cb, stride_cs, stride_ch,
+    qk_scale,
+    num_splits,
+    stride_qt,
+    stride_qh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
     stride_bt,
-    stride_pt, stride_ph, stride_ps,
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    stride_pt,
+    stride_ph,
+    stride_ps,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     SHARED_CHUNKS: tl.constexpr,  # 0: no shared-prefix tiles; else the tile kernel's chunks per prefix
 ):
     """Program (seq, kv_head, split): partial ``split`` of ``[kv_start, context_len)``. With shared-prefix
@@ -220,18 +294,41 @@ def _decode_split_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     heads = kv_head * GROUP + offs_g  # [G]
     q_mask = (offs_g[:, None] < GROUP) & (offs_d[None, :] < HEAD_DIM)
-    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=q_mask, other=0.0)
+    q = tl.load(
+        q_ptr + seq * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=q_mask,
+        other=0.0,
+    )
 
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     row_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_G], tl.float32)
-    row_limit = tl.zeros([BLOCK_G], tl.int32) + hi - 1  # the only mask decode needs: the range's tail
+    row_limit = (
+        tl.zeros([BLOCK_G], tl.int32) + hi - 1
+    )  # the only mask decode needs: the range's tail
     k_head_ptr = k_cache_ptr + kv_head * stride_ch
     v_head_ptr = v_cache_ptr + kv_head * stride_ch
     table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     acc, row_max, row_sum = _attend_kv_span(
-        acc, row_max, row_sum, q, row_limit, k_head_ptr, v_head_ptr, table_ptr, lo, full_end, hi,
-        qk_scale, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION,
+        acc,
+        row_max,
+        row_sum,
+        q,
+        row_limit,
+        k_head_ptr,
+        v_head_ptr,
+        table_ptr,
+        lo,
+        full_end,
+        hi,
+        qk_scale,
+        stride_cb,
+        stride_cs,
+        BLOCK_SIZE,
+        BLOCK_N,
+        HEAD_DIM,
+        BLOCK_D,
+        DOT_PRECISION,
     )
 
     out, lse = _partial_result(acc, row_max, row_sum)
@@ -243,24 +340,45 @@ def _decode_split_kernel(
         if (split == 0) & (start == 0):
             empty = tl.full([BLOCK_G, SHARED_CHUNKS], float("-inf"), tl.float32)
             chunks = num_splits + tl.arange(0, SHARED_CHUNKS)
-            tl.store(part_lse_ptr + lse_row[:, None] + chunks[None, :], empty, mask=(offs_g < GROUP)[:, None])
+            tl.store(
+                part_lse_ptr + lse_row[:, None] + chunks[None, :],
+                empty,
+                mask=(offs_g < GROUP)[:, None],
+            )
 
 
 @triton.jit
 def _shared_prefix_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
     tile_seqs_ptr,  # [num_tiles, SEQS_PER_TILE] int32: the sequences of each tile, -1 = none
     tile_lens_ptr,  # [num_tiles] int32: positions [0, len) every sequence of the tile shares; 0 = idle tile
     part_out_ptr,  # [num_seqs, num_heads, num_slots, head_dim] f32: writes the last SHARED_CHUNKS slots
     part_lse_ptr,  # [num_seqs, num_heads, num_slots] f32, contiguous
-    qk_scale, num_slots,
-    stride_qt, stride_qh,
-    stride_cb, stride_cs, stride_ch,
+    qk_scale,
+    num_slots,
+    stride_qt,
+    stride_qh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
     stride_bt,
-    stride_pt, stride_ph, stride_ps,
-    GROUP: tl.constexpr, NUM_HEADS: tl.constexpr, SEQS_PER_TILE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, SHARED_CHUNKS: tl.constexpr, MIN_CHUNK: tl.constexpr,
+    stride_pt,
+    stride_ph,
+    stride_ps,
+    GROUP: tl.constexpr,
+    NUM_HEADS: tl.constexpr,
+    SEQS_PER_TILE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    SHARED_CHUNKS: tl.constexpr,
+    MIN_CHUNK: tl.constexpr,
 ):
     """Program (tile, kv_head, chunk): row ``r`` is query head ``r % GROUP`` of the KV head's group in the
     tile's sequence ``r // GROUP``; all rows see all of the chunk's part of ``[0, len)``, read through the
@@ -279,13 +397,18 @@ def _shared_prefix_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     member = offs_m // GROUP
-    seq = tl.load(tile_seqs_ptr + tile * SEQS_PER_TILE + member, mask=member < SEQS_PER_TILE, other=-1)
+    seq = tl.load(
+        tile_seqs_ptr + tile * SEQS_PER_TILE + member, mask=member < SEQS_PER_TILE, other=-1
+    )
     valid = seq >= 0  # [M]
     seq = tl.maximum(seq, 0).to(tl.int64)
     heads = kv_head * GROUP + offs_m % GROUP  # [M]
     row_mask = valid[:, None] & (offs_d[None, :] < HEAD_DIM)
-    q = tl.load(q_ptr + seq[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=row_mask,
-                other=0.0)
+    q = tl.load(
+        q_ptr + seq[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=row_mask,
+        other=0.0,
+    )
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -294,15 +417,41 @@ def _shared_prefix_kernel(
     full_end = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
     k_head_ptr = k_cache_ptr + kv_head * stride_ch
     v_head_ptr = v_cache_ptr + kv_head * stride_ch
-    table_ptr = block_tables_ptr + tl.load(tile_seqs_ptr + tile * SEQS_PER_TILE).to(tl.int64) * stride_bt
+    table_ptr = (
+        block_tables_ptr + tl.load(tile_seqs_ptr + tile * SEQS_PER_TILE).to(tl.int64) * stride_bt
+    )
     acc, row_max, row_sum = _attend_kv_span(
-        acc, row_max, row_sum, q, row_limit, k_head_ptr, v_head_ptr, table_ptr, lo, full_end, hi,
-        qk_scale, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION,
+        acc,
+        row_max,
+        row_sum,
+        q,
+        row_limit,
+        k_head_ptr,
+        v_head_ptr,
+        table_ptr,
+        lo,
+        full_end,
+        hi,
+        qk_scale,
+        stride_cb,
+        stride_cs,
+        BLOCK_SIZE,
+        BLOCK_N,
+        HEAD_DIM,
+        BLOCK_D,
+        DOT_PRECISION,
     )
     slot = num_slots - SHARED_CHUNKS + chunk_id
     out, lse = _partial_result(acc, row_max, row_sum)
-    tl.store(part_out_ptr + seq[:, None] * stride_pt + heads[:, None] * stride_ph + slot * stride_ps
-             + offs_d[None, :], out, mask=row_mask)
+    tl.store(
+        part_out_ptr
+        + seq[:, None] * stride_pt
+        + heads[:, None] * stride_ph
+        + slot * stride_ps
+        + offs_d[None, :],
+        out,
+        mask=row_mask,
+    )
     tl.store(part_lse_ptr + (seq * NUM_HEADS + heads) * num_slots + slot, lse, mask=valid)
 
 
@@ -311,8 +460,13 @@ def _decode_merge_kernel(
     part_out_ptr,  # [num_seqs, num_heads, num_slots, head_dim] f32, contiguous
     part_lse_ptr,  # [num_seqs, num_heads, num_slots] f32, contiguous
     out_ptr,  # [num_seqs, num_heads, head_dim]
-    num_slots, stride_ot, stride_oh,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
+    num_slots,
+    stride_ot,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     """Program (seq, head block): for each of BLOCK_H heads, out = sum_s 2^(lse_s - max) * out_s /
@@ -326,31 +480,60 @@ def _decode_merge_kernel(
     dims = tl.arange(0, BLOCK_D)[None, None, :]  # [1, 1, D]
     rows = seq * NUM_HEADS + heads  # [H, 1]
     lse_mask = (heads < NUM_HEADS) & (slots < num_slots)
-    lse = tl.load(part_lse_ptr + rows * num_slots + slots, mask=lse_mask, other=float("-inf"))  # [H, S]
+    lse = tl.load(
+        part_lse_ptr + rows * num_slots + slots, mask=lse_mask, other=float("-inf")
+    )  # [H, S]
     top = tl.max(lse, 1)  # [H]
-    weight = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top)[:, None])  # [H, S]; all 0 for context_len 0
+    weight = tl.exp2(
+        lse - tl.where(top == float("-inf"), 0.0, top)[:, None]
+    )  # [H, S]; all 0 for context_len 0
     part_mask = (lse_mask & (lse > float("-inf")))[:, :, None] & (dims < HEAD_DIM)
-    parts = tl.load(part_out_ptr + ((rows * num_slots + slots) * HEAD_DIM)[:, :, None] + dims, mask=part_mask,
-                    other=0.0)  # [H, S, D]
+    parts = tl.load(
+        part_out_ptr + ((rows * num_slots + slots) * HEAD_DIM)[:, :, None] + dims,
+        mask=part_mask,
+        other=0.0,
+    )  # [H, S, D]
     total = tl.sum(weight, 1)  # [H]
     out = tl.sum(parts * weight[:, :, None], 1) / tl.where(total > 0, total, 1.0)[:, None]  # [H, D]
     out_dims = tl.arange(0, BLOCK_D)[None, :]
-    tl.store(out_ptr + seq * stride_ot + heads * stride_oh + out_dims, out,
-             mask=(heads < NUM_HEADS) & (out_dims < HEAD_DIM))
+    tl.store(
+        out_ptr + seq * stride_ot + heads * stride_oh + out_dims,
+        out,
+        mask=(heads < NUM_HEADS) & (out_dims < HEAD_DIM),
+    )
 
 
 @triton.jit
 def _extend_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, context_lens_ptr, query_start_loc_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    block_tables_ptr,
+    context_lens_ptr,
+    query_start_loc_ptr,
     work_ptr,  # [2, num_items] int32: (sequence, query tile) per item; tile -1 = idle
     qk_scale,
-    stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_cb, stride_cs, stride_ch,
-    stride_bt, stride_work,
-    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    stride_work,
+    GROUP: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
-    head = tl.program_id(0)  # fastest: the query heads of one KV head run together and share its K/V in L2
+    head = tl.program_id(
+        0
+    )  # fastest: the query heads of one KV head run together and share its K/V in L2
     item = tl.program_id(1)
     tile = tl.load(work_ptr + stride_work + item)
     if tile < 0:  # padding of a list planned for fewer tiles than the grid holds
@@ -366,7 +549,11 @@ def _extend_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     rows = (q_start + offs_m).to(tl.int64)
     row_mask = (offs_m[:, None] < query_len) & (offs_d[None, :] < HEAD_DIM)
-    q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :], mask=row_mask, other=0.0)
+    q = tl.load(
+        q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+        mask=row_mask,
+        other=0.0,
+    )
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -379,32 +566,57 @@ def _extend_kernel(
     v_head_ptr = v_cache_ptr + kv_head * stride_ch
     table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     acc, row_max, row_sum = _attend_kv_span(
-        acc, row_max, row_sum, q, row_limit, k_head_ptr, v_head_ptr, table_ptr, 0, full_end, hi,
-        qk_scale, stride_cb, stride_cs, BLOCK_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION,
+        acc,
+        row_max,
+        row_sum,
+        q,
+        row_limit,
+        k_head_ptr,
+        v_head_ptr,
+        table_ptr,
+        0,
+        full_end,
+        hi,
+        qk_scale,
+        stride_cb,
+        stride_cs,
+        BLOCK_SIZE,
+        BLOCK_N,
+        HEAD_DIM,
+        BLOCK_D,
+        DOT_PRECISION,
     )
     out = acc / row_sum[:, None]  # padded rows (not stored) may divide by 0
-    tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :], out, mask=row_mask)
+    tl.store(
+        out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :], out, mask=row_mask
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Launchers
 
-MIN_TOKENS_PER_SPLIT = 64  # one or two KV tiles: below this a split's fixed cost (q load, partial write) dominates
+MIN_TOKENS_PER_SPLIT = (
+    64  # one or two KV tiles: below this a split's fixed cost (q load, partial write) dominates
+)
 MAX_SPLITS = 128  # bounds the workspace: [num_seqs, num_heads, num_splits, head_dim] f32
 # A shared prefix is read in this many chunks (programs) per tile and KV head, each of at least MIN_SHARED_CHUNK
 # positions (a multiple of every BLOCK_N): without chunks 16 groups' tiles are ~128 programs on 132 SMs, each
 # walking a whole 1,024-position prefix alone.
 SHARED_PREFIX_CHUNKS = 4
 MIN_SHARED_CHUNK = 128
-MERGE_TILE_ELEMENTS = 8192  # float32 partial values one merge program holds: 64 per thread at 4 warps
+MERGE_TILE_ELEMENTS = (
+    8192  # float32 partial values one merge program holds: 64 per thread at 4 warps
+)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
 
 
-def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, device: torch.device) -> int:
+def decode_num_splits(
+    num_seqs: int, num_kv_heads: int, max_context_len: int, device: torch.device
+) -> int:
     """How many programs share one sequence's context: up to four programs per SM in all, no more than one
     per ``MIN_TOKENS_PER_SPLIT`` positions of the longest context. Rounding down matters: once
     ``num_seqs * num_kv_heads`` alone gives about four programs per SM, a second split costs more (partials,
@@ -415,7 +627,9 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, de
     return max(1, min(by_occupancy, by_length, MAX_SPLITS))
 
 
-def _check_layouts(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor):
+def _check_layouts(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor
+):
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
     assert block_tables.stride(1) == 1
     assert q.shape[1] % k_cache.shape[2] == 0, "num_heads must be a multiple of num_kv_heads"
@@ -432,7 +646,9 @@ def _decode_config(block_d: int, dtype: torch.dtype) -> dict:
     17% faster than 128 on four (the step runs ~1,000 programs of one or two tiles each: smaller
     programs keep more of them in flight), and are within 3% at batches 1 to 256 and head_dim
     128."""
-    if dtype == torch.float32:  # exact fp32 dots run on CUDA cores: small tiles avoid register spills
+    if (
+        dtype == torch.float32
+    ):  # exact fp32 dots run on CUDA cores: small tiles avoid register spills
         return dict(BLOCK_N=32, num_warps=4, num_stages=2)
     return dict(BLOCK_N=64, num_warps=2, num_stages=2)
 
@@ -464,7 +680,9 @@ def plan_extend_work(
     if num_items > out.shape[1]:
         raise ValueError(f"{num_items} extend work items exceed the capacity of {out.shape[1]}")
     seqs = np.repeat(np.arange(len(query_lens)), tiles_per_seq)
-    tiles = np.arange(num_items) - np.repeat(np.cumsum(tiles_per_seq) - tiles_per_seq, tiles_per_seq)
+    tiles = np.arange(num_items) - np.repeat(
+        np.cumsum(tiles_per_seq) - tiles_per_seq, tiles_per_seq
+    )
     span = (context_lens - query_lens)[seqs] + tiles * block_m
     order = np.argsort(-span, kind="stable")
     out[0, :num_items] = seqs[order]
@@ -506,7 +724,8 @@ def paged_decode_attention_triton(
     scale: float,
     num_splits: int | None = None,  # None: decode_num_splits(...)
     out: torch.Tensor | None = None,  # [num_seqs, num_heads, head_dim]; allocated when None
-    shared: SharedPrefixTiles | None = None,  # read each tile's shared prefix once for all its sequences
+    shared: SharedPrefixTiles
+    | None = None,  # read each tile's shared prefix once for all its sequences
 ) -> torch.Tensor:
     """Flash-decoding over the paged cache. No host sync and a grid fixed by (num_seqs, num_kv_heads,
     num_splits) and the number of shared-prefix tiles, so it is CUDA-graph capturable; results do not
@@ -525,8 +744,13 @@ def paged_decode_attention_triton(
     num_slots = num_splits + shared_chunks
 
     # One partial is already the answer: write it straight to `out` and skip the merge.
-    parts = out.unsqueeze(2) if num_slots == 1 else torch.empty(
-        (num_seqs, num_heads, num_slots, head_dim), dtype=torch.float32, device=q.device)
+    parts = (
+        out.unsqueeze(2)
+        if num_slots == 1
+        else torch.empty(
+            (num_seqs, num_heads, num_slots, head_dim), dtype=torch.float32, device=q.device
+        )
+    )
     lse = torch.empty((num_seqs, num_heads, num_slots), dtype=torch.float32, device=q.device)
     # The tile kernel and the split kernel write disjoint slots: on CUDA they run side by side (the tile
     # kernel on a second stream, joined before the merge; a captured graph keeps the two branches), so the
@@ -535,15 +759,32 @@ def paged_decode_attention_triton(
     if side is not None:
         side.wait_stream(torch.cuda.current_stream(q.device))
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens.contiguous(),
-        context_lens if shared is None else shared.kv_starts, parts, lse,
-        qk_scale, num_splits,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens.contiguous(),
+        context_lens if shared is None else shared.kv_starts,
+        parts,
+        lse,
+        qk_scale,
+        num_splits,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
         block_tables.stride(0),
-        parts.stride(0), parts.stride(1), parts.stride(2),
-        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, DOT_PRECISION=_dot_precision(q.dtype), SHARED_CHUNKS=shared_chunks,
+        parts.stride(0),
+        parts.stride(1),
+        parts.stride(2),
+        GROUP=group,
+        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        DOT_PRECISION=_dot_precision(q.dtype),
+        SHARED_CHUNKS=shared_chunks,
         **_decode_config(block_d, q.dtype),
     )
     if shared is not None:
@@ -552,24 +793,55 @@ def paged_decode_attention_triton(
         assert shared.seqs.is_contiguous() and 0 < seqs_per_tile * group <= config["BLOCK_M"]
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             _shared_prefix_kernel[(num_tiles, num_kv_heads, shared_chunks)](
-                q, k_cache, v_cache, block_tables, shared.seqs, shared.lens, parts, lse,
-                qk_scale, num_slots,
-                q.stride(0), q.stride(1),
-                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                q,
+                k_cache,
+                v_cache,
+                block_tables,
+                shared.seqs,
+                shared.lens,
+                parts,
+                lse,
+                qk_scale,
+                num_slots,
+                q.stride(0),
+                q.stride(1),
+                k_cache.stride(0),
+                k_cache.stride(1),
+                k_cache.stride(2),
                 block_tables.stride(0),
-                parts.stride(0), parts.stride(1), parts.stride(2),
-                GROUP=group, NUM_HEADS=num_heads, SEQS_PER_TILE=seqs_per_tile, BLOCK_SIZE=block_size,
-                HEAD_DIM=head_dim, BLOCK_D=block_d, DOT_PRECISION=_dot_precision(q.dtype),
-                SHARED_CHUNKS=shared_chunks, MIN_CHUNK=MIN_SHARED_CHUNK, **config,
+                parts.stride(0),
+                parts.stride(1),
+                parts.stride(2),
+                GROUP=group,
+                NUM_HEADS=num_heads,
+                SEQS_PER_TILE=seqs_per_tile,
+                BLOCK_SIZE=block_size,
+                HEAD_DIM=head_dim,
+                BLOCK_D=block_d,
+                DOT_PRECISION=_dot_precision(q.dtype),
+                SHARED_CHUNKS=shared_chunks,
+                MIN_CHUNK=MIN_SHARED_CHUNK,
+                **config,
             )
         if side is not None:
             torch.cuda.current_stream(q.device).wait_stream(side)
     if num_slots > 1:
         block_s = triton.next_power_of_2(num_slots)
-        block_h = min(triton.next_power_of_2(num_heads), max(1, MERGE_TILE_ELEMENTS // (block_s * block_d)))
+        block_h = min(
+            triton.next_power_of_2(num_heads), max(1, MERGE_TILE_ELEMENTS // (block_s * block_d))
+        )
         _decode_merge_kernel[(num_seqs, triton.cdiv(num_heads, block_h))](
-            parts, lse, out, num_slots, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_S=block_s, BLOCK_D=block_d,
+            parts,
+            lse,
+            out,
+            num_slots,
+            out.stride(0),
+            out.stride(1),
+            NUM_HEADS=num_heads,
+            HEAD_DIM=head_dim,
+            BLOCK_H=block_h,
+            BLOCK_S=block_s,
+            BLOCK_D=block_d,
         )
     return out
 
@@ -594,15 +866,34 @@ def extend_attention_triton(
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     block_d = triton.next_power_of_2(head_dim)
     config = _extend_config(q.dtype)
-    assert work.stride(1) == 1 and work.shape[1] < 65536, "a grid's second dimension holds 65,535 items"
+    assert work.stride(1) == 1 and work.shape[1] < 65536, (
+        "a grid's second dimension holds 65,535 items"
+    )
     _extend_kernel[(num_heads, work.shape[1])](
-        q, k_cache, v_cache, out, block_tables, context_lens.contiguous(), query_start_loc.contiguous(), work,
+        q,
+        k_cache,
+        v_cache,
+        out,
+        block_tables,
+        context_lens.contiguous(),
+        query_start_loc.contiguous(),
+        work,
         scale * math.log2(math.e),
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), work.stride(0),
-        GROUP=num_heads // num_kv_heads, BLOCK_SIZE=block_size,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, DOT_PRECISION=_dot_precision(q.dtype), **config,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        work.stride(0),
+        GROUP=num_heads // num_kv_heads,
+        BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        DOT_PRECISION=_dot_precision(q.dtype),
+        **config,
     )
     return out
 
@@ -619,14 +910,33 @@ def paged_attention_triton(
     scale: float,
     out: torch.Tensor | None = None,
     shared: SharedPrefixTiles | None = None,  # decode only
-    extend_work: torch.Tensor | None = None,  # extend only: [2, num_items] int32 from `plan_extend_work`
+    extend_work: torch.Tensor
+    | None = None,  # extend only: [2, num_items] int32 from `plan_extend_work`
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Same function as `paged_attention_ref`: the decode kernel when every sequence has one new token
     (then row b of ``q`` is sequence b), the extend kernel otherwise."""
     if max_query_len == 1:
         return paged_decode_attention_triton(
-            q, k_cache, v_cache, block_tables, context_lens, max_context_len, scale, out=out, shared=shared)
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            context_lens,
+            max_context_len,
+            scale,
+            out=out,
+            shared=shared,
+        )
     assert shared is None, "shared-prefix tiles are a decode-only layout"
     assert extend_work is not None, "the extend kernel needs its work list (plan_extend_work)"
     return extend_attention_triton(
-        q, k_cache, v_cache, block_tables, context_lens, query_start_loc, extend_work, scale, out=out)
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        query_start_loc,
+        extend_work,
+        scale,
+        out=out,
+    )

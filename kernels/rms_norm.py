@@ -32,11 +32,21 @@ def rms_norm_ref(
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr,
-    stride_xt, stride_xh, stride_rt, stride_rh,  # x, residual: [num_tokens, num_rows, dim], last stride 1
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    new_residual_ptr,
+    stride_xt,
+    stride_xh,
+    stride_rt,
+    stride_rh,  # x, residual: [num_tokens, num_rows, dim], last stride 1
     eps,
-    NUM_ROWS: tl.constexpr, DIM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_ROWS: tl.constexpr,
+    DIM: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """One program per token: each of its rows (one hidden state, or one per head) normalised on its own."""
     token = tl.program_id(0).to(tl.int64)
@@ -46,7 +56,9 @@ def _rms_norm_kernel(
     x = tl.load(x_ptr + token * stride_xt + rows * stride_xh + dims, mask=mask, other=0.0)
     dst = token * NUM_ROWS * DIM + rows * DIM + dims  # out, new_residual: contiguous
     if HAS_RESIDUAL:
-        r = tl.load(residual_ptr + token * stride_rt + rows * stride_rh + dims, mask=mask, other=0.0)
+        r = tl.load(
+            residual_ptr + token * stride_rt + rows * stride_rh + dims, mask=mask, other=0.0
+        )
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
         tl.store(new_residual_ptr + dst, x, mask=mask)
     x32 = x.to(tl.float32)
@@ -76,10 +88,21 @@ def rms_norm_triton(
         return out, new_residual
     block_r, block_d = triton.next_power_of_2(num_rows), triton.next_power_of_2(dim)
     _rms_norm_kernel[(num_tokens,)](
-        x3, r3, weight, out, new_residual,
-        x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
+        x3,
+        r3,
+        weight,
+        out,
+        new_residual,
+        x3.stride(0),
+        x3.stride(1),
+        r3.stride(0),
+        r3.stride(1),
         eps,
-        NUM_ROWS=num_rows, DIM=dim, HAS_RESIDUAL=residual is not None, BLOCK_R=block_r, BLOCK_D=block_d,
+        NUM_ROWS=num_rows,
+        DIM=dim,
+        HAS_RESIDUAL=residual is not None,
+        BLOCK_R=block_r,
+        BLOCK_D=block_d,
         num_warps=min(max(block_r * block_d // 512, 1), 16),
     )
     return out, new_residual

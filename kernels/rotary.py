@@ -35,8 +35,18 @@ def rotary_ref(
 
 
 @triton.jit
-def _rotate_heads(x_ptr, stride_t, stride_h, token, cos, sin,
-                  NUM_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+def _rotate_heads(
+    x_ptr,
+    stride_t,
+    stride_h,
+    token,
+    cos,
+    sin,
+    NUM_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
     """Rotate all heads of one token of ``x`` in place; ``cos``/``sin``: [1, BLOCK_HALF] float32."""
     heads = tl.arange(0, BLOCK_H)[:, None]
     dims = tl.arange(0, BLOCK_HALF)[None, :]
@@ -50,18 +60,33 @@ def _rotate_heads(x_ptr, stride_t, stride_h, token, cos, sin,
 
 @triton.jit
 def _rotary_kernel(
-    q_ptr, k_ptr, cos_ptr, sin_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_ct,  # q, k: [T, heads, head_dim]; cos, sin: [T, half]
-    NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_ct,  # q, k: [T, heads, head_dim]; cos, sin: [T, half]
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_K_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_QH: tl.constexpr,
+    BLOCK_KH: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
 ):
     """One program per token: its cos/sin row read once, then every q head and every k head rotated."""
     token = tl.program_id(0).to(tl.int64)
     dims = tl.arange(0, BLOCK_HALF)[None, :]
     cos = tl.load(cos_ptr + token * stride_ct + dims, mask=dims < HALF).to(tl.float32)
     sin = tl.load(sin_ptr + token * stride_ct + dims, mask=dims < HALF).to(tl.float32)
-    _rotate_heads(q_ptr, stride_qt, stride_qh, token, cos, sin, NUM_Q_HEADS, HALF, BLOCK_QH, BLOCK_HALF)
-    _rotate_heads(k_ptr, stride_kt, stride_kh, token, cos, sin, NUM_K_HEADS, HALF, BLOCK_KH, BLOCK_HALF)
+    _rotate_heads(
+        q_ptr, stride_qt, stride_qh, token, cos, sin, NUM_Q_HEADS, HALF, BLOCK_QH, BLOCK_HALF
+    )
+    _rotate_heads(
+        k_ptr, stride_kt, stride_kh, token, cos, sin, NUM_K_HEADS, HALF, BLOCK_KH, BLOCK_HALF
+    )
 
 
 def rotary_triton(
@@ -80,9 +105,19 @@ def rotary_triton(
     if num_tokens == 0:
         return
     _rotary_kernel[(num_tokens,)](
-        q, k, cos, sin,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
-        NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, HALF=head_dim // 2,
-        BLOCK_QH=triton.next_power_of_2(num_q_heads), BLOCK_KH=triton.next_power_of_2(num_k_heads),
+        q,
+        k,
+        cos,
+        sin,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        cos.stride(0),
+        NUM_Q_HEADS=num_q_heads,
+        NUM_K_HEADS=num_k_heads,
+        HALF=head_dim // 2,
+        BLOCK_QH=triton.next_power_of_2(num_q_heads),
+        BLOCK_KH=triton.next_power_of_2(num_k_heads),
         BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
     )

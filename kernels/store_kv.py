@@ -22,11 +22,23 @@ def store_kv_ref(
 
 @triton.jit
 def _store_kv_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh,  # k, v: [num_tokens, num_kv_heads, head_dim], last stride 1
-    stride_cb, stride_cs, stride_ch,  # both caches: [num_blocks, block_size, num_kv_heads, head_dim]
-    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,  # k, v: [num_tokens, num_kv_heads, head_dim], last stride 1
+    stride_cb,
+    stride_cs,
+    stride_ch,  # both caches: [num_blocks, block_size, num_kv_heads, head_dim]
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """One program per token: all heads of its K and V row into one slot; slot -1 does nothing."""
     token = tl.program_id(0)
@@ -36,7 +48,12 @@ def _store_kv_kernel(
     heads = tl.arange(0, BLOCK_H)[:, None]
     dims = tl.arange(0, BLOCK_D)[None, :]
     mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM)
-    dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + heads * stride_ch + dims
+    dst = (
+        (slot // BLOCK_SIZE) * stride_cb
+        + (slot % BLOCK_SIZE) * stride_cs
+        + heads * stride_ch
+        + dims
+    )
     k = tl.load(k_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
     v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
     tl.store(k_cache_ptr + dst, k, mask=mask)  # the store casts to the cache dtype
@@ -58,9 +75,21 @@ def store_kv_triton(
     assert k.stride(2) == 1 and v.stride(2) == 1 and k_cache.stride() == v_cache.stride()
     assert k_cache.stride(3) == 1
     _store_kv_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping.contiguous(),
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping.contiguous(),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
     )

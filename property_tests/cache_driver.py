@@ -43,7 +43,9 @@ TOKENS = st.integers(0, 2)
 SALTS = st.sampled_from([None, "tenant-a", "tenant-b"])
 MAX_PROMPT = 12
 MAX_LEN = 18  # a request stops growing here (the machine finishes it at random later)
-PICK = st.integers(0, 15)  # an index into a list (live requests, past prompts), taken modulo its length
+PICK = st.integers(
+    0, 15
+)  # an index into a list (live requests, past prompts), taken modulo its length
 # A prompt is a prefix of an earlier prompt or finished conversation plus a few new tokens, so exact
 # repeats, shared prefixes and multi-turn continuations are common (see `CacheDriver._compose`).
 PROMPT_PARTS = dict(base=PICK, keep=st.integers(0, MAX_PROMPT), suffix=st.lists(TOKENS, max_size=6))
@@ -80,7 +82,9 @@ class CacheDriver(RuleBasedStateMachine):
     @initialize(block_size=st.integers(1, 8), capacity_tokens=st.integers(4, 48))
     def make_cache(self, block_size: int, capacity_tokens: int) -> None:
         """Pools of 4..48 tokens: small enough that eviction and out-of-memory run all the time."""
-        self.mgr = KVCacheManager(num_blocks=-(-capacity_tokens // block_size), block_size=block_size)
+        self.mgr = KVCacheManager(
+            num_blocks=-(-capacity_tokens // block_size), block_size=block_size
+        )
         self.bs = block_size
         self.kv = FakeKV(block_size)
         self.last_counters = counters(self.mgr)
@@ -104,16 +108,22 @@ class CacheDriver(RuleBasedStateMachine):
         for req in self.live.values():
             assert len(req.tokens) == req.seq.num_kv
             want = [kv_value(req.salt, req.tokens[: p + 1]) for p in range(len(req.tokens))]
-            assert self.kv.read(req.seq.table, req.seq.num_kv) == want, f"request {req.rid} reads wrong KV"
+            assert self.kv.read(req.seq.table, req.seq.num_kv) == want, (
+                f"request {req.rid} reads wrong KV"
+            )
 
     @invariant()
     def tree_holds_exactly_the_published_paths(self) -> None:
         tree = tree_paths(self.mgr)
         for salt in set(tree) | set(self.paths):
             for path in self.paths[salt]:
-                assert longest_match(path, tree[salt]) == len(path), f"published {path} lost without eviction"
+                assert longest_match(path, tree[salt]) == len(path), (
+                    f"published {path} lost without eviction"
+                )
             for path in tree[salt]:
-                assert longest_match(path, self.paths[salt]) == len(path), f"tree holds unpublished {path}"
+                assert longest_match(path, self.paths[salt]) == len(path), (
+                    f"tree holds unpublished {path}"
+                )
 
     @invariant()
     def counters_monotonic(self) -> None:
@@ -140,7 +150,9 @@ class CacheDriver(RuleBasedStateMachine):
         """Match + lock; the match length (token-granular, salt-scoped) and payload must match the model."""
         want = longest_match(prompt, self.paths[salt])
         seq = self.mgr.admit(prompt, salt)
-        assert seq.num_kv == seq.num_cached == want, f"matched {seq.num_kv} tokens, longest cached prefix is {want}"
+        assert seq.num_kv == seq.num_cached == want, (
+            f"matched {seq.num_kv} tokens, longest cached prefix is {want}"
+        )
         want_payload = self.payloads.get((salt, tuple(prompt))) if want == len(prompt) else None
         assert seq.payload == want_payload
         req = Req(next(self.rids), seq, salt, prompt[:want], want)
@@ -163,7 +175,9 @@ class CacheDriver(RuleBasedStateMachine):
             assert all(len(t) == 1 for t in new_tokens)
             # the vectorised cases: a fresh block, or a boundary block held alone (the rest go through reserve)
             own = sum(s.num_kv % bs == 0 or self.mgr.pool.refcount[s.table[-1]] == 1 for s in seqs)
-            event(f"reserve_step: {'all' if own == len(seqs) else 'some' if own else 'none'} vectorised")
+            event(
+                f"reserve_step: {'all' if own == len(seqs) else 'some' if own else 'none'} vectorised"
+            )
             decode_lanes = DecodeLanes(seqs)
             plan = self.mgr.reserve_step(decode_lanes)
             if plan is not None:
@@ -174,7 +188,9 @@ class CacheDriver(RuleBasedStateMachine):
         self._sync_after_eviction()
         if plan is None:
             event("reserve: out of memory")
-            assert [(s.table, s.num_kv) for s in seqs] == before, "a failed reserve changed a sequence"
+            assert [(s.table, s.num_kv) for s in seqs] == before, (
+                "a failed reserve changed a sequence"
+            )
             assert self.mgr.counters.cow_copies == cow_copies
             return None
         assert self.mgr.counters.cow_copies == cow_copies + len(plan.copies)
@@ -197,13 +213,17 @@ class CacheDriver(RuleBasedStateMachine):
                     others = slot_readers.get(dst * bs + o, set()) - {("seq", req.rid)}
                     assert not others, f"copy into block {dst}, which {others} read"
         assert sorted(plan.copies) == sorted(want_copies), "copies do not match the tables' changes"
-        assert plan.changed == [i for i, (r, (table, _)) in enumerate(zip(reqs, before)) if r.seq.table != table]
+        assert plan.changed == [
+            i for i, (r, (table, _)) in enumerate(zip(reqs, before)) if r.seq.table != table
+        ]
 
         writes = []
         for req, (_, num_kv), tokens in zip(reqs, before, new_tokens):
             for p, token in enumerate(tokens, start=num_kv):
                 slot = slot_of(req.seq.table, p, bs)
-                assert not slot_readers.get(slot), f"write-once: slot {slot} is read by {slot_readers[slot]}"
+                assert not slot_readers.get(slot), (
+                    f"write-once: slot {slot} is read by {slot_readers[slot]}"
+                )
                 req.tokens.append(token)
                 writes.append(Write(slot, kv_value(req.salt, req.tokens)))
         assert list(plan.slots) == [w.slot for w in writes], "plan slots do not match the tables"
@@ -271,10 +291,14 @@ class CacheDriver(RuleBasedStateMachine):
         tree = tree_paths(self.mgr)
         for req in self.live.values():
             locked = req.tokens[: req.locked_len]
-            assert longest_match(locked, tree[req.salt]) == len(locked), f"request {req.rid}'s locked prefix evicted"
+            assert longest_match(locked, tree[req.salt]) == len(locked), (
+                f"request {req.rid}'s locked prefix evicted"
+            )
             node = req.seq.node
             if node is not None:
-                assert len(self.mgr.tree.path_tokens(node)) == node.end, f"locked {node} was detached"
+                assert len(self.mgr.tree.path_tokens(node)) == node.end, (
+                    f"locked {node} was detached"
+                )
         for salt, paths in self.paths.items():
             for path in tree[salt]:
                 assert longest_match(path, paths) == len(path), f"tree holds unpublished {path}"

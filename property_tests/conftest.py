@@ -11,9 +11,13 @@ import os
 
 from hypothesis import HealthCheck, settings
 
-_common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+_common = dict(
+    deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+)
 
-settings.register_profile("ci", max_examples=400, stateful_step_count=50, derandomize=True, database=None, **_common)
+settings.register_profile(
+    "ci", max_examples=400, stateful_step_count=50, derandomize=True, database=None, **_common
+)
 settings.register_profile("dev", max_examples=300, stateful_step_count=50, **_common)
 settings.register_profile("thorough", max_examples=5000, stateful_step_count=100, **_common)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))

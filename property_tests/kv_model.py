@@ -116,7 +116,9 @@ def check_holders(mgr: KVCacheManager, live: dict[int, tuple[Hashable, SeqKV]]) 
         by_salt[salt].update(seq.table)
     pool = mgr.pool
     for b in range(pool.num_blocks):
-        assert pool.refcount[b] == held[b], f"block {b}: refcount {pool.refcount[b]}, {held[b]} holders"
+        assert pool.refcount[b] == held[b], (
+            f"block {b}: refcount {pool.refcount[b]}, {held[b]} holders"
+        )
     assert mgr.num_free_blocks == pool.num_blocks - len(held)
     salts = list(by_salt)
     for i, a in enumerate(salts):

@@ -52,8 +52,11 @@ class CacheMachine(CacheDriver):
             self._publish(req, len(prompt), prompt_end=True)
 
     @precondition(lambda self: self._growable())
-    @rule(picks=st.lists(PICK, min_size=1, max_size=6), tokens=st.lists(TOKENS, min_size=6, max_size=6),
-          lanes=st.booleans())
+    @rule(
+        picks=st.lists(PICK, min_size=1, max_size=6),
+        tokens=st.lists(TOKENS, min_size=6, max_size=6),
+        lanes=st.booleans(),
+    )
     def decode(self, picks: list[int], tokens: list[int], lanes: bool) -> None:
         """One decode step: several sequences grow by one token in a single `reserve` call, or in one
         `reserve_step` (``lanes``: the engine's path for a batch it decodes again)."""

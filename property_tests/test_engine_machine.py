@@ -32,15 +32,23 @@ MAX_PROMPT = 24
 MAX_NEW = 6
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _llm(block_size: int, num_blocks: int, prefill_max_tokens: int) -> LLM:
     """Engines are reused across examples (a fresh one costs a model load); `setup` resets them."""
-    return LLM("tiny", block_size=block_size, num_blocks=num_blocks, max_batch_size=4,
-               prefill_max_tokens=prefill_max_tokens, prefill_max_batch_size=3)
+    return LLM(
+        "tiny",
+        block_size=block_size,
+        num_blocks=num_blocks,
+        max_batch_size=4,
+        prefill_max_tokens=prefill_max_tokens,
+        prefill_max_batch_size=3,
+    )
 
 
 class EngineMachine(RuleBasedStateMachine):
-    @initialize(block_size=st.sampled_from([2, 4]), spare=st.integers(0, 4), budget=st.sampled_from([8, 64]))
+    @initialize(
+        block_size=st.sampled_from([2, 4]), spare=st.integers(0, 4), budget=st.sampled_from([8, 64])
+    )
     def setup(self, block_size: int, spare: int, budget: int) -> None:
         need = -(-(MAX_PROMPT + MAX_NEW) // block_size) + 1
         self.llm = _llm(block_size, need + spare, budget)
@@ -55,9 +63,16 @@ class EngineMachine(RuleBasedStateMachine):
         self.history: list[list[int]] = []
         self.open: list[str] = []
 
-    @rule(base=PICK, keep=st.integers(0, MAX_PROMPT), suffix=st.lists(TOKENS, min_size=1, max_size=MAX_PROMPT),
-          max_new=st.integers(1, MAX_NEW), salt=st.sampled_from([None, "tenant-a"]))
-    def submit(self, base: int, keep: int, suffix: list[int], max_new: int, salt: str | None) -> None:
+    @rule(
+        base=PICK,
+        keep=st.integers(0, MAX_PROMPT),
+        suffix=st.lists(TOKENS, min_size=1, max_size=MAX_PROMPT),
+        max_new=st.integers(1, MAX_NEW),
+        salt=st.sampled_from([None, "tenant-a"]),
+    )
+    def submit(
+        self, base: int, keep: int, suffix: list[int], max_new: int, salt: str | None
+    ) -> None:
         prefix = self.history[base % len(self.history)][:keep] if self.history else []
         prompt = (prefix + suffix)[:MAX_PROMPT]
         note(f"submit {prompt} max_tokens={max_new} salt={salt}")
@@ -95,11 +110,15 @@ class EngineMachine(RuleBasedStateMachine):
             return
         for req in self.engine.requests.values():
             if req.num_sampled and req.num_cached_tokens is not None:
-                assert req.num_cached_tokens + req.num_computed_prompt_tokens == len(req.prompt_ids), req
+                assert req.num_cached_tokens + req.num_computed_prompt_tokens == len(
+                    req.prompt_ids
+                ), req
         if not self.engine.prefilling:
             stats = self.llm.cache_stats()
-            prompt, cached, computed = (stats[k] - self.start[k] for k in
-                                        ("prompt_tokens", "cached_tokens", "computed_prompt_tokens"))
+            prompt, cached, computed = (
+                stats[k] - self.start[k]
+                for k in ("prompt_tokens", "cached_tokens", "computed_prompt_tokens")
+            )
             assert prompt == cached + computed, stats
 
     def teardown(self) -> None:
@@ -131,5 +150,8 @@ class EngineMachine(RuleBasedStateMachine):
 
 TestEngineMachine = EngineMachine.TestCase
 # Each step runs real forwards: fewer, shorter examples than the cache-only machines.
-TestEngineMachine.settings = settings(settings.default, max_examples=min(settings.default.max_examples, 80),
-                                      stateful_step_count=min(settings.default.stateful_step_count, 30))
+TestEngineMachine.settings = settings(
+    settings.default,
+    max_examples=min(settings.default.max_examples, 80),
+    stateful_step_count=min(settings.default.stateful_step_count, 30),
+)

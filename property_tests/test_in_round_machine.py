@@ -30,7 +30,16 @@ from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, precondition, rule
 
-from property_tests.cache_driver import MAX_LEN, PICK, PROMPT_PARTS, SALTS, TOKENS, CacheDriver, Req, Write
+from property_tests.cache_driver import (
+    MAX_LEN,
+    PICK,
+    PROMPT_PARTS,
+    SALTS,
+    TOKENS,
+    CacheDriver,
+    Req,
+    Write,
+)
 from radixinfer.cache.kv_manager import SeqKV
 
 
@@ -42,7 +51,9 @@ class InRoundMachine(CacheDriver):
         self.pending: set[int] = set()  # slots the round writes or copies into
         self.written: set[int] = set()  # slots the round writes (after its copies)
         self.stepped: set[int] = set()  # requests with pending writes
-        self.deferred: list[tuple[list[int], Hashable, bool]] = []  # admissions waiting for the next round
+        self.deferred: list[
+            tuple[list[int], Hashable, bool]
+        ] = []  # admissions waiting for the next round
 
     def kv_settled(self) -> bool:
         return not self.copies and not self.writes
@@ -63,7 +74,10 @@ class InRoundMachine(CacheDriver):
                 self._publish(req, len(prompt), prompt_end=True)
 
     @precondition(lambda self: self._ready())
-    @rule(picks=st.lists(PICK, min_size=1, max_size=6), tokens=st.lists(TOKENS, min_size=6, max_size=6))
+    @rule(
+        picks=st.lists(PICK, min_size=1, max_size=6),
+        tokens=st.lists(TOKENS, min_size=6, max_size=6),
+    )
     def decode(self, picks: list[int], tokens: list[int]) -> None:
         """Sequences that have not reserved this round grow by one token each, one `reserve` per sequence
         right after its own `needs_copy_of_unwritten` (exact only for a single sequence: in one batch, a
@@ -121,11 +135,15 @@ class InRoundMachine(CacheDriver):
     @invariant()
     def pending_blocks_stay_held(self) -> None:
         for slot in self.pending:
-            assert self.mgr.pool.refcount[slot // self.bs] > 0, f"slot {slot} is pending but its block is free"
+            assert self.mgr.pool.refcount[slot // self.bs] > 0, (
+                f"slot {slot} is pending but its block is free"
+            )
 
     # ------------------------------------------------------------------ helpers
     def _ready(self) -> list[Req]:
-        return [r for r in self.live.values() if r.rid not in self.stepped and len(r.tokens) < MAX_LEN]
+        return [
+            r for r in self.live.values() if r.rid not in self.stepped and len(r.tokens) < MAX_LEN
+        ]
 
     def _idle(self) -> list[Req]:
         return [r for r in self.live.values() if r.rid not in self.stepped]
@@ -150,7 +168,9 @@ class InRoundMachine(CacheDriver):
         wait = self.mgr.needs_copy_of_unwritten(seq, new_len)
         would = self._would_copy_pending(seq, new_len)
         if would is not None:
-            assert wait == would, f"needs_copy_of_unwritten says {wait}, reserve would copy pending KV: {would}"
+            assert wait == would, (
+                f"needs_copy_of_unwritten says {wait}, reserve would copy pending KV: {would}"
+            )
         return wait
 
     def _would_copy_pending(self, seq: SeqKV, new_len: int) -> bool | None:
@@ -180,13 +200,17 @@ class InRoundMachine(CacheDriver):
             if table and req.seq.table[len(table) - 1] != table[-1]:  # copied its boundary block
                 src = table[-1]
                 read = {src * self.bs + o for o in range(num_kv % self.bs)}
-                assert not read & self.pending, f"request {req.rid} copies block {src} before it is written"
+                assert not read & self.pending, (
+                    f"request {req.rid} copies block {src} before it is written"
+                )
         for write in writes:
             assert write.slot not in self.written, f"slot {write.slot} written twice in one forward"
         self.copies += plan.copies
         self.writes += writes
         self.written |= {w.slot for w in writes}
-        self.pending |= self.written | {dst * self.bs + o for _, dst in plan.copies for o in range(self.bs)}
+        self.pending |= self.written | {
+            dst * self.bs + o for _, dst in plan.copies for o in range(self.bs)
+        }
         self.stepped |= {r.rid for r, tokens in zip(reqs, new_tokens) if tokens}
         return True
 

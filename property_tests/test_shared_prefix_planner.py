@@ -83,7 +83,10 @@ def plan_and_check(planner, tables, context_lens, complete=True):
     for a in range(n):
         for b in range(a + 1, n):
             shared_blocks = 0
-            while shared_blocks < tables.shape[1] and tables[a, shared_blocks] == tables[b, shared_blocks]:
+            while (
+                shared_blocks < tables.shape[1]
+                and tables[a, shared_blocks] == tables[b, shared_blocks]
+            ):
                 shared_blocks += 1
             cap = min(context_lens[a], context_lens[b]) - 1
             if shared_blocks >= need and min(shared_blocks * block_size, cap) >= min_shared_len:
@@ -93,11 +96,23 @@ def plan_and_check(planner, tables, context_lens, complete=True):
 @given(batches())
 def test_plan_keeps_the_contract(batch):
     tables, context_lens, block_size, min_shared_len, seqs_per_tile = batch
-    plan_and_check(SharedPrefixPlanner(block_size, seqs_per_tile, min_shared_len), tables, context_lens)
+    plan_and_check(
+        SharedPrefixPlanner(block_size, seqs_per_tile, min_shared_len), tables, context_lens
+    )
 
 
-@given(batches(), st.lists(st.tuples(st.sampled_from(["swap", "grow", "rebranch", "drop"]), st.integers(0, 99),
-                                     st.integers(0, 99), st.integers(0, 12)), max_size=8))
+@given(
+    batches(),
+    st.lists(
+        st.tuples(
+            st.sampled_from(["swap", "grow", "rebranch", "drop"]),
+            st.integers(0, 99),
+            st.integers(0, 99),
+            st.integers(0, 12),
+        ),
+        max_size=8,
+    ),
+)
 def test_a_reused_plan_keeps_the_contract_as_the_batch_changes(batch, edits):
     """One planner over consecutive steps: rows swap, grow by a block, get a new request that branches off
     another row's path at some block, or leave; each plan (fresh or reused) must hold for the current batch."""
@@ -117,10 +132,14 @@ def test_a_reused_plan_keeps_the_contract_as_the_batch_changes(batch, edits):
             if used < tables.shape[1]:
                 tables[i, used] = fresh
                 context_lens[i] = used * block_size + 1
-        elif op == "rebranch":  # a new request in row i: row j's first blocks (its keyed one at least, the
+        elif (
+            op == "rebranch"
+        ):  # a new request in row i: row j's first blocks (its keyed one at least, the
             # case a plan must notice: same key, shorter share), then blocks of its own
             key_col = (min_shared_len - 1) // block_size
-            keep = min(key_col + 1 + depth, -(-context_lens[j] // block_size) - 1)  # never j's newest block
+            keep = min(
+                key_col + 1 + depth, -(-context_lens[j] // block_size) - 1
+            )  # never j's newest block
             row = np.zeros(tables.shape[1], dtype=tables.dtype)
             row[:keep] = tables[j, :keep]
             row[keep] = fresh
@@ -147,7 +166,9 @@ def test_groups_by_the_deeper_block_under_a_template_all_share():
     tile_seqs = np.zeros((planner.max_tiles(n), 2), dtype=np.int32)
     tile_lens = np.zeros(planner.max_tiles(n), dtype=np.int32)
     kv_starts = np.zeros(n, dtype=np.int32)
-    assert planner.plan(tables, context_lens, tile_seqs, tile_lens, kv_starts) == 4  # 3 per group, 2 per tile
+    assert (
+        planner.plan(tables, context_lens, tile_seqs, tile_lens, kv_starts) == 4
+    )  # 3 per group, 2 per tile
     assert sorted(map(tuple, tile_seqs[:4].tolist())) == [(0, 2), (1, 3), (4, -1), (5, -1)]
     assert (tile_lens[:4] == 144).all() and (kv_starts == 144).all()
 
@@ -189,11 +210,21 @@ def test_a_plan_is_reused_while_rows_only_grow_and_redone_when_a_member_changes(
     fresh_plans = []
     fresh_plan = planner._fresh_plan
     planner._fresh_plan = lambda *args: fresh_plans.append(1) or fresh_plan(*args)
-    tile_seqs, tile_lens, kv_starts = np.zeros((4, 4), np.int32), np.zeros(4, np.int32), np.zeros(4, np.int32)
-    assert planner.plan(tables, context_lens, tile_seqs, tile_lens, kv_starts) == 1 and len(fresh_plans) == 1
+    tile_seqs, tile_lens, kv_starts = (
+        np.zeros((4, 4), np.int32),
+        np.zeros(4, np.int32),
+        np.zeros(4, np.int32),
+    )
+    assert (
+        planner.plan(tables, context_lens, tile_seqs, tile_lens, kv_starts) == 1
+        and len(fresh_plans) == 1
+    )
     tables[:, 11] = [200, 201, 202, 203]
     context_lens[:] = 11 * 16 + 1
-    assert planner.plan(tables, context_lens, tile_seqs, tile_lens, kv_starts) == 1 and len(fresh_plans) == 1
+    assert (
+        planner.plan(tables, context_lens, tile_seqs, tile_lens, kv_starts) == 1
+        and len(fresh_plans) == 1
+    )
     assert kv_starts.tolist() == [160] * 4
     tables[2] = 0
     tables[2, :10] = shared[:9] + [300]

@@ -59,8 +59,11 @@ def _plan_memory(
     profiled = runner.profile_memory()
     profiled_end = DeviceMemory.read(runner.device)
     return plan_gpu_memory(
-        device=str(runner.device), total_bytes=start.total, free_bytes_at_start=start.free,
-        gpu_memory_utilization=gpu_memory_utilization, weights_bytes=weights_bytes,
+        device=str(runner.device),
+        total_bytes=start.total,
+        free_bytes_at_start=start.free,
+        gpu_memory_utilization=gpu_memory_utilization,
+        weights_bytes=weights_bytes,
         other_bytes=max(0, profiled_end.used - start.used - weights_bytes),
         profiled=profiled,
         **common,
@@ -128,16 +131,21 @@ class LLM:
         # Checked here, under the names the caller used (the configs below name their own fields).
         torch_device = checks.device(device)
         for name, value, low in (
-            ("block_size", block_size, 1), ("max_batch_size", max_batch_size, 1),
+            ("block_size", block_size, 1),
+            ("max_batch_size", max_batch_size, 1),
             ("prefill_max_tokens", prefill_max_tokens, 1),
             ("prefill_admission_lookahead", prefill_admission_lookahead, 1),
             ("prefill_force_fifo_every", prefill_force_fifo_every, 0),
         ):
             checks.integer(name, value, low)
-        for name, value in (("prefill_max_batch_size", prefill_max_batch_size), ("max_num_seqs", max_num_seqs)):
+        for name, value in (
+            ("prefill_max_batch_size", prefill_max_batch_size),
+            ("max_num_seqs", max_num_seqs),
+        ):
             checks.optional_integer(name, value, 1)
         for name, value in (
-            ("enable_prefix_cache", enable_prefix_cache), ("chunked_prefill", chunked_prefill),
+            ("enable_prefix_cache", enable_prefix_cache),
+            ("chunked_prefill", chunked_prefill),
             ("decode_first", decode_first),
         ):
             checks.flag(name, value)
@@ -145,14 +153,19 @@ class LLM:
         checks.optional_integer("num_blocks", num_blocks, 1)
         admission = AdmissionConfig(
             policy=prefill_admission_policy,
-            max_requests=max_batch_size if prefill_max_batch_size is None else prefill_max_batch_size,
+            max_requests=max_batch_size
+            if prefill_max_batch_size is None
+            else prefill_max_batch_size,
             max_tokens=prefill_max_tokens,
             chunked_prefill=chunked_prefill,
             lookahead=prefill_admission_lookahead,
             force_fifo_every=prefill_force_fifo_every,
         )
         config = EngineConfig(
-            max_batch_size=max_batch_size, max_num_seqs=max_num_seqs, admission=admission, decode_first=decode_first,
+            max_batch_size=max_batch_size,
+            max_num_seqs=max_num_seqs,
+            admission=admission,
+            decode_first=decode_first,
             seed=seed,
         )
         check_utilization(gpu_memory_utilization)
@@ -170,7 +183,11 @@ class LLM:
         # the longest pass: a round's budget, or without chunking one prompt of the whole context
         longest_pass = max(admission.max_tokens, 0 if chunked_prefill else context_len)
         runner = ModelRunner(
-            m, None, get_backend(str(torch_device)), torch_device, max_batch_size,
+            m,
+            None,
+            get_backend(str(torch_device)),
+            torch_device,
+            max_batch_size,
             # plus a recomputed last position per fully cached prompt; plus a continuing chunk
             prefill_max_tokens=longest_pass + admission.max_requests,
             prefill_max_seqs=admission.max_requests + 1,
@@ -181,11 +198,17 @@ class LLM:
             m.num_layers, block_size, m.num_kv_heads, m.head_dim, loaded.dtype
         )
         self.memory_plan: MemoryPlan = _plan_memory(
-            runner, start, weights_bytes, bytes_per_block, gpu_memory_utilization, num_blocks)
+            runner, start, weights_bytes, bytes_per_block, gpu_memory_utilization, num_blocks
+        )
         blocks = self.memory_plan.num_blocks
         runner.bind_kv(
             KVStore(
-                m.num_layers, blocks, block_size, m.num_kv_heads, m.head_dim, loaded.dtype,
+                m.num_layers,
+                blocks,
+                block_size,
+                m.num_kv_heads,
+                m.head_dim,
+                loaded.dtype,
                 torch_device,
             )
         )
@@ -193,7 +216,9 @@ class LLM:
         cache = KVCacheManager(blocks, block_size, enable_prefix_cache)
         self.tokenizer = loaded.tokenizer
         self.engine = LLMEngine(runner, cache, loaded.tokenizer, loaded.eos_token_ids, config)
-        self._streams: dict[str, deque[StreamDelta]] = {}  # open `stream` iterators' undelivered deltas
+        self._streams: dict[
+            str, deque[StreamDelta]
+        ] = {}  # open `stream` iterators' undelivered deltas
         # Everything alive now (torch, transformers, the model's modules, the graphs) lives as long as the
         # engine: freezing it keeps the collector's full passes, which stop the engine loop, from rescanning
         # hundreds of thousands of objects that can never be garbage.
@@ -226,10 +251,14 @@ class LLM:
         If anything interrupts the call (an exception, ``KeyboardInterrupt``), its requests are aborted and
         their KV blocks freed before it propagates. Streams open on this `LLM` keep receiving their tokens
         while ``generate`` drives the engine."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
-            raise ValueError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}")
+            raise ValueError(
+                f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}"
+            )
         ids = self._add_all(prompts, _params_per_prompt(params, len(prompts)), cache_salt)
         requests = self.engine.requests
         try:

@@ -16,54 +16,109 @@ from radixinfer.models import DTYPE_NAMES, checkpoint_dir
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``model and engine`` flag group."""
     model = parser.add_argument_group("model and engine")
-    model.add_argument("--model", default="tiny",
-                       help="preset name or local HF checkpoint dir [tiny]")
-    model.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                       help="[cuda when available, else cpu]")
-    model.add_argument("--dtype", default="auto", choices=DTYPE_NAMES, metavar="DTYPE",
-                       help="auto | float32 | bfloat16 | float16 (or bf16, fp16, fp32, half) [auto]")
+    model.add_argument(
+        "--model", default="tiny", help="preset name or local HF checkpoint dir [tiny]"
+    )
+    model.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="[cuda when available, else cpu]",
+    )
+    model.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPE_NAMES,
+        metavar="DTYPE",
+        help="auto | float32 | bfloat16 | float16 (or bf16, fp16, fp32, half) [auto]",
+    )
     model.add_argument("--block-size", type=int, default=16, help="tokens per KV block [16]")
-    model.add_argument("--num-blocks", type=int, default=None,
-                       help="KV blocks (default: what --gpu-memory-utilization leaves after "
-                            "weights, activations and CUDA graphs)")
-    model.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                       help="fraction of the whole GPU the engine may use (the bench's compared "
-                            "variants are open at once and each takes an equal share) [0.9]")
-    model.add_argument("--max-model-len", type=int, default=None,
-                       help="longest prompt + output served, and what context-sized workspaces "
-                            "are sized for [the model's context]")
-    model.add_argument("--max-batch-size", type=int, default=64,
-                       help="sequences decoded per step [64]")
-    model.add_argument("--max-num-seqs", type=int, default=None,
-                       help="requests holding KV at once [unbounded: KV memory decides]")
-    model.add_argument("--prefill-max-batch-size", type=int, default=None,
-                       help="requests admitted per prefill round [--max-batch-size]")
-    model.add_argument("--prefill-max-tokens", type=int, default=8192,
-                       help="uncached prompt tokens per prefill round; longer prompts are chunked "
-                            "[8192]")
-    model.add_argument("--prefill-admission-policy", choices=POLICIES, default="fifo",
-                       help="[fifo]")
-    model.add_argument("--prefill-admission-lookahead", type=int, default=64,
-                       help="waiting requests pack / lpm look at [64]")
-    model.add_argument("--prefill-force-fifo-every", type=int, default=0,
-                       help="every N-th round is fifo, so pack / lpm cannot starve a long prompt "
-                            "(0 = never) [0]")
-    model.add_argument("--no-chunked-prefill", action="store_true",
-                       help="run an over-budget prompt alone instead")
-    model.add_argument("--decode-first", action="store_true",
-                       help="run the decode step before each prefill round")
+    model.add_argument(
+        "--num-blocks",
+        type=int,
+        default=None,
+        help="KV blocks (default: what --gpu-memory-utilization leaves after "
+        "weights, activations and CUDA graphs)",
+    )
+    model.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="fraction of the whole GPU the engine may use (the bench's compared "
+        "variants are open at once and each takes an equal share) [0.9]",
+    )
+    model.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest prompt + output served, and what context-sized workspaces "
+        "are sized for [the model's context]",
+    )
+    model.add_argument(
+        "--max-batch-size", type=int, default=64, help="sequences decoded per step [64]"
+    )
+    model.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="requests holding KV at once [unbounded: KV memory decides]",
+    )
+    model.add_argument(
+        "--prefill-max-batch-size",
+        type=int,
+        default=None,
+        help="requests admitted per prefill round [--max-batch-size]",
+    )
+    model.add_argument(
+        "--prefill-max-tokens",
+        type=int,
+        default=8192,
+        help="uncached prompt tokens per prefill round; longer prompts are chunked [8192]",
+    )
+    model.add_argument(
+        "--prefill-admission-policy", choices=POLICIES, default="fifo", help="[fifo]"
+    )
+    model.add_argument(
+        "--prefill-admission-lookahead",
+        type=int,
+        default=64,
+        help="waiting requests pack / lpm look at [64]",
+    )
+    model.add_argument(
+        "--prefill-force-fifo-every",
+        type=int,
+        default=0,
+        help="every N-th round is fifo, so pack / lpm cannot starve a long prompt (0 = never) [0]",
+    )
+    model.add_argument(
+        "--no-chunked-prefill", action="store_true", help="run an over-budget prompt alone instead"
+    )
+    model.add_argument(
+        "--decode-first", action="store_true", help="run the decode step before each prefill round"
+    )
     model.add_argument("--no-prefix-cache", action="store_true", help="disable the prefix cache")
-    model.add_argument("--seed", type=int, default=0,
-                       help="random weights of presets, sampling seeds (and the bench's workload "
-                            "and arrivals) [0]")
+    model.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="random weights of presets, sampling seeds (and the bench's workload "
+        "and arrivals) [0]",
+    )
 
 
 def check_engine_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """The model and engine flags, checked before anything loads: a bad one is a usage error."""
-    for name, low in (("block_size", 1), ("max_batch_size", 1), ("prefill_max_tokens", 1),
-                      ("prefill_admission_lookahead", 1), ("num_blocks", 1), ("max_num_seqs", 1),
-                      ("prefill_max_batch_size", 1), ("prefill_force_fifo_every", 0), ("seed", 0),
-                      ("max_model_len", 1)):
+    for name, low in (
+        ("block_size", 1),
+        ("max_batch_size", 1),
+        ("prefill_max_tokens", 1),
+        ("prefill_admission_lookahead", 1),
+        ("num_blocks", 1),
+        ("max_num_seqs", 1),
+        ("prefill_max_batch_size", 1),
+        ("prefill_force_fifo_every", 0),
+        ("seed", 0),
+        ("max_model_len", 1),
+    ):
         value = getattr(args, name)
         if value is not None and value < low:  # None: the flag's default, left to the engine
             parser.error(f"--{name.replace('_', '-')} must be >= {low}")

@@ -61,13 +61,21 @@ class TokenBatch:
     def deltas(self) -> list[StreamDelta]:
         """The same tokens as one `StreamDelta` each, in row order."""
         t = self.timestamp
-        return [StreamDelta(request_id, [token], "", False, None, cached, t)
-                for request_id, token, cached in zip(self.request_ids, self.token_ids, self.num_cached_tokens)]
+        return [
+            StreamDelta(request_id, [token], "", False, None, cached, t)
+            for request_id, token, cached in zip(
+                self.request_ids, self.token_ids, self.num_cached_tokens
+            )
+        ]
 
     def rows(self, rows: list[int]) -> TokenBatch:
         """A batch of these rows only, in the order given."""
-        return TokenBatch([self.request_ids[i] for i in rows], [self.token_ids[i] for i in rows],
-                          [self.num_cached_tokens[i] for i in rows], self.timestamp)
+        return TokenBatch(
+            [self.request_ids[i] for i in rows],
+            [self.token_ids[i] for i in rows],
+            [self.num_cached_tokens[i] for i in rows],
+            self.timestamp,
+        )
 
 
 EngineEvent = StreamDelta | TokenBatch  # what `LLMEngine.step` returns a list of

@@ -7,9 +7,12 @@ Every tokenizer decodes with special tokens dropped, so an EOS at the end of a g
 from __future__ import annotations
 
 import os
-from typing import Protocol, Sequence, runtime_checkable
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
 
-_REPLACEMENT_CHAR = "\ufffd"  # what UTF-8 decoding with errors="replace" shows for an incomplete sequence
+_REPLACEMENT_CHAR = (
+    "\ufffd"  # what UTF-8 decoding with errors="replace" shows for an incomplete sequence
+)
 
 
 @runtime_checkable

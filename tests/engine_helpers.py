@@ -9,16 +9,32 @@ from pathlib import Path
 import torch
 import transformers
 
-TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256)
+TINY = dict(
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
 
 FAMILIES = {
-    "llama": lambda: transformers.LlamaConfig(**TINY, rope_scaling={
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 64}),
+    "llama": lambda: transformers.LlamaConfig(
+        **TINY,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
     "qwen2": lambda: transformers.Qwen2Config(**TINY),
     "qwen3": lambda: transformers.Qwen3Config(**TINY, head_dim=24),
-    "gpt2": lambda: transformers.GPT2Config(vocab_size=300, n_embd=64, n_layer=2, n_head=4, n_positions=256),
+    "gpt2": lambda: transformers.GPT2Config(
+        vocab_size=300, n_embd=64, n_layer=2, n_head=4, n_positions=256
+    ),
 }
 
 
@@ -29,14 +45,14 @@ def save_tiny_checkpoint(family: str, directory: Path, seed: int = 0) -> Path:
     config = FAMILIES[family]()
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for _name, p in model.named_parameters():
             if p.dim() == 2:
                 p.normal_(0.0, 0.3)
     model.save_pretrained(directory)
     return directory
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def hf_model(path: str) -> transformers.PreTrainedModel:
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
@@ -46,12 +62,18 @@ def hf_greedy(path: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
     return list(_hf_greedy(str(path), tuple(prompt), max_new_tokens))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _hf_greedy(path: str, prompt: tuple[int, ...], max_new_tokens: int) -> tuple[int, ...]:
     model = hf_model(path)
     ids = torch.tensor([prompt])
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                             pad_token_id=0, eos_token_id=None)
-    return tuple(out[0, len(prompt):].tolist())
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
+    return tuple(out[0, len(prompt) :].tolist())

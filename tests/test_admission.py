@@ -11,24 +11,38 @@ import random
 import pytest
 
 from radixinfer import LLM, SamplingParams
-from radixinfer.outputs import deltas_of
 from radixinfer.engine.admission import AdmissionConfig, plan_admission
+from radixinfer.outputs import deltas_of
 
 
-def plan(costs: dict[str, int], *, round_index: int = 1, cached: dict[str, int] | None = None, **config):
+def plan(
+    costs: dict[str, int], *, round_index: int = 1, cached: dict[str, int] | None = None, **config
+):
     """Grants as ``(name, num_tokens, chunked)`` for candidates named by ``costs`` (in arrival order)."""
     cached = cached or {}
-    grants = plan_admission(list(costs), AdmissionConfig(**config), round_index, costs.__getitem__,
-                            lambda name: cached.get(name, 0))
+    grants = plan_admission(
+        list(costs),
+        AdmissionConfig(**config),
+        round_index,
+        costs.__getitem__,
+        lambda name: cached.get(name, 0),
+    )
     return [(g.item, g.num_tokens, g.chunked) for g in grants]
 
 
 # ---------------------------------------------------------------------------------------------- fifo
 def test_fifo_admits_in_arrival_order_within_both_budgets():
     costs = {"a": 10, "b": 20, "c": 30, "d": 5}
-    assert plan(costs, policy="fifo", max_tokens=100) == [("a", 10, False), ("b", 20, False), ("c", 30, False),
-                                                           ("d", 5, False)]
-    assert plan(costs, policy="fifo", max_tokens=100, max_requests=2) == [("a", 10, False), ("b", 20, False)]
+    assert plan(costs, policy="fifo", max_tokens=100) == [
+        ("a", 10, False),
+        ("b", 20, False),
+        ("c", 30, False),
+        ("d", 5, False),
+    ]
+    assert plan(costs, policy="fifo", max_tokens=100, max_requests=2) == [
+        ("a", 10, False),
+        ("b", 20, False),
+    ]
 
 
 def test_fifo_chunks_an_oversize_head_into_the_budget():
@@ -43,7 +57,9 @@ def test_fifo_oversize_request_behind_others_takes_the_rest_and_ends_the_round()
 
 
 def test_fifo_without_chunking_runs_an_oversize_head_alone():
-    assert plan({"long": 500, "b": 5}, policy="fifo", max_tokens=64, chunked_prefill=False) == [("long", 500, False)]
+    assert plan({"long": 500, "b": 5}, policy="fifo", max_tokens=64, chunked_prefill=False) == [
+        ("long", 500, False)
+    ]
 
 
 # ---------------------------------------------------------------------------------------------- pack
@@ -93,7 +109,12 @@ def test_force_fifo_every_admits_the_long_head_within_n_rounds(every):
 def test_lpm_orders_by_longest_cached_prefix_ties_in_arrival_order():
     costs = {"a": 10, "b": 10, "c": 10, "d": 10}
     cached = {"a": 0, "b": 50, "c": 7, "d": 50}
-    assert [g[0] for g in plan(costs, policy="lpm", max_tokens=100, cached=cached)] == ["b", "d", "c", "a"]
+    assert [g[0] for g in plan(costs, policy="lpm", max_tokens=100, cached=cached)] == [
+        "b",
+        "d",
+        "c",
+        "a",
+    ]
     assert [g[0] for g in plan(costs, policy="lpm", max_tokens=25, cached=cached)] == ["b", "d"]
 
 
@@ -104,13 +125,23 @@ def test_costs_are_asked_lazily_one_candidate_at_a_time():
         asked.append(name)
         return 10
 
-    grants = plan_admission(["a", "b", "c", "d"], AdmissionConfig(policy="fifo", max_requests=2), 1, cost)
+    grants = plan_admission(
+        ["a", "b", "c", "d"], AdmissionConfig(policy="fifo", max_requests=2), 1, cost
+    )
     assert next(grants).item == "a" and asked == ["a"]
     assert [g.item for g in grants] == ["b"] and asked == ["a", "b"]
 
 
-@pytest.mark.parametrize("field, value", [("policy", "random"), ("max_tokens", 0), ("max_requests", 0),
-                                          ("lookahead", 0), ("force_fifo_every", -1)])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("policy", "random"),
+        ("max_tokens", 0),
+        ("max_requests", 0),
+        ("lookahead", 0),
+        ("force_fifo_every", -1),
+    ],
+)
 def test_bad_config_names_the_field(field, value):
     with pytest.raises(ValueError, match=field.split("_")[0]):
         AdmissionConfig(**{field: value})
@@ -132,17 +163,25 @@ def tiny(**kwargs) -> LLM:
     return LLM("tiny", block_size=4, num_blocks=512, **kwargs)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def unchunked_outputs(cache: bool) -> list[list[int]]:
     return [o.token_ids for o in tiny(enable_prefix_cache=cache).generate(prompts(), GREEDY)]
 
 
-@pytest.mark.parametrize("cache, policy", [(True, "fifo"), (True, "pack"), (True, "lpm"), (False, "fifo")])
+@pytest.mark.parametrize(
+    "cache, policy", [(True, "fifo"), (True, "pack"), (True, "lpm"), (False, "fifo")]
+)
 def test_chunked_prefill_matches_unchunked_greedy_outputs(cache, policy):
-    chunked = tiny(enable_prefix_cache=cache, prefill_max_tokens=16, prefill_admission_policy=policy,
-                   prefill_force_fifo_every=2)
+    chunked = tiny(
+        enable_prefix_cache=cache,
+        prefill_max_tokens=16,
+        prefill_admission_policy=policy,
+        prefill_force_fifo_every=2,
+    )
     assert [o.token_ids for o in chunked.generate(prompts(), GREEDY)] == unchunked_outputs(cache)
-    assert chunked.cache_stats()["prefill_forwards"] > 70 // 16  # the long prompts really were chunked
+    assert (
+        chunked.cache_stats()["prefill_forwards"] > 70 // 16
+    )  # the long prompts really were chunked
 
 
 def test_decodes_keep_running_while_a_long_prompt_is_chunked():
@@ -158,7 +197,9 @@ def test_decodes_keep_running_while_a_long_prompt_is_chunked():
             break
         steps_until_long_starts += 1
         assert short in deltas, "the chunked prefill stalled the running decode"
-    assert steps_until_long_starts >= 200 // 16 - 1  # it took many rounds, and the short one decoded in each
+    assert (
+        steps_until_long_starts >= 200 // 16 - 1
+    )  # it took many rounds, and the short one decoded in each
 
 
 def test_stream_matches_generate_with_chunking_and_timestamps_are_monotone():

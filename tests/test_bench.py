@@ -13,17 +13,21 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from radixinfer.bench.metrics import RequestRecord, cache_delta, latency_ms, summarize
+from radixinfer.async_llm import StreamFailure
 from radixinfer.bench import backends, runner
+from radixinfer.bench.metrics import RequestRecord, cache_delta, latency_ms, summarize
 from radixinfer.bench.report import comparisons, format_report, speedups
 from radixinfer.bench.runner import Variant, open_backend, plan_variants, round_orders, run_workload
 from radixinfer.bench.workloads import (
-    arrival_offsets, build_workload, fit_to_context, fixed_prompt_texts, parse_repeats,
+    arrival_offsets,
+    build_workload,
+    fit_to_context,
+    fixed_prompt_texts,
+    parse_repeats,
 )
 from radixinfer.cli import parse_args
 from radixinfer.outputs import StreamDelta
 from radixinfer.sampling_params import SamplingParams
-from radixinfer.async_llm import StreamFailure
 from radixinfer.tokenizer import ByteTokenizer, HFTokenizer
 
 SHARED_PROMPT = "You are a helpful assistant. Answer the question concisely and cite your sources."
@@ -59,25 +63,50 @@ def test_a_delta_with_several_tokens_counts_each_at_its_timestamp():
 
 def test_summary_percentiles_throughput_and_cache_counters():
     records = [record(0.0, [0.1 * (i + 1), 0.1 * (i + 1) + 0.05]) for i in range(10)]
-    before = {"prompt_tokens": 5, "cached_tokens": 1, "computed_prompt_tokens": 4, "cow_copies": 0,
-              "evicted_blocks": 0, "preemptions": 0, "free_blocks": 9}
+    before = {
+        "prompt_tokens": 5,
+        "cached_tokens": 1,
+        "computed_prompt_tokens": 4,
+        "cow_copies": 0,
+        "evicted_blocks": 0,
+        "preemptions": 0,
+        "free_blocks": 9,
+    }
     after = {**before, "prompt_tokens": 105, "cached_tokens": 81, "computed_prompt_tokens": 24}
     s = summarize(records, wall_s=2.0, cache=cache_delta(before, after))
     assert s["requests"] == 10 and s["prompt_tokens"] == 100 and s["completion_tokens"] == 20
-    assert s["cached_tokens"] == 80 and s["computed_prompt_tokens"] == 20 and s["hit_rate"] == pytest.approx(0.8)
-    assert s["ttft_ms"]["p50"] == pytest.approx(550.0) and s["ttft_ms"]["mean"] == pytest.approx(550.0)
-    assert s["ttft_ms"]["p99"] == pytest.approx(np.percentile([100 * (i + 1) for i in range(10)], 99))
+    assert (
+        s["cached_tokens"] == 80
+        and s["computed_prompt_tokens"] == 20
+        and s["hit_rate"] == pytest.approx(0.8)
+    )
+    assert s["ttft_ms"]["p50"] == pytest.approx(550.0) and s["ttft_ms"]["mean"] == pytest.approx(
+        550.0
+    )
+    assert s["ttft_ms"]["p99"] == pytest.approx(
+        np.percentile([100 * (i + 1) for i in range(10)], 99)
+    )
     assert s["itl_ms"]["p95"] == pytest.approx(50.0) and s["tpot_ms"]["mean"] == pytest.approx(50.0)
-    assert s["output_throughput"] == pytest.approx(10.0) and s["total_throughput"] == pytest.approx(60.0)
+    assert s["output_throughput"] == pytest.approx(10.0) and s["total_throughput"] == pytest.approx(
+        60.0
+    )
     assert summarize(records, 2.0, cache=None)["hit_rate"] is None
     assert latency_ms([]) == {"mean": None, "p50": None, "p95": None, "p99": None}
 
 
 def test_speedups_are_above_one_when_the_first_run_is_better():
-    first = {"output_throughput": 200.0, "total_throughput": 400.0, "wall_s": 1.0,
-             **{k: {"p50": 10.0, "p99": 20.0} for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")}}
-    other = {"output_throughput": 100.0, "total_throughput": 200.0, "wall_s": 2.0,
-             **{k: {"p50": 30.0, "p99": 60.0} for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")}}
+    first = {
+        "output_throughput": 200.0,
+        "total_throughput": 400.0,
+        "wall_s": 1.0,
+        **{k: {"p50": 10.0, "p99": 20.0} for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")},
+    }
+    other = {
+        "output_throughput": 100.0,
+        "total_throughput": 200.0,
+        "wall_s": 2.0,
+        **{k: {"p50": 30.0, "p99": 60.0} for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")},
+    }
     s = speedups(first, other)
     assert s["output_throughput"] == 2.0 and s["ttft_ms.p50"] == 3.0 and s["wall_s"] == 2.0
 
@@ -109,7 +138,10 @@ def test_fixed_prompt_lengths_with_the_comparison_tokenizer(gpt2_checkpoint_dir)
     tokenizer = HFTokenizer.from_pretrained(gpt2_checkpoint_dir)
 
     def lengths(prompt, repeats, unique, n, context=None):
-        ids = [tokenizer.encode(t) for t in fixed_prompt_texts(prompt, parse_repeats(repeats), unique, n)]
+        ids = [
+            tokenizer.encode(t)
+            for t in fixed_prompt_texts(prompt, parse_repeats(repeats), unique, n)
+        ]
         return [len(fit_to_context(p, context, truncate=True)) if context else len(p) for p in ids]
 
     assert set(lengths("Hello", "65", False, 4)) == {195}
@@ -128,34 +160,91 @@ def test_fit_to_context():
 
 def test_workloads_shapes():
     tok = ByteTokenizer()
-    random_ = build_workload(bench_args("--dataset", "random", "--num-requests", "50", "--input-len", "40",
-                                        "--output-len", "8", "--range-ratio", "0.5"), tok, 300)
-    assert len(random_) == 50 and all(20 <= len(s.prompt) <= 40 and 4 <= s.max_tokens <= 8 for s in random_)
+    random_ = build_workload(
+        bench_args(
+            "--dataset",
+            "random",
+            "--num-requests",
+            "50",
+            "--input-len",
+            "40",
+            "--output-len",
+            "8",
+            "--range-ratio",
+            "0.5",
+        ),
+        tok,
+        300,
+    )
+    assert len(random_) == 50 and all(
+        20 <= len(s.prompt) <= 40 and 4 <= s.max_tokens <= 8 for s in random_
+    )
     assert all(0 <= t < 300 for s in random_ for t in s.prompt)
-    shared = build_workload(bench_args("--dataset", "shared-prefix", "--num-groups", "3", "--prompts-per-group", "4",
-                                       "--system-prompt-len", "20", "--question-len", "5"), tok, 300)
+    shared = build_workload(
+        bench_args(
+            "--dataset",
+            "shared-prefix",
+            "--num-groups",
+            "3",
+            "--prompts-per-group",
+            "4",
+            "--system-prompt-len",
+            "20",
+            "--question-len",
+            "5",
+        ),
+        tok,
+        300,
+    )
     assert len(shared) == 12 and len({tuple(s.prompt[:20]) for s in shared}) == 3
     assert all(len(s.prompt) == 25 for s in shared)
-    chats = build_workload(bench_args("--dataset", "multi-turn", "--num-conversations", "2", "--turns", "3"), tok, 300)
+    chats = build_workload(
+        bench_args("--dataset", "multi-turn", "--num-conversations", "2", "--turns", "3"), tok, 300
+    )
     assert [s.num_turns for s in chats] == [3, 3]
-    again = build_workload(bench_args("--dataset", "random", "--num-requests", "50", "--input-len", "40",
-                                      "--output-len", "8", "--range-ratio", "0.5"), tok, 300)
+    again = build_workload(
+        bench_args(
+            "--dataset",
+            "random",
+            "--num-requests",
+            "50",
+            "--input-len",
+            "40",
+            "--output-len",
+            "8",
+            "--range-ratio",
+            "0.5",
+        ),
+        tok,
+        300,
+    )
     assert [s.prompt for s in again] == [s.prompt for s in random_]  # seeded
 
 
 def test_variants_are_the_product_of_the_comparisons():
     args = bench_args("--compare-backends", "--compare-no-cache", "--compare-policies", "fifo,lpm")
     assert plan_variants(args) == [
-        Variant("radixinfer", True, "fifo"), Variant("radixinfer", True, "lpm"),
-        Variant("radixinfer", False, "fifo"), Variant("radixinfer", False, "lpm"),
-        Variant("hf", True, None), Variant("hf", False, None),
+        Variant("radixinfer", True, "fifo"),
+        Variant("radixinfer", True, "lpm"),
+        Variant("radixinfer", False, "fifo"),
+        Variant("radixinfer", False, "lpm"),
+        Variant("hf", True, None),
+        Variant("hf", False, None),
     ]
     assert plan_variants(bench_args("--no-prefix-cache")) == [Variant("radixinfer", False, "fifo")]
 
 
-@pytest.mark.parametrize("flags", [["--request-rate", "5", "--submit-interval-ms", "10"], ["--repeat-runs", "0"],
-                                   ["--compare-policies", "fifo,best"], ["--dataset", "nope"], ["--num-requests", "0"],
-                                   ["--range-ratio", "2"]])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--request-rate", "5", "--submit-interval-ms", "10"],
+        ["--repeat-runs", "0"],
+        ["--compare-policies", "fifo,best"],
+        ["--dataset", "nope"],
+        ["--num-requests", "0"],
+        ["--range-ratio", "2"],
+    ],
+)
 def test_bad_flag_combinations_exit_with_usage(flags):
     with pytest.raises(SystemExit):
         bench_args(*flags)
@@ -163,13 +252,45 @@ def test_bad_flag_combinations_exit_with_usage(flags):
 
 def test_old_flag_names_parse(tmp_path):
     (tmp_path / "config.json").write_text("{}")  # --model must name a checkpoint directory
-    args = bench_args("--model", str(tmp_path), "--prompt", "Hello", "--prompt-repeats", "512,1,1,1", "--unique-prompts",
-                      "--num-requests", "128", "--max-new-tokens", "32", "--submit-interval-ms", "5",
-                      "--max-batch-size", "8", "--prefill-max-batch-size", "128", "--prefill-max-tokens", "256",
-                      "--prefill-admission-policy", "pack", "--prefill-admission-lookahead", "32",
-                      "--prefill-force-fifo-every", "8", "--no-stop-on-eos", "--no-prefix-cache", "--warmup-runs", "1",
-                      "--repeat-runs", "2")
-    assert args.ignore_eos and args.no_prefix_cache and args.max_new_tokens == 32 and args.repeat_runs == 2
+    args = bench_args(
+        "--model",
+        str(tmp_path),
+        "--prompt",
+        "Hello",
+        "--prompt-repeats",
+        "512,1,1,1",
+        "--unique-prompts",
+        "--num-requests",
+        "128",
+        "--max-new-tokens",
+        "32",
+        "--submit-interval-ms",
+        "5",
+        "--max-batch-size",
+        "8",
+        "--prefill-max-batch-size",
+        "128",
+        "--prefill-max-tokens",
+        "256",
+        "--prefill-admission-policy",
+        "pack",
+        "--prefill-admission-lookahead",
+        "32",
+        "--prefill-force-fifo-every",
+        "8",
+        "--no-stop-on-eos",
+        "--no-prefix-cache",
+        "--warmup-runs",
+        "1",
+        "--repeat-runs",
+        "2",
+    )
+    assert (
+        args.ignore_eos
+        and args.no_prefix_cache
+        and args.max_new_tokens == 32
+        and args.repeat_runs == 2
+    )
 
 
 # ---------------------------------------------------------------------------------------------- run loop
@@ -192,7 +313,19 @@ class ScriptedBackend:
             sink.put([StreamFailure(request_id, ValueError("no"))])
         for i in range(params.max_tokens):
             last = i == params.max_tokens - 1
-            sink.put([StreamDelta(request_id, [i + 1], "", last, "length" if last else None, 0, time.perf_counter())])
+            sink.put(
+                [
+                    StreamDelta(
+                        request_id,
+                        [i + 1],
+                        "",
+                        last,
+                        "length" if last else None,
+                        0,
+                        time.perf_counter(),
+                    )
+                ]
+            )
         return request_id
 
     def native_prompt(self, prompt):
@@ -209,8 +342,20 @@ class ScriptedBackend:
 
 
 def test_multi_turn_prompts_extend_the_previous_prompt_and_answer():
-    args = bench_args("--dataset", "multi-turn", "--num-conversations", "2", "--turns", "3", "--input-len", "4",
-                      "--turn-len", "2", "--output-len", "3")
+    args = bench_args(
+        "--dataset",
+        "multi-turn",
+        "--num-conversations",
+        "2",
+        "--turns",
+        "3",
+        "--input-len",
+        "4",
+        "--turn-len",
+        "2",
+        "--output-len",
+        "3",
+    )
     backend = ScriptedBackend()
     sessions = build_workload(args, backend.tokenizer, backend.vocab_size)
     records, wall = run_workload(backend, sessions, [0.0, 0.0], args, "test")
@@ -231,31 +376,64 @@ def test_first_turns_go_in_the_backends_form_and_later_turns_as_built():
         def native_prompt(self, prompt):
             return tuple(prompt)
 
-    args = bench_args("--dataset", "multi-turn", "--num-conversations", "2", "--turns", "2", "--input-len", "4",
-                      "--turn-len", "2", "--output-len", "3")
+    args = bench_args(
+        "--dataset",
+        "multi-turn",
+        "--num-conversations",
+        "2",
+        "--turns",
+        "2",
+        "--input-len",
+        "4",
+        "--turn-len",
+        "2",
+        "--output-len",
+        "3",
+    )
     backend = TupleBackend()
     sessions = build_workload(args, backend.tokenizer, backend.vocab_size)
     run_workload(backend, sessions, [0.0, 0.0], args, "test")
     prompts = [p for p, _ in backend.requests]
-    assert sorted(p for p in prompts if type(p) is tuple) == sorted(tuple(s.prompt) for s in sessions)
+    assert sorted(p for p in prompts if type(p) is tuple) == sorted(
+        tuple(s.prompt) for s in sessions
+    )
     assert sum(type(p) is list for p in prompts) == 2
 
 
 def test_prompts_are_truncated_and_outputs_capped_to_the_context():
-    args = bench_args("--dataset", "random", "--num-requests", "1", "--input-len", "100", "--output-len", "16",
-                      "--truncate-prompts")
+    args = bench_args(
+        "--dataset",
+        "random",
+        "--num-requests",
+        "1",
+        "--input-len",
+        "100",
+        "--output-len",
+        "16",
+        "--truncate-prompts",
+    )
     backend = ScriptedBackend()
     sessions = build_workload(args, backend.tokenizer, backend.vocab_size)
     records, _ = run_workload(backend, sessions, [0.0], args, "test")
-    (prompt, params), = backend.requests
-    assert prompt == sessions[0].prompt[-64:] and params.max_tokens == 1 and records[0].prompt_len == 64
+    ((prompt, params),) = backend.requests
+    assert (
+        prompt == sessions[0].prompt[-64:]
+        and params.max_tokens == 1
+        and records[0].prompt_len == 64
+    )
 
 
 def test_a_failed_request_stops_the_run():
     args = bench_args("--num-requests", "2", "--prompt-repeats", "2")
     backend = ScriptedBackend(fail=True)
     with pytest.raises(RuntimeError, match="failed"):
-        run_workload(backend, build_workload(args, backend.tokenizer, backend.vocab_size), [0.0, 0.0], args, "t")
+        run_workload(
+            backend,
+            build_workload(args, backend.tokenizer, backend.vocab_size),
+            [0.0, 0.0],
+            args,
+            "t",
+        )
 
 
 def test_report_has_a_column_per_run_and_speedups():
@@ -278,7 +456,14 @@ def test_first_turns_are_submitted_at_their_arrival_offsets():
 
 
 # ---------------------------------------------------------------------------------------------- variants side by side
-SMALL = ("--num-requests", "2", "--prompt-repeats", "2", "--max-new-tokens", "2")  # fits ScriptedBackend's context
+SMALL = (
+    "--num-requests",
+    "2",
+    "--prompt-repeats",
+    "2",
+    "--max-new-tokens",
+    "2",
+)  # fits ScriptedBackend's context
 ON, OFF = "radixinfer cache=on fifo", "radixinfer cache=off fifo"
 
 
@@ -302,7 +487,9 @@ def bench_log(monkeypatch):
     """`run_bench` with VariantBackends: logs the KV fraction each backend opens with, and each workload run
     as (label, "run", backends open at that moment); ``fail_open`` / ``fail_run`` make the n-th open / run
     (counted from 0) raise."""
-    log = SimpleNamespace(opened=[], fractions=[], blocks=[], events=[], fail_open=None, fail_run=None)
+    log = SimpleNamespace(
+        opened=[], fractions=[], blocks=[], events=[], fail_open=None, fail_run=None
+    )
 
     def fake_open(variant, model, args, gpu_memory_utilization, num_blocks):
         if len(log.opened) == log.fail_open:
@@ -332,10 +519,17 @@ def test_round_orders_alternate():
 
 
 def test_warmups_come_first_then_abba_rounds_with_every_backend_open(bench_log):
-    result = runner.run_bench(bench_args(*SMALL, "--compare-no-cache", "--warmup-runs", "1", "--repeat-runs", "3",
-                                         "--cold-cache"))
+    result = runner.run_bench(
+        bench_args(
+            *SMALL, "--compare-no-cache", "--warmup-runs", "1", "--repeat-runs", "3", "--cold-cache"
+        )
+    )
     measured = [[(label, "reset"), (label, "run", 2)] for label in (ON, OFF, OFF, ON, ON, OFF)]
-    assert bench_log.events == [(ON, "run", 2), (OFF, "run", 2), *(e for pair in measured for e in pair)]
+    assert bench_log.events == [
+        (ON, "run", 2),
+        (OFF, "run", 2),
+        *(e for pair in measured for e in pair),
+    ]
     assert all(b.closed for b in bench_log.opened)
     assert bench_log.fractions == [pytest.approx(0.9 / 2)] * 2  # each engine its share of the GPU
     on, off = result["runs"]
@@ -347,8 +541,9 @@ def test_warmups_come_first_then_abba_rounds_with_every_backend_open(bench_log):
 
 
 def test_gpu_share_is_split_between_variants_and_every_pool_has_the_first_ones_size(bench_log):
-    runner.run_bench(bench_args(*SMALL, "--gpu-memory-utilization", "0.6",
-                                "--compare-policies", "fifo,pack,lpm"))
+    runner.run_bench(
+        bench_args(*SMALL, "--gpu-memory-utilization", "0.6", "--compare-policies", "fifo,pack,lpm")
+    )
     runner.run_bench(bench_args(*SMALL, "--gpu-memory-utilization", "0.6"))
     runner.run_bench(bench_args(*SMALL, "--num-blocks", "64", "--compare-no-cache"))
     # every engine is open at once: each may use its share; the first sizes the pool, the others get
@@ -364,12 +559,16 @@ def test_transformers_given_the_pool_size_gets_the_whole_fraction_as_its_ceiling
     assert bench_log.fractions == pytest.approx([0.45, 0.9])
 
 
-@pytest.mark.parametrize(("flag", "young"),
-                         [((), 50_000), (("--gc-threshold", "1234"), 1234), (("--gc-threshold", "0"), None)])
+@pytest.mark.parametrize(
+    ("flag", "young"),
+    [((), 50_000), (("--gc-threshold", "1234"), 1234), (("--gc-threshold", "0"), None)],
+)
 def test_runs_see_the_gc_threshold_asked_for(bench_log, monkeypatch, flag, young):
     seen = []
     logged_run = runner.run_workload
-    monkeypatch.setattr(runner, "run_workload", lambda *a: seen.append(gc.get_threshold()) or logged_run(*a))
+    monkeypatch.setattr(
+        runner, "run_workload", lambda *a: seen.append(gc.get_threshold()) or logged_run(*a)
+    )
     before = gc.get_threshold()
     runner.run_bench(bench_args(*SMALL, "--warmup-runs", "1", *flag))
     assert seen == [(young or before[0], *before[1:])] * 2  # the warm-up and the measured run
@@ -388,7 +587,9 @@ def test_the_gc_threshold_is_restored_when_a_run_fails(bench_log):
 def test_every_opened_backend_is_closed_when_something_fails(bench_log, failure):
     vars(bench_log).update(failure)
     with pytest.raises(RuntimeError, match="failed"):
-        runner.run_bench(bench_args(*SMALL, "--compare-no-cache", "--warmup-runs", "1", "--repeat-runs", "2"))
+        runner.run_bench(
+            bench_args(*SMALL, "--compare-no-cache", "--warmup-runs", "1", "--repeat-runs", "2")
+        )
     assert bench_log.opened and all(b.closed for b in bench_log.opened)
 
 
@@ -403,11 +604,24 @@ def test_open_backend_hands_the_given_gpu_share_to_the_backend(monkeypatch, kind
     monkeypatch.setattr(backends, "LLM", capture)
     monkeypatch.setattr(runner, "HFBackend", capture)
     with pytest.raises(StopIteration):
-        open_backend(Variant(kind, True, "fifo" if kind == "radixinfer" else None), "tiny", bench_args(), 0.25)
+        open_backend(
+            Variant(kind, True, "fifo" if kind == "radixinfer" else None),
+            "tiny",
+            bench_args(),
+            0.25,
+        )
     assert seen["gpu_memory_utilization" if kind == "radixinfer" else "kv_memory_fraction"] == 0.25
     with pytest.raises(StopIteration):
-        open_backend(Variant(kind, True, "fifo" if kind == "radixinfer" else None), "tiny", bench_args(), 0.25, 10)
-    assert (seen["num_blocks"] if kind == "radixinfer" else seen["kv_tokens"] // 16) == 10  # --block-size 16
+        open_backend(
+            Variant(kind, True, "fifo" if kind == "radixinfer" else None),
+            "tiny",
+            bench_args(),
+            0.25,
+            10,
+        )
+    assert (
+        seen["num_blocks"] if kind == "radixinfer" else seen["kv_tokens"] // 16
+    ) == 10  # --block-size 16
 
 
 def test_paired_rounds_give_one_ratio_per_round_and_show_their_spread():
@@ -415,7 +629,11 @@ def test_paired_rounds_give_one_ratio_per_round_and_show_their_spread():
 
     def run(label, throughputs):
         rounds = [{**metrics, "output_throughput": t} for t in throughputs]
-        return {"label": label, "metrics": {**metrics, "output_throughput": sum(throughputs)}, "repeats": rounds}
+        return {
+            "label": label,
+            "metrics": {**metrics, "output_throughput": sum(throughputs)},
+            "repeats": rounds,
+        }
 
     runs = [run("a", [100.0, 110.0, 90.0]), run("b", [50.0, 100.0, 100.0])]
     (comparison,) = comparisons(runs)
@@ -426,4 +644,9 @@ def test_paired_rounds_give_one_ratio_per_round_and_show_their_spread():
     assert "1.20x (0.90–2.00)" in format_report({"runs": runs, "comparisons": [comparison]})
     single = [{**r, "repeats": []} for r in runs]  # one round: the pooled metrics are that round's
     assert comparisons(single)[0]["paired_output_throughput"]["ratios"] == pytest.approx([1.2])
-    assert "(" not in format_report({"runs": single, "comparisons": comparisons(single)}).split("speedup of")[1]
+    assert (
+        "("
+        not in format_report({"runs": single, "comparisons": comparisons(single)}).split(
+            "speedup of"
+        )[1]
+    )

@@ -19,7 +19,14 @@ from radixinfer.cli import main, parse_args
 
 REPO = Path(__file__).resolve().parents[1]
 LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
-COUNTS = ("requests", "prompt_tokens", "cached_tokens", "computed_prompt_tokens", "hit_rate", "completion_tokens")
+COUNTS = (
+    "requests",
+    "prompt_tokens",
+    "cached_tokens",
+    "computed_prompt_tokens",
+    "hit_rate",
+    "completion_tokens",
+)
 THROUGHPUTS = ("output_throughput", "total_throughput", "request_throughput", "wall_s")
 
 
@@ -37,24 +44,55 @@ def test_defaults_run_on_cpu_and_the_json_holds_every_metric(tmp_path, capsys):
     for key in COUNTS + THROUGHPUTS:
         assert metrics[key] is not None, key
     for key in LATENCIES:
-        assert set(metrics[key]) == {"mean", "p50", "p95", "p99"} and None not in metrics[key].values(), key
+        assert (
+            set(metrics[key]) == {"mean", "p50", "p95", "p99"} and None not in metrics[key].values()
+        ), key
     assert metrics["requests"] == 32 and metrics["completion_tokens"] <= 32 * 16
     assert "ttft_ms p99" in capsys.readouterr().out
 
 
 def test_shared_prefix_hits_with_the_cache_and_never_without(tmp_path):
-    result = bench(tmp_path, "--dataset", "shared-prefix", "--num-groups", "2", "--prompts-per-group", "8",
-                   "--system-prompt-len", "256", "--question-len", "8", "--output-len", "2", "--compare-no-cache")
+    result = bench(
+        tmp_path,
+        "--dataset",
+        "shared-prefix",
+        "--num-groups",
+        "2",
+        "--prompts-per-group",
+        "8",
+        "--system-prompt-len",
+        "256",
+        "--question-len",
+        "8",
+        "--output-len",
+        "2",
+        "--compare-no-cache",
+    )
     on, off = (run["metrics"] for run in result["runs"])
     assert on["hit_rate"] > 0.8
-    assert off["hit_rate"] == 0 and off["cached_tokens"] == 0 and off["computed_prompt_tokens"] == off["prompt_tokens"]
+    assert (
+        off["hit_rate"] == 0
+        and off["cached_tokens"] == 0
+        and off["computed_prompt_tokens"] == off["prompt_tokens"]
+    )
     assert on["computed_prompt_tokens"] < off["computed_prompt_tokens"]
     assert result["comparisons"][0]["other"] == "radixinfer cache=off fifo"
 
 
 def test_hf_backend_runs_beside_radixinfer(tmp_path):
-    result = bench(tmp_path, "--compare-backends", "--num-requests", "4", "--max-new-tokens", "4", "--ignore-eos",
-                   "--unique-prompts", "--repeat-runs", "2", "--cold-cache")
+    result = bench(
+        tmp_path,
+        "--compare-backends",
+        "--num-requests",
+        "4",
+        "--max-new-tokens",
+        "4",
+        "--ignore-eos",
+        "--unique-prompts",
+        "--repeat-runs",
+        "2",
+        "--cold-cache",
+    )
     radix, hf = result["runs"]
     assert hf["backend"] == "hf" and hf["metrics"]["cached_tokens"] is None
     assert hf["metrics"]["completion_tokens"] == radix["metrics"]["completion_tokens"] == 2 * 4 * 4
@@ -64,8 +102,19 @@ def test_hf_backend_runs_beside_radixinfer(tmp_path):
 
 @pytest.mark.parametrize("batching", ["continuous", "sequential"])
 def test_hf_baseline_produces_radixinfers_greedy_tokens(tmp_path, batching):
-    args = parse_args(["bench", "--num-requests", "3", "--unique-prompts", "--ignore-eos", "--max-new-tokens", "6",
-                       "--hf-batching", batching])
+    args = parse_args(
+        [
+            "bench",
+            "--num-requests",
+            "3",
+            "--unique-prompts",
+            "--ignore-eos",
+            "--max-new-tokens",
+            "6",
+            "--hf-batching",
+            batching,
+        ]
+    )
     model = str(export_checkpoint("tiny", tmp_path, "cpu", "auto", seed=0))
     outputs = []
     for variant in (Variant("radixinfer", True, "fifo"), Variant("hf", True, None)):
@@ -81,12 +130,28 @@ def test_hf_baseline_produces_radixinfers_greedy_tokens(tmp_path, batching):
 
 def test_gpu_suite_smoke_mode(tmp_path):
     out = tmp_path / "suite"
-    env = {**os.environ, "SMOKE": "1", "OUT": str(out), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    proc = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_suite.sh")], env=env, capture_output=True, text=True,
-                          timeout=300)
+    env = {
+        **os.environ,
+        "SMOKE": "1",
+        "OUT": str(out),
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+    }
+    proc = subprocess.run(
+        ["bash", str(REPO / "benchmarks" / "gpu_suite.sh")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    names = ["fixed_hello65", "shared_prompt", "head_of_line", "shared_prefix_cache", "shared_prefix_vs_hf",
-             "random_cache_cost"]
+    names = [
+        "fixed_hello65",
+        "shared_prompt",
+        "head_of_line",
+        "shared_prefix_cache",
+        "shared_prefix_vs_hf",
+        "random_cache_cost",
+    ]
     for name in names:
         result = json.loads((out / f"{name}.json").read_text())
         assert all(run["metrics"]["requests"] > 0 for run in result["runs"]), name

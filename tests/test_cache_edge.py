@@ -92,7 +92,9 @@ def test_duplicate_computed_blocks_are_remapped_then_freed():
     assert mgr.publish(a, prompt) == 5
     assert mgr.publish(b, prompt) == 0
     assert b.table[:2] == a.table[:2]  # the full blocks now come from the tree
-    assert b.table[2] != a.table[2]  # the boundary block is never remapped (b may still write past it)
+    assert (
+        b.table[2] != a.table[2]
+    )  # the boundary block is never remapped (b may still write past it)
     assert mgr.num_free_blocks == free + 2
     mgr.check_integrity([a, b])
 
@@ -102,7 +104,9 @@ def test_match_ending_mid_block_shares_the_block_then_copies_it_on_write():
     a = run_prompt(mgr, [1, 2, 3, 4, 5, 6])
     b = mgr.admit([1, 2, 3, 9, 9])
     assert b.num_cached == 3
-    assert b.table == a.table[:1]  # the boundary block is shared, positions 0..2 of it are b's prefix
+    assert (
+        b.table == a.table[:1]
+    )  # the boundary block is shared, positions 0..2 of it are b's prefix
     plan = mgr.reserve([b], [5])
     assert plan.copies == [(a.table[0], b.table[0])]  # slot 3 was written by a: copy before writing
     assert mgr.counters.cow_copies == 1
@@ -163,7 +167,9 @@ def test_split_at_every_offset_of_an_edge(block_size):
         assert cached_len(mgr, path) == len(path) and cached_len(mgr, other) == len(other)
         assert cached_len(mgr, path[:k] + [8]) == k
         repeat = mgr.admit(path)
-        assert repeat.payload == "a's hidden state"  # the payload stays with the lower half of the split
+        assert (
+            repeat.payload == "a's hidden state"
+        )  # the payload stays with the lower half of the split
         mgr.check_integrity([a, b, repeat])
 
 
@@ -228,7 +234,12 @@ def test_reserve_beyond_the_pool_returns_none_and_changes_nothing():
     b = mgr.admit([1, 2, 7])
     table, free, refcounts = list(b.table), mgr.num_free_blocks, list(mgr.pool.refcount)
     assert mgr.reserve([b], [7]) is None  # needs 3 fresh blocks, 1 free, nothing evictable
-    assert (b.table, b.num_kv, mgr.num_free_blocks, list(mgr.pool.refcount)) == (table, 2, free, refcounts)
+    assert (b.table, b.num_kv, mgr.num_free_blocks, list(mgr.pool.refcount)) == (
+        table,
+        2,
+        free,
+        refcounts,
+    )
     assert mgr.counters.cow_copies == 0
     mgr.check_integrity([a, b])
 
@@ -270,7 +281,9 @@ def test_eviction_frees_only_unshared_blocks():
     """A leaf whose block a live sequence still holds is removed, but the block stays held."""
     mgr = KVCacheManager(num_blocks=8, block_size=4)
     a = run_prompt(mgr, [1, 2, 3, 4, 5])
-    mgr.publish(a, [1, 2], prompt_end=True)  # a's lock moves up; the node for [2, 5) is an unlocked leaf
+    mgr.publish(
+        a, [1, 2], prompt_end=True
+    )  # a's lock moves up; the node for [2, 5) is an unlocked leaf
     free = mgr.num_free_blocks
     mgr.tree.evict(1)
     assert cached_len(mgr, [1, 2, 3, 4, 5]) == 2
@@ -365,13 +378,21 @@ def test_copy_of_a_rewritten_stale_slot_waits_for_the_forward():
     mgr.reserve([y], [7])  # y claims slot 2 of x's boundary block (fill 3)
     mgr.mark_written()
     mgr.release(y)
-    mgr.publish(x, [1, 2, 3, 4], prompt_end=True)  # x's lock moves up: the node for [4, 6) is unlocked
-    mgr.tree.evict(1)  # ... and evicted: x alone holds the boundary block, whose fill (3) is past x's offset
-    assert mgr.reserve([x], [8]) is not None  # x rewrites slots 2 and 3 in place; the forward is pending
+    mgr.publish(
+        x, [1, 2, 3, 4], prompt_end=True
+    )  # x's lock moves up: the node for [4, 6) is unlocked
+    mgr.tree.evict(
+        1
+    )  # ... and evicted: x alone holds the boundary block, whose fill (3) is past x's offset
+    assert (
+        mgr.reserve([x], [8]) is not None
+    )  # x rewrites slots 2 and 3 in place; the forward is pending
     mgr.publish(x, [1, 2, 3, 4, 5, 6, 7, 8])
     z = mgr.admit([1, 2, 3, 4, 5, 6, 7, 0])
     assert z.num_cached == 7
-    assert mgr.needs_copy_of_unwritten(z, 8)  # z's copy would read slot 2, which x's forward has not written
+    assert mgr.needs_copy_of_unwritten(
+        z, 8
+    )  # z's copy would read slot 2, which x's forward has not written
     mgr.check_integrity([x, z])
 
 

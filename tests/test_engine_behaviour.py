@@ -39,7 +39,11 @@ def test_burst_runs_one_prefill_and_computes_unique_prefixes_once(llm):
     # One ragged forward, plus at most one more pass for suffixes that copy a block the first pass writes.
     assert 1 <= stats["prefill_forwards"] <= 2
     distinct = len({tuple(p) for p in prompts})
-    assert unique_prefix_count(prompts) <= stats["computed_prompt_tokens"] <= unique_prefix_count(prompts) + distinct
+    assert (
+        unique_prefix_count(prompts)
+        <= stats["computed_prompt_tokens"]
+        <= unique_prefix_count(prompts) + distinct
+    )
     assert stats["prompt_tokens"] == sum(map(len, prompts))
 
 
@@ -69,7 +73,9 @@ def test_prefix_of_a_cached_prompt_recomputes_one_token(llm):
     llm.generate([list(range(50))], GREEDY)
     before = llm.cache_stats()
     out = llm.generate([list(range(37))], GREEDY)[0]
-    assert out.num_cached_tokens == 36  # the last position is computed again for its logits, so not cached
+    assert (
+        out.num_cached_tokens == 36
+    )  # the last position is computed again for its logits, so not cached
     assert llm.cache_stats()["computed_prompt_tokens"] - before["computed_prompt_tokens"] == 1
 
 
@@ -166,9 +172,15 @@ def test_random_workload_with_aborts_and_preemption_leaks_nothing():
     rng = random.Random(1)
     base = [rng.randrange(256) for _ in range(10)]
     ids = []
-    for i in range(24):
-        prompt = base[: rng.randrange(1, 10)] + [rng.randrange(256) for _ in range(rng.randrange(1, 12))]
-        ids.append(engine.add_request(prompt, SamplingParams(max_tokens=rng.randrange(1, 24), ignore_eos=True)))
+    for _i in range(24):
+        prompt = base[: rng.randrange(1, 10)] + [
+            rng.randrange(256) for _ in range(rng.randrange(1, 12))
+        ]
+        ids.append(
+            engine.add_request(
+                prompt, SamplingParams(max_tokens=rng.randrange(1, 24), ignore_eos=True)
+            )
+        )
     steps = 0
     while engine.has_unfinished():
         engine.step()
@@ -182,16 +194,22 @@ def test_random_workload_with_aborts_and_preemption_leaks_nothing():
 
 
 def test_seeded_sampling_is_independent_of_batch_composition(llm):
-    params = SamplingParams(max_tokens=8, temperature=0.9, top_k=50, top_p=0.9, seed=1234, ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=8, temperature=0.9, top_k=50, top_p=0.9, seed=1234, ignore_eos=True
+    )
     alone = llm.generate(["the same prompt"], params)[0].token_ids
-    crowd = llm.generate(["other", "the same prompt", "more text here"], [GREEDY, params, GREEDY])[1].token_ids
+    crowd = llm.generate(["other", "the same prompt", "more text here"], [GREEDY, params, GREEDY])[
+        1
+    ].token_ids
     assert alone == crowd
 
 
 def test_stop_token_ends_the_request(llm):
     greedy = llm.generate(["stop here"], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
     stop = greedy[3]
-    out = llm.generate(["stop here"], SamplingParams(max_tokens=8, ignore_eos=True, stop_token_ids=[stop]))[0]
+    out = llm.generate(
+        ["stop here"], SamplingParams(max_tokens=8, ignore_eos=True, stop_token_ids=[stop])
+    )[0]
     assert out.finish_reason == "stop"
     assert out.token_ids == greedy[: greedy.index(stop) + 1]
 
@@ -228,23 +246,48 @@ def test_steady_decode_steps_derive_inputs_from_the_last_step_exactly():
         real_decode, real_inputs = engine.runner.decode, engine._decode_inputs
         engine._decode_inputs = lambda batch: full_passes.append(1) or real_inputs(batch)
 
-        def decode(input_ids, positions, slots, tables, context_lens, carried=None, carried_rows=None,
-                   changed_tables=None):
-            calls.append((list(map(int, positions)), list(map(int, context_lens)), [list(t) for t in tables]))
-            logits = real_decode(input_ids, positions, slots, tables, context_lens, carried, carried_rows,
-                                 changed_tables)
+        def decode(
+            input_ids,
+            positions,
+            slots,
+            tables,
+            context_lens,
+            carried=None,
+            carried_rows=None,
+            changed_tables=None,
+        ):
+            calls.append(
+                (list(map(int, positions)), list(map(int, context_lens)), [list(t) for t in tables])
+            )
+            logits = real_decode(
+                input_ids,
+                positions,
+                slots,
+                tables,
+                context_lens,
+                carried,
+                carried_rows,
+                changed_tables,
+            )
             buffers = engine.runner._decode_buffers
             rows = buffers.tables
-            assert all(rows[i, : len(t)].tolist() == t and not rows[i, len(t) :].any() for i, t in enumerate(tables))
+            assert all(
+                rows[i, : len(t)].tolist() == t and not rows[i, len(t) :].any()
+                for i, t in enumerate(tables)
+            )
             # the device copy holds the same rows: only the rewritten ones were sent
-            np.testing.assert_array_equal(buffers.device_tables[: len(tables)].cpu().numpy(), rows[: len(tables)])
+            np.testing.assert_array_equal(
+                buffers.device_tables[: len(tables)].cpu().numpy(), rows[: len(tables)]
+            )
             return logits
 
         engine.runner.decode = decode
         rng = random.Random(3)
-        for i in range(12):
-            engine.add_request([rng.randrange(256) for _ in range(rng.randrange(3, 20))],
-                               SamplingParams(max_tokens=rng.randrange(2, 30), ignore_eos=True))
+        for _i in range(12):
+            engine.add_request(
+                [rng.randrange(256) for _ in range(rng.randrange(3, 20))],
+                SamplingParams(max_tokens=rng.randrange(2, 30), ignore_eos=True),
+            )
         outputs = {}
         while engine.has_unfinished():
             if not fast:
@@ -256,7 +299,9 @@ def test_steady_decode_steps_derive_inputs_from_the_last_step_exactly():
     fast_calls, fast_out, fast_passes = run(fast=True)
     slow_calls, slow_out, slow_passes = run(fast=False)
     assert fast_calls == slow_calls and fast_out == slow_out
-    assert slow_passes == len(slow_calls) and fast_passes <= len(fast_calls) // 2  # the fast path ran
+    assert (
+        slow_passes == len(slow_calls) and fast_passes <= len(fast_calls) // 2
+    )  # the fast path ran
 
 
 def test_token_batches_end_requests_exactly_where_per_request_deltas_do():
@@ -266,15 +311,21 @@ def test_token_batches_end_requests_exactly_where_per_request_deltas_do():
     rng = random.Random(5)
     prompts = [[rng.randrange(256) for _ in range(rng.randrange(3, 12))] for _ in range(10)]
     free_run = LLM("tiny", block_size=4, num_blocks=512).generate(
-        prompts, SamplingParams(max_tokens=24, ignore_eos=True))
+        prompts, SamplingParams(max_tokens=24, ignore_eos=True)
+    )
     settings = []
     for i, out in enumerate(free_run):
-        stop = [out.token_ids[5 + i]] if i % 3 == 0 else None  # stop on a token the request will sample
+        stop = (
+            [out.token_ids[5 + i]] if i % 3 == 0 else None
+        )  # stop on a token the request will sample
         settings.append(dict(max_tokens=8 + 2 * i, ignore_eos=True, stop_token_ids=stop))
 
     def run(detokenize: bool) -> tuple[dict, int]:
         engine = LLM("tiny", block_size=4, num_blocks=512).engine
-        ids = [engine.add_request(p, SamplingParams(detokenize=detokenize, **kw)) for p, kw in zip(prompts, settings)]
+        ids = [
+            engine.add_request(p, SamplingParams(detokenize=detokenize, **kw))
+            for p, kw in zip(prompts, settings)
+        ]
         streamed, finish, batches, step = {}, {}, 0, 0
         while engine.has_unfinished():
             events = engine.step()
@@ -308,7 +359,9 @@ def test_steps_overlap_tokens_are_read_back_one_step_late(llm):
     third = list(deltas_of(engine.step()))  # nothing left to launch: reads back the third token
     assert [(len(d.token_ids), d.finished, d.finish_reason) for d in third] == [(1, True, "length")]
     assert engine.counters.decode_forwards == 2 and not engine.has_unfinished()
-    expected = llm.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids
+    expected = llm.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=3, ignore_eos=True))[
+        0
+    ].token_ids
     assert [d.token_ids[0] for d in second + third] == expected
     engine.pop_finished(request_id)
 

@@ -24,7 +24,9 @@ def burst(seed: int) -> list[list[int]]:
     """Prompts sharing a system prefix, exact repeats, and one prompt that is a prefix of another."""
     rng = random.Random(seed)
     system = [rng.randrange(1, 300) for _ in range(11)]
-    prompts = [system + [rng.randrange(1, 300) for _ in range(rng.randrange(1, 9))] for _ in range(4)]
+    prompts = [
+        system + [rng.randrange(1, 300) for _ in range(rng.randrange(1, 9))] for _ in range(4)
+    ]
     prompts.append(list(prompts[1]))  # exact repeat in the same burst
     prompts.append(prompts[2][:-1])  # a strict prefix of another prompt
     prompts.append([rng.randrange(1, 300) for _ in range(5)])  # unrelated

@@ -20,17 +20,28 @@ pytestmark = [
 
 
 def hf_greedy_cuda(path, prompt, max_new_tokens):
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    model = (
+        transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    )
     ids = torch.tensor([prompt], device="cuda")
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
-                         min_new_tokens=max_new_tokens, pad_token_id=0, eos_token_id=None)
-    return out[0, len(prompt):].tolist()
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_triton_backend_greedy_matches_transformers_fp32(family, tmp_path):
     path = save_tiny_checkpoint(family, tmp_path)
-    llm = LLM(str(path), device="cuda", dtype="float32", block_size=16, num_blocks=256, max_batch_size=16)
+    llm = LLM(
+        str(path), device="cuda", dtype="float32", block_size=16, num_blocks=256, max_batch_size=16
+    )
     assert isinstance(llm.engine.runner.backend, TritonAttentionBackend)
     assert llm.engine.runner._graphs, "decode should run through CUDA graphs on CUDA"
     prompts = burst(0) + burst(1)
@@ -49,14 +60,18 @@ def test_shared_prefix_decode_matches_transformers_fp32(family, tmp_path):
     import random
 
     path = save_tiny_checkpoint(family, tmp_path)
-    llm = LLM(str(path), device="cuda", dtype="float32", block_size=16, num_blocks=512, max_batch_size=16)
+    llm = LLM(
+        str(path), device="cuda", dtype="float32", block_size=16, num_blocks=512, max_batch_size=16
+    )
     planner = llm.engine.runner._planner
     tiles = []
     plan = planner.plan
     planner.plan = lambda *args: tiles.append(plan(*args)) or tiles[-1]
     rng = random.Random(5)
     system = [rng.randrange(1, 300) for _ in range(200)]
-    prompts = [system + [rng.randrange(1, 300) for _ in range(rng.randrange(1, 9))] for _ in range(6)]
+    prompts = [
+        system + [rng.randrange(1, 300) for _ in range(rng.randrange(1, 9))] for _ in range(6)
+    ]
     prompts.append(list(prompts[0]))
     outs = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
     assert max(tiles) > 0
@@ -72,17 +87,29 @@ def test_bf16_logits_close_to_transformers_on_qwen25_05b(tmp_path):
     hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).cuda().eval()
     hf.save_pretrained(tmp_path)
     llm = LLM(str(tmp_path), device="cuda", dtype="bfloat16", num_blocks=512, max_batch_size=8)
-    prompt = torch.randint(0, config.vocab_size, (300,), generator=torch.Generator().manual_seed(1)).tolist()
+    prompt = torch.randint(
+        0, config.vocab_size, (300,), generator=torch.Generator().manual_seed(1)
+    ).tolist()
     runner = llm.engine.runner
     table = list(range(-(-len(prompt) // 16)))
-    hidden = runner.prefill(prompt, list(range(len(prompt))), list(range(len(prompt))), [table], [len(prompt)],
-                            [len(prompt)])
+    hidden = runner.prefill(
+        prompt,
+        list(range(len(prompt))),
+        list(range(len(prompt))),
+        [table],
+        [len(prompt)],
+        [len(prompt)],
+    )
     ours = runner.logits(hidden)
     with torch.no_grad():
         ids = torch.tensor([prompt], device="cuda")
         hf_bf16 = hf(ids).logits[0]
-        exact = hf.float()(ids).logits[0]  # transformers in float32 on the same (bf16-valued) weights
+        exact = hf.float()(ids).logits[
+            0
+        ]  # transformers in float32 on the same (bf16-valued) weights
     # two bf16 forwards that round differently differ by about as much as each differs from float32 (~1.8e-2
     # here), so each is measured against float32: ours must be as accurate as transformers' own bf16
     rel = lambda x: ((x.float() - exact).norm() / exact.norm()).item()  # noqa: E731
-    assert rel(ours) < min(1.05 * rel(hf_bf16), 2e-2), f"{rel(ours):.3e}; transformers' bf16: {rel(hf_bf16):.3e}"
+    assert rel(ours) < min(1.05 * rel(hf_bf16), 2e-2), (
+        f"{rel(ours):.3e}; transformers' bf16: {rel(hf_bf16):.3e}"
+    )

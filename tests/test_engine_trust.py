@@ -18,7 +18,10 @@ def all_free(llm: LLM) -> bool:
     """No request holds a KV block: every block is free or held by the prefix cache alone."""
     engine, stats = llm.engine, llm.cache_stats()
     engine.cache.check_integrity([])
-    return not (engine.active or engine.waiting) and stats["free_blocks"] + held_by_tree(llm) == stats["total_blocks"]
+    return (
+        not (engine.active or engine.waiting)
+        and stats["free_blocks"] + held_by_tree(llm) == stats["total_blocks"]
+    )
 
 
 def held_by_tree(llm: LLM) -> int:
@@ -82,12 +85,18 @@ def test_eviction_trims_a_leaf_from_its_tail():
 def test_a_one_block_shortage_keeps_the_rest_of_a_long_conversation():
     llm = LLM("tiny", block_size=4, num_blocks=16)
     conversation = [9] * 40
-    answer = llm.generate([conversation], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
+    answer = llm.generate([conversation], SamplingParams(max_tokens=8, ignore_eos=True))[
+        0
+    ].token_ids
     history = conversation + answer  # 48 tokens: 12 blocks cached, 4 free
-    llm.generate([[3] * 16], SamplingParams(max_tokens=2, ignore_eos=True))  # needs 5 blocks: one short
+    llm.generate(
+        [[3] * 16], SamplingParams(max_tokens=2, ignore_eos=True)
+    )  # needs 5 blocks: one short
     assert llm.cache_stats()["evicted_blocks"] == 1
     follow_up = llm.generate([history + [5] * 4], ONE)[0]
-    assert follow_up.num_cached_tokens == 44  # one block of the conversation's tail went, not all of it
+    assert (
+        follow_up.num_cached_tokens == 44
+    )  # one block of the conversation's tail went, not all of it
 
 
 # ------------------------------------------------------------------------------------------ accounting
@@ -105,7 +114,11 @@ def test_cached_tokens_are_counted_at_the_admission_that_succeeds():
         req = engine.pop_finished(request_id)
         assert req.num_cached_tokens + req.num_computed_prompt_tokens == len(req.prompt_ids)
     stats = llm.cache_stats()
-    assert stats["cached_tokens"] + stats["computed_prompt_tokens"] == stats["prompt_tokens"] == 8 + 32 + 24
+    assert (
+        stats["cached_tokens"] + stats["computed_prompt_tokens"]
+        == stats["prompt_tokens"]
+        == 8 + 32 + 24
+    )
 
 
 # ------------------------------------------------------------------------------------------ streams
@@ -150,7 +163,9 @@ def test_an_interrupted_generate_aborts_its_requests_and_frees_their_blocks(monk
 
     monkeypatch.setattr(engine, "step", step_then_interrupt)
     with pytest.raises(error):
-        llm.generate(["one prompt", "another prompt"], SamplingParams(max_tokens=50, ignore_eos=True))
+        llm.generate(
+            ["one prompt", "another prompt"], SamplingParams(max_tokens=50, ignore_eos=True)
+        )
     monkeypatch.undo()
     assert engine.requests == {} and all_free(llm)
     assert llm.generate(["one prompt"], ONE)[0].finish_reason == "length"  # still usable

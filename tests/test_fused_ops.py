@@ -3,8 +3,8 @@ their references, and
 a Llama-family forward through the kernels against the same model through the references.
 
 Without CUDA the kernels run in Triton's interpreter at tiny sizes; the ``gpu`` tests repeat them at real
-sizes (512 tokens, hidden 896 to 5120, head_dim 64 and 128). Inputs are strided views, as the models pass them (q/k/v of one
-fused projection, gate|up of another).
+sizes (512 tokens, hidden 896 to 5120, head_dim 64 and 128). Inputs are strided views, as the models
+pass them (q/k/v of one fused projection, gate|up of another).
 """
 
 from tests import _triton_env  # noqa: I001  (first: without CUDA, Triton must start in interpreter mode)
@@ -34,7 +34,9 @@ def check_rms_norm(num_tokens, hidden, dtype, seed, with_residual=True):
     """x and the residual as token-strided views (every row padded), hidden of any size."""
     gen = torch.Generator(DEVICE).manual_seed(seed)
     x = randn(num_tokens, hidden + 5, dtype=dtype, gen=gen)[:, :hidden]
-    residual = randn(num_tokens, hidden + 3, dtype=dtype, gen=gen)[:, 3:] * 4 if with_residual else None
+    residual = (
+        randn(num_tokens, hidden + 3, dtype=dtype, gen=gen)[:, 3:] * 4 if with_residual else None
+    )
     weight = (randn(hidden, dtype=torch.float32, gen=gen) * 0.1 + 1).to(dtype)
     out, new_residual = rms_norm_triton(x, weight, 1e-6, residual)
     ref_out, ref_residual = rms_norm_ref(x, weight, 1e-6, residual)
@@ -50,7 +52,9 @@ def check_head_norm(num_tokens, num_heads, num_kv_heads, head_dim, dtype, seed):
     gen = torch.Generator(DEVICE).manual_seed(seed)
     qkv = randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, gen=gen)
     q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
-    k = qkv[:, num_heads * head_dim:][:, : num_kv_heads * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    k = qkv[:, num_heads * head_dim :][:, : num_kv_heads * head_dim].view(
+        num_tokens, num_kv_heads, head_dim
+    )
     weight = (randn(head_dim, dtype=torch.float32, gen=gen) * 0.1 + 1).to(dtype)
     for x in (q, k):
         out, same = rms_norm_triton(x, weight, 1e-6)
@@ -72,7 +76,10 @@ def test_head_rms_norm_matches_reference(dtype):
 
 def test_empty_batch():
     x = torch.empty(0, 8, 16, device=DEVICE)
-    assert rms_norm_triton(x[:, 0], torch.ones(16, device=DEVICE), 1e-6, x[:, 1])[0].shape == (0, 16)
+    assert rms_norm_triton(x[:, 0], torch.ones(16, device=DEVICE), 1e-6, x[:, 1])[0].shape == (
+        0,
+        16,
+    )
     rotary_triton(x[:, :4], x[:, 4:6], x[:, 0, :8], x[:, 1, :8])
     assert silu_and_mul_triton(x[:, 0]).shape == (0, 8)
 
@@ -86,7 +93,10 @@ def check_rotary(num_tokens, num_heads, num_kv_heads, head_dim, dtype, seed):
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     qkv = randn(num_tokens, q_size + 2 * kv_size, dtype=dtype, gen=gen)
     angles = torch.rand(num_tokens, head_dim // 2, generator=gen, device=DEVICE) * 100
-    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)  # the model dtype, as RotaryEmbedding keeps them
+    cos, sin = (
+        angles.cos().to(dtype),
+        angles.sin().to(dtype),
+    )  # the model dtype, as RotaryEmbedding keeps them
 
     def views(t):
         q, k, _ = t.split([q_size, kv_size, kv_size], dim=-1)
@@ -95,15 +105,25 @@ def check_rotary(num_tokens, num_heads, num_kv_heads, head_dim, dtype, seed):
     ref = qkv.clone()
     rotary_ref(*views(ref), cos, sin)
     rotary_triton(*views(qkv), cos, sin)
-    assert torch.equal(qkv[:, q_size + kv_size:], ref[:, q_size + kv_size:])
-    assert rel_err(qkv, ref) < TOLERANCE[dtype]  # the kernel rounds once, the reference after every step
+    assert torch.equal(qkv[:, q_size + kv_size :], ref[:, q_size + kv_size :])
+    assert (
+        rel_err(qkv, ref) < TOLERANCE[dtype]
+    )  # the kernel rounds once, the reference after every step
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads, head_dim", [((4, 2), 16), ((6, 1), 24)])  # 24: half not a power of 2
+@pytest.mark.parametrize(
+    "heads, head_dim", [((4, 2), 16), ((6, 1), 24)]
+)  # 24: half not a power of 2
 def test_rotary_matches_reference(dtype, heads, head_dim):
-    check_rotary(num_tokens=5, num_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim, dtype=dtype,
-                 seed=head_dim)
+    check_rotary(
+        num_tokens=5,
+        num_heads=heads[0],
+        num_kv_heads=heads[1],
+        head_dim=head_dim,
+        dtype=dtype,
+        seed=head_dim,
+    )
 
 
 # ---------------------------------------------------------------------------------------------- activation
@@ -111,7 +131,9 @@ def test_rotary_matches_reference(dtype, heads, head_dim):
 
 def check_silu_and_mul(num_tokens, intermediate, dtype, seed):
     gen = torch.Generator(DEVICE).manual_seed(seed)
-    gate_up = randn(num_tokens, 2 * intermediate + 7, dtype=dtype, gen=gen)[:, : 2 * intermediate] * 3
+    gate_up = (
+        randn(num_tokens, 2 * intermediate + 7, dtype=dtype, gen=gen)[:, : 2 * intermediate] * 3
+    )
     out = silu_and_mul_triton(gate_up)
     ref = silu_and_mul_ref(gate_up)
     assert out.shape == ref.shape and out.dtype == dtype
@@ -141,7 +163,9 @@ def check_argmax(rows, vocab, dtype, seed, chunks=None):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("vocab, chunks", [(300, None), (5000, 1), (5000, 3), (4097, 64)])  # 64: capped
+@pytest.mark.parametrize(
+    "vocab, chunks", [(300, None), (5000, 1), (5000, 3), (4097, 64)]
+)  # 64: capped
 def test_argmax_matches_reference_first_index_of_ties(dtype, vocab, chunks):
     check_argmax(rows=4, vocab=vocab, dtype=dtype, seed=vocab, chunks=chunks)
 
@@ -158,13 +182,18 @@ def model_logits(model, dtype, use_triton, monkeypatch) -> torch.Tensor:
     tables = [[0, 1], [2, 3, 4]]
     positions = [p for n in lens for p in range(n)]
     seq_of = [s for s, n in enumerate(lens) for _ in range(n)]
-    slots = [tables[s][p // block_size] * block_size + p % block_size for s, p in zip(seq_of, positions)]
+    slots = [
+        tables[s][p // block_size] * block_size + p % block_size for s, p in zip(seq_of, positions)
+    ]
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots, device=DEVICE),
-        block_tables=torch.tensor([t + [0] * (3 - len(t)) for t in tables], dtype=torch.int32, device=DEVICE),
+        block_tables=torch.tensor(
+            [t + [0] * (3 - len(t)) for t in tables], dtype=torch.int32, device=DEVICE
+        ),
         context_lens=torch.tensor(lens, dtype=torch.int32, device=DEVICE),
         query_start_loc=torch.tensor([0, 5, 16], dtype=torch.int32, device=DEVICE),
-        max_query_len=11, max_context_len=11,
+        max_query_len=11,
+        max_context_len=11,
     )
     cache_shape = (model.num_layers, 5, block_size, model.num_kv_heads, model.head_dim)
     k_cache, v_cache = (torch.zeros(cache_shape, dtype=dtype, device=DEVICE) for _ in range(2))
@@ -178,13 +207,17 @@ def model_logits(model, dtype, use_triton, monkeypatch) -> torch.Tensor:
 @pytest.mark.parametrize("arch", ["llama3", "qwen3"])  # qwen3: the per-head q/k norms
 def test_llama_family_forward_through_kernels_matches_references(arch, dtype, monkeypatch):
     if not rounds_like_torch(dtype):
-        pytest.skip("the interpreter's truncation to bf16 drifts over a whole model; bf16 is checked per kernel")
+        pytest.skip(
+            "the interpreter's truncation to bf16 drifts over a whole model; bf16 is checked per kernel"
+        )
     model = load_model(ARCHS[arch][1], DEVICE, dtype, seed=1).model
     ref = model_logits(model, dtype, use_triton=False, monkeypatch=monkeypatch)
     out = model_logits(model, dtype, use_triton=True, monkeypatch=monkeypatch)
     # large random weights amplify each rounding difference (rotary rounds once) through the layers: fp16 drifts
     # by ~1e-3, bf16 (3 mantissa bits fewer) by ~1e-2; a wrong kernel is off by O(1)
-    assert rel_err(out, ref) < {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 3e-2}[dtype]
+    assert (
+        rel_err(out, ref) < {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 3e-2}[dtype]
+    )
 
 
 # --------------------------------------------------------------------------------------------- GPU sizes
@@ -196,7 +229,9 @@ def test_llama_family_forward_through_kernels_matches_references(arch, dtype, mo
 def test_rms_norm_gpu(dtype, hidden):
     for with_residual in (True, False):
         poison_allocator()
-        check_rms_norm(num_tokens=512, hidden=hidden, dtype=dtype, seed=hidden, with_residual=with_residual)
+        check_rms_norm(
+            num_tokens=512, hidden=hidden, dtype=dtype, seed=hidden, with_residual=with_residual
+        )
 
 
 @gpu_test
@@ -204,10 +239,22 @@ def test_rms_norm_gpu(dtype, hidden):
 @pytest.mark.parametrize("heads, head_dim", [((14, 2), 64), ((32, 8), 128), ((16, 8), 128)])
 def test_rotary_and_head_norm_gpu(dtype, heads, head_dim):
     poison_allocator()
-    check_head_norm(num_tokens=512, num_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim, dtype=dtype,
-                    seed=head_dim)
-    check_rotary(num_tokens=512, num_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim, dtype=dtype,
-                 seed=head_dim)
+    check_head_norm(
+        num_tokens=512,
+        num_heads=heads[0],
+        num_kv_heads=heads[1],
+        head_dim=head_dim,
+        dtype=dtype,
+        seed=head_dim,
+    )
+    check_rotary(
+        num_tokens=512,
+        num_heads=heads[0],
+        num_kv_heads=heads[1],
+        head_dim=head_dim,
+        dtype=dtype,
+        seed=head_dim,
+    )
 
 
 @gpu_test

@@ -8,8 +8,6 @@ element the kernel forgets to write fails the comparison.
 import dataclasses
 from typing import NamedTuple
 
-from tests import _triton_env  # noqa: I001  (first: without CUDA, Triton must start in interpreter mode)
-
 import numpy as np
 import pytest
 import torch
@@ -29,6 +27,7 @@ from radixinfer.attention import AttentionMetadata, ForwardContext
 from radixinfer.attention.shared_prefix import SharedPrefixPlanner
 from radixinfer.attention.torch_backend import TorchAttentionBackend
 from radixinfer.attention.triton_backend import TritonAttentionBackend
+from tests import _triton_env  # noqa: I001  (first: without CUDA, Triton must start in interpreter mode)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2}
@@ -36,7 +35,9 @@ TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 
 def gpu_test(fn):
     """The ``gpu`` marker, and a skip where there is no CUDA."""
-    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(fn))
+    return pytest.mark.gpu(
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(fn)
+    )
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -61,32 +62,48 @@ class PagedBatch(NamedTuple):
 
     def ref(self, scale: float) -> torch.Tensor:
         m = self.meta
-        return paged_attention_ref(self.q, self.k_cache, self.v_cache, m.block_tables, m.context_lens,
-                                   m.query_start_loc, m.max_query_len, m.max_context_len, scale)
+        return paged_attention_ref(
+            self.q,
+            self.k_cache,
+            self.v_cache,
+            m.block_tables,
+            m.context_lens,
+            m.query_start_loc,
+            m.max_query_len,
+            m.max_context_len,
+            scale,
+        )
 
 
-def make_batch(prefix_lens, query_lens, *, num_heads, num_kv_heads, head_dim, block_size, dtype, seed):
+def make_batch(
+    prefix_lens, query_lens, *, num_heads, num_kv_heads, head_dim, block_size, dtype, seed
+):
     gen = torch.Generator(DEVICE).manual_seed(seed)
     context_lens = [p + n for p, n in zip(prefix_lens, query_lens)]
     blocks_per_seq = [-(-c // block_size) for c in context_lens]
     num_blocks = sum(blocks_per_seq) + 3  # a few blocks nobody reads
     perm = torch.randperm(num_blocks, generator=gen, device=DEVICE).to(torch.int32)
-    width = max(blocks_per_seq) + 2  # padded past every sequence's end with 0, as the metadata promises
+    width = (
+        max(blocks_per_seq) + 2
+    )  # padded past every sequence's end with 0, as the metadata promises
     block_tables = torch.zeros(len(context_lens), width, dtype=torch.int32, device=DEVICE)
     used = 0
     for b, n in enumerate(blocks_per_seq):
-        block_tables[b, :n] = perm[used:used + n]
+        block_tables[b, :n] = perm[used : used + n]
         used += n
     cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
     # the extend kernel's work list, with idle items past the plan as a captured graph's list has
-    work = np.zeros((2, sum(-(-n // extend_block_m(dtype)) for n in query_lens) + 3), dtype=np.int32)
+    work = np.zeros(
+        (2, sum(-(-n // extend_block_m(dtype)) for n in query_lens) + 3), dtype=np.int32
+    )
     plan_extend_work(np.array(query_lens), np.array(context_lens), extend_block_m(dtype), work)
     meta = AttentionMetadata(
         slot_mapping=torch.full((sum(query_lens),), -1, dtype=torch.int64, device=DEVICE),
         block_tables=block_tables,
         context_lens=torch.tensor(context_lens, dtype=torch.int32, device=DEVICE),
-        query_start_loc=torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32,
-                                     device=DEVICE),
+        query_start_loc=torch.tensor(
+            [0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE
+        ),
         max_query_len=max(query_lens),
         max_context_len=max(context_lens),
         extend_work=torch.from_numpy(work).to(DEVICE),
@@ -104,13 +121,32 @@ def check_attention(batch: PagedBatch, dtype, num_splits=None):
     m = batch.meta
     out = nan_like(batch.q)
     if num_splits is None:
-        paged_attention_triton(batch.q, batch.k_cache, batch.v_cache, m.block_tables, m.context_lens,
-                               m.query_start_loc, m.max_query_len, m.max_context_len, scale, out=out,
-                               extend_work=m.extend_work)
+        paged_attention_triton(
+            batch.q,
+            batch.k_cache,
+            batch.v_cache,
+            m.block_tables,
+            m.context_lens,
+            m.query_start_loc,
+            m.max_query_len,
+            m.max_context_len,
+            scale,
+            out=out,
+            extend_work=m.extend_work,
+        )
     else:
         assert m.is_decode
-        paged_decode_attention_triton(batch.q, batch.k_cache, batch.v_cache, m.block_tables, m.context_lens,
-                                      m.max_context_len, scale, num_splits=num_splits, out=out)
+        paged_decode_attention_triton(
+            batch.q,
+            batch.k_cache,
+            batch.v_cache,
+            m.block_tables,
+            m.context_lens,
+            m.max_context_len,
+            scale,
+            num_splits=num_splits,
+            out=out,
+        )
     err = rel_err(out, batch.ref(scale))
     assert err < TOLERANCE[dtype], err
 
@@ -127,37 +163,69 @@ def skip_bf16_dot_in_interpreter(dtype):
 
 # ------------------------------------------------------------------------------------------------ decode
 
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "context_lens, heads, head_dim, block_size, num_splits",
     [
         ([37], (4, 1), 64, 16, None),  # batch 1, one KV head for all query heads
         ([37], (4, 1), 64, 16, 3),  # the log-sum-exp merge, the last split partial
-        ([1, 16, 17, 100], (14, 2), 80, 3, 2),  # qwen group of 7, non-power-of-2 head_dim and block_size
+        (
+            [1, 16, 17, 100],
+            (14, 2),
+            80,
+            3,
+            2,
+        ),  # qwen group of 7, non-power-of-2 head_dim and block_size
         ([5, 70], (2, 2), 64, 1, 8),  # no GQA, one position per block, empty splits
     ],
 )
 def test_decode_matches_reference(dtype, context_lens, heads, head_dim, block_size, num_splits):
     skip_bf16_dot_in_interpreter(dtype)
-    batch = make_batch([c - 1 for c in context_lens], [1] * len(context_lens), num_heads=heads[0],
-                       num_kv_heads=heads[1], head_dim=head_dim, block_size=block_size, dtype=dtype,
-                       seed=len(context_lens) * 31 + head_dim + block_size)
+    batch = make_batch(
+        [c - 1 for c in context_lens],
+        [1] * len(context_lens),
+        num_heads=heads[0],
+        num_kv_heads=heads[1],
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        seed=len(context_lens) * 31 + head_dim + block_size,
+    )
     check_attention(batch, dtype, num_splits)
 
 
 def test_decode_padding_rows_give_zeros():
     """CUDA-graph padding: a row with context_len 0 attends to nothing and must not produce NaN."""
-    batch = make_batch([40, 0], [1, 1], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
-                       dtype=torch.float32, seed=5)
+    batch = make_batch(
+        [40, 0],
+        [1, 1],
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=16,
+        dtype=torch.float32,
+        seed=5,
+    )
     context_lens = batch.meta.context_lens.clone()
     context_lens[1] = 0
     for num_splits in (1, 3):
-        out = paged_decode_attention_triton(batch.q, batch.k_cache, batch.v_cache, batch.meta.block_tables,
-                                            context_lens, 41, 1.0, num_splits=num_splits)
+        out = paged_decode_attention_triton(
+            batch.q,
+            batch.k_cache,
+            batch.v_cache,
+            batch.meta.block_tables,
+            context_lens,
+            41,
+            1.0,
+            num_splits=num_splits,
+        )
         assert torch.equal(out[1], torch.zeros_like(out[1])) and not out[0].isnan().any()
 
 
-def share_prefixes(batch: PagedBatch, groups: list[list[int]], shared_blocks: list[int]) -> PagedBatch:
+def share_prefixes(
+    batch: PagedBatch, groups: list[list[int]], shared_blocks: list[int]
+) -> PagedBatch:
     """Make each group's sequences hold their first member's leading ``shared_blocks[g]`` block ids, as the
     prefix cache does for a shared prompt (the reference then reads the same K/V for all of them)."""
     tables = batch.meta.block_tables.clone()
@@ -169,13 +237,16 @@ def share_prefixes(batch: PagedBatch, groups: list[list[int]], shared_blocks: li
 def plan_shared(batch: PagedBatch, min_shared_len: int, dtype) -> SharedPrefixTiles | None:
     m = batch.meta
     num_heads, (_, block_size, num_kv_heads, _) = batch.q.shape[1], batch.k_cache.shape
-    planner = SharedPrefixPlanner(block_size, shared_prefix_seqs_per_tile(num_heads, num_kv_heads, dtype),
-                                  min_shared_len)
+    planner = SharedPrefixPlanner(
+        block_size, shared_prefix_seqs_per_tile(num_heads, num_kv_heads, dtype), min_shared_len
+    )
     n = m.num_seqs
     tile_seqs = np.zeros((planner.max_tiles(n), planner.seqs_per_tile), dtype=np.int32)
     tile_lens = np.zeros(planner.max_tiles(n), dtype=np.int32)
     kv_starts = np.zeros(n, dtype=np.int32)
-    if not planner.plan(m.block_tables.cpu().numpy(), m.context_lens.cpu().numpy(), tile_seqs, tile_lens, kv_starts):
+    if not planner.plan(
+        m.block_tables.cpu().numpy(), m.context_lens.cpu().numpy(), tile_seqs, tile_lens, kv_starts
+    ):
         return None
     as_tensor = lambda a: torch.from_numpy(a).to(DEVICE)  # noqa: E731
     return SharedPrefixTiles(as_tensor(tile_seqs), as_tensor(tile_lens), as_tensor(kv_starts))
@@ -189,8 +260,16 @@ def test_decode_reads_shared_prefixes_once_with_the_same_result(dtype, num_split
     its one new position), a pair sharing 27 (one chunk), a loner. Neither shared length is a multiple of the
     kernel's KV tile, so the masked tail of the tile kernel runs."""
     context_lens = [310, 305, 320, 301, 30, 33, 44]
-    batch = make_batch([c - 1 for c in context_lens], [1] * 7, num_heads=14, num_kv_heads=2, head_dim=80,
-                       block_size=3, dtype=dtype, seed=11)
+    batch = make_batch(
+        [c - 1 for c in context_lens],
+        [1] * 7,
+        num_heads=14,
+        num_kv_heads=2,
+        head_dim=80,
+        block_size=3,
+        dtype=dtype,
+        seed=11,
+    )
     batch = share_prefixes(batch, [[0, 1, 2, 3], [4, 5]], [100, 9])
     shared = plan_shared(batch, min_shared_len=8, dtype=dtype)
     assert shared is not None
@@ -198,26 +277,51 @@ def test_decode_reads_shared_prefixes_once_with_the_same_result(dtype, num_split
     m = batch.meta
     scale = 80**-0.5
     out = nan_like(batch.q)
-    paged_decode_attention_triton(batch.q, batch.k_cache, batch.v_cache, m.block_tables, m.context_lens,
-                                  m.max_context_len, scale, num_splits=num_splits, out=out, shared=shared)
+    paged_decode_attention_triton(
+        batch.q,
+        batch.k_cache,
+        batch.v_cache,
+        m.block_tables,
+        m.context_lens,
+        m.max_context_len,
+        scale,
+        num_splits=num_splits,
+        out=out,
+        shared=shared,
+    )
     assert rel_err(out, batch.ref(scale)) < TOLERANCE[dtype]
 
 
 # ------------------------------------------------------------------------------------------------ extend
+
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "prefix_lens, query_lens, heads, head_dim, block_size",
     [
         ([21], [9], (4, 2), 64, 16),  # batch 1, prefix ending mid-block
-        ([0, 13, 16, 35, 3], [5, 7, 1, 20, 70], (14, 2), 80, 3),  # misses and hits, a decode row among them
+        (
+            [0, 13, 16, 35, 3],
+            [5, 7, 1, 20, 70],
+            (14, 2),
+            80,
+            3,
+        ),  # misses and hits, a decode row among them
         ([0, 45], [33, 2], (2, 2), 64, 1),
     ],
 )
 def test_extend_matches_reference(dtype, prefix_lens, query_lens, heads, head_dim, block_size):
     skip_bf16_dot_in_interpreter(dtype)
-    batch = make_batch(prefix_lens, query_lens, num_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim,
-                       block_size=block_size, dtype=dtype, seed=sum(query_lens) + block_size)
+    batch = make_batch(
+        prefix_lens,
+        query_lens,
+        num_heads=heads[0],
+        num_kv_heads=heads[1],
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        seed=sum(query_lens) + block_size,
+    )
     check_attention(batch, dtype)
 
 
@@ -238,13 +342,17 @@ def test_extend_work_list_covers_every_query_tile_once_longest_span_first():
 
 # ------------------------------------------------------------------------------------------- store / copy
 
+
 def check_store_kv(num_tokens, num_blocks, block_size, num_kv_heads, head_dim, dtype, seed):
     gen = torch.Generator(DEVICE).manual_seed(seed)
     cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache, v_cache = randn(*cache_shape, dtype=dtype, gen=gen), randn(*cache_shape, dtype=dtype, gen=gen)
+    k_cache, v_cache = (
+        randn(*cache_shape, dtype=dtype, gen=gen),
+        randn(*cache_shape, dtype=dtype, gen=gen),
+    )
     # k and v as strided views into one fused projection, the way a model produces them
     kv = randn(num_tokens, 2 * num_kv_heads + 1, head_dim, dtype=dtype, gen=gen)
-    k, v = kv[:, :num_kv_heads], kv[:, num_kv_heads + 1:]
+    k, v = kv[:, :num_kv_heads], kv[:, num_kv_heads + 1 :]
     slots = torch.randperm(num_blocks * block_size, generator=gen, device=DEVICE)[:num_tokens]
     slots[torch.rand(num_tokens, generator=gen, device=DEVICE) < 0.25] = -1
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
@@ -255,15 +363,21 @@ def check_store_kv(num_tokens, num_blocks, block_size, num_kv_heads, head_dim, d
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_store_kv_matches_reference(dtype):
-    check_store_kv(num_tokens=23, num_blocks=11, block_size=3, num_kv_heads=3, head_dim=80, dtype=dtype, seed=1)
+    check_store_kv(
+        num_tokens=23, num_blocks=11, block_size=3, num_kv_heads=3, head_dim=80, dtype=dtype, seed=1
+    )
 
 
-def check_copy_blocks(num_layers, num_blocks, block_size, num_kv_heads, head_dim, num_copies, dtype, seed):
+def check_copy_blocks(
+    num_layers, num_blocks, block_size, num_kv_heads, head_dim, num_copies, dtype, seed
+):
     gen = torch.Generator(DEVICE).manual_seed(seed)
     shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
     k_cache, v_cache = randn(*shape, dtype=dtype, gen=gen), randn(*shape, dtype=dtype, gen=gen)
     perm = torch.randperm(num_blocks, generator=gen, device=DEVICE).to(torch.int32)
-    pairs = perm[:2 * num_copies].view(num_copies, 2)  # [num_copies, (src, dst)]: strided index columns
+    pairs = perm[: 2 * num_copies].view(
+        num_copies, 2
+    )  # [num_copies, (src, dst)]: strided index columns
     src, dst = pairs[:, 0], pairs[:, 1]
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     copy_blocks_ref(k_ref, v_ref, src, dst)
@@ -273,17 +387,34 @@ def check_copy_blocks(num_layers, num_blocks, block_size, num_kv_heads, head_dim
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_copy_blocks_matches_reference(dtype):
-    check_copy_blocks(num_layers=3, num_blocks=20, block_size=3, num_kv_heads=2, head_dim=80, num_copies=7,
-                      dtype=dtype, seed=2)
+    check_copy_blocks(
+        num_layers=3,
+        num_blocks=20,
+        block_size=3,
+        num_kv_heads=2,
+        head_dim=80,
+        num_copies=7,
+        dtype=dtype,
+        seed=2,
+    )
 
 
 # ----------------------------------------------------------------------------------------------- backend
 
+
 def test_backend_stores_then_attends_like_the_reference_backend():
     """Through ForwardContext: a hit whose new tokens are stored (slot set) next to tokens already in the
     cache (slot -1 reads what is there), for both backends on identical caches."""
-    batch = make_batch([5, 0], [6, 9], num_heads=4, num_kv_heads=2, head_dim=64, block_size=4,
-                       dtype=torch.float32, seed=7)
+    batch = make_batch(
+        [5, 0],
+        [6, 9],
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=4,
+        dtype=torch.float32,
+        seed=7,
+    )
     gen = torch.Generator(DEVICE).manual_seed(8)
     num_tokens = batch.q.shape[0]
     k, v = (randn(num_tokens, 2, 64, dtype=torch.float32, gen=gen) for _ in range(2))
@@ -308,6 +439,7 @@ def test_backend_stores_then_attends_like_the_reference_backend():
 
 # --------------------------------------------------------------------------------------------- GPU sizes
 
+
 def poison_allocator():
     """Fill memory the caching allocator will hand out next with NaN, so kernel workspaces start poisoned."""
     junk = [torch.full((n,), float("nan"), device="cuda") for n in [1 << 26] + [1 << 17] * 64]
@@ -320,13 +452,23 @@ def random_lengths(n, low, high, seed):
 
 @gpu_test
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads, head_dim, block_size", [((14, 2), 64, 16), ((32, 8), 128, 16), ((12, 4), 80, 3),
-                                                     ((32, 8), 128, 1)])
+@pytest.mark.parametrize(
+    "heads, head_dim, block_size",
+    [((14, 2), 64, 16), ((32, 8), 128, 16), ((12, 4), 80, 3), ((32, 8), 128, 1)],
+)
 @pytest.mark.parametrize("batch_size, max_len", [(1, 5000), (300, 700)])
 def test_decode_gpu(dtype, heads, head_dim, block_size, batch_size, max_len):
     context_lens = random_lengths(batch_size, 1, max_len, seed=batch_size + head_dim)
-    batch = make_batch([c - 1 for c in context_lens], [1] * batch_size, num_heads=heads[0], num_kv_heads=heads[1],
-                       head_dim=head_dim, block_size=block_size, dtype=dtype, seed=head_dim + block_size)
+    batch = make_batch(
+        [c - 1 for c in context_lens],
+        [1] * batch_size,
+        num_heads=heads[0],
+        num_kv_heads=heads[1],
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        seed=head_dim + block_size,
+    )
     for num_splits in (None, 1, 7):
         poison_allocator()
         check_attention(batch, dtype, num_splits)
@@ -334,14 +476,24 @@ def test_decode_gpu(dtype, heads, head_dim, block_size, batch_size, max_len):
 
 @gpu_test
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads, head_dim, block_size", [((14, 2), 64, 16), ((32, 8), 128, 1), ((12, 4), 80, 16)])
+@pytest.mark.parametrize(
+    "heads, head_dim, block_size", [((14, 2), 64, 16), ((32, 8), 128, 1), ((12, 4), 80, 16)]
+)
 @pytest.mark.parametrize("batch_size", [1, 300])
 def test_extend_gpu(dtype, heads, head_dim, block_size, batch_size):
     prefix_lens = random_lengths(batch_size, 0, 600, seed=batch_size)
     query_lens = random_lengths(batch_size, 1, 1000 if batch_size == 1 else 80, seed=batch_size + 1)
     prefix_lens[0] = 0  # at least one miss
-    batch = make_batch(prefix_lens, query_lens, num_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim,
-                       block_size=block_size, dtype=dtype, seed=head_dim + block_size)
+    batch = make_batch(
+        prefix_lens,
+        query_lens,
+        num_heads=heads[0],
+        num_kv_heads=heads[1],
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        seed=head_dim + block_size,
+    )
     check_attention(batch, dtype)
 
 
@@ -353,30 +505,69 @@ def test_decode_shared_prefix_gpu(dtype, heads, head_dim):
     1-200 positions, and a few loners; with the splits the grid picks and with 4."""
     gen = torch.Generator().manual_seed(head_dim)
     shared_lens = torch.randint(900, 1100, (12,), generator=gen).tolist()
-    context_lens = [shared_lens[s % 12] + 1 + int(torch.randint(0, 200, (), generator=gen)) for s in range(300)]
-    batch = make_batch([c - 1 for c in context_lens], [1] * 300, num_heads=heads[0], num_kv_heads=heads[1],
-                       head_dim=head_dim, block_size=16, dtype=dtype, seed=head_dim)
+    context_lens = [
+        shared_lens[s % 12] + 1 + int(torch.randint(0, 200, (), generator=gen)) for s in range(300)
+    ]
+    batch = make_batch(
+        [c - 1 for c in context_lens],
+        [1] * 300,
+        num_heads=heads[0],
+        num_kv_heads=heads[1],
+        head_dim=head_dim,
+        block_size=16,
+        dtype=dtype,
+        seed=head_dim,
+    )
     groups = [[s for s in range(300) if s % 12 == g and s < 290] for g in range(12)]
     batch = share_prefixes(batch, groups, [n // 16 for n in shared_lens])
     shared = plan_shared(batch, min_shared_len=128, dtype=dtype)
-    assert shared is not None and (shared.kv_starts[:290] > 0).all() and (shared.kv_starts[290:] == 0).all()
+    assert (
+        shared is not None
+        and (shared.kv_starts[:290] > 0).all()
+        and (shared.kv_starts[290:] == 0).all()
+    )
     m = batch.meta
     scale = head_dim**-0.5
     for num_splits in (None, 4):
         poison_allocator()
         out = nan_like(batch.q)
-        paged_decode_attention_triton(batch.q, batch.k_cache, batch.v_cache, m.block_tables, m.context_lens,
-                                      m.max_context_len, scale, num_splits=num_splits, out=out, shared=shared)
+        paged_decode_attention_triton(
+            batch.q,
+            batch.k_cache,
+            batch.v_cache,
+            m.block_tables,
+            m.context_lens,
+            m.max_context_len,
+            scale,
+            num_splits=num_splits,
+            out=out,
+            shared=shared,
+        )
         assert rel_err(out, batch.ref(scale)) < TOLERANCE[dtype]
 
 
 @gpu_test
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_store_and_copy_gpu(dtype):
-    check_store_kv(num_tokens=3000, num_blocks=500, block_size=16, num_kv_heads=8, head_dim=128, dtype=dtype,
-                   seed=3)
-    check_copy_blocks(num_layers=24, num_blocks=700, block_size=16, num_kv_heads=2, head_dim=64, num_copies=256,
-                      dtype=dtype, seed=4)
+    check_store_kv(
+        num_tokens=3000,
+        num_blocks=500,
+        block_size=16,
+        num_kv_heads=8,
+        head_dim=128,
+        dtype=dtype,
+        seed=3,
+    )
+    check_copy_blocks(
+        num_layers=24,
+        num_blocks=700,
+        block_size=16,
+        num_kv_heads=2,
+        head_dim=64,
+        num_copies=256,
+        dtype=dtype,
+        seed=4,
+    )
 
 
 @gpu_test
@@ -387,16 +578,28 @@ def test_decode_step_replays_in_a_cuda_graph():
     num_blocks = batch_size * max_len // block_size
     gen = torch.Generator("cuda").manual_seed(9)
     shape = (1, num_blocks, block_size, heads[1], head_dim)
-    k_pool, v_pool = randn(*shape, dtype=torch.bfloat16, gen=gen), randn(*shape, dtype=torch.bfloat16, gen=gen)
+    k_pool, v_pool = (
+        randn(*shape, dtype=torch.bfloat16, gen=gen),
+        randn(*shape, dtype=torch.bfloat16, gen=gen),
+    )
     q = torch.empty(batch_size, heads[0], head_dim, dtype=torch.bfloat16, device="cuda")
-    k, v = (torch.empty(batch_size, heads[1], head_dim, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    k, v = (
+        torch.empty(batch_size, heads[1], head_dim, dtype=torch.bfloat16, device="cuda")
+        for _ in range(2)
+    )
     meta = AttentionMetadata(
         slot_mapping=torch.zeros(batch_size, dtype=torch.int64, device="cuda"),
-        block_tables=torch.zeros(batch_size, max_len // block_size, dtype=torch.int32, device="cuda"),
+        block_tables=torch.zeros(
+            batch_size, max_len // block_size, dtype=torch.int32, device="cuda"
+        ),
         context_lens=torch.ones(batch_size, dtype=torch.int32, device="cuda"),
         query_start_loc=torch.arange(batch_size + 1, dtype=torch.int32, device="cuda"),
-        max_query_len=1, max_context_len=max_len)
-    ctx = ForwardContext(meta=meta, k_cache=k_pool, v_cache=v_pool, backend=TritonAttentionBackend())
+        max_query_len=1,
+        max_context_len=max_len,
+    )
+    ctx = ForwardContext(
+        meta=meta, k_cache=k_pool, v_cache=v_pool, backend=TritonAttentionBackend()
+    )
 
     def fill_step(seed):
         g = torch.Generator().manual_seed(seed)
@@ -405,7 +608,10 @@ def test_decode_step_replays_in_a_cuda_graph():
         meta.block_tables.copy_(tables.view(batch_size, -1))
         meta.context_lens.copy_(lens)
         last = lens - 1
-        slots = meta.block_tables.cpu().gather(1, (last // block_size)[:, None])[:, 0] * block_size + last % block_size
+        slots = (
+            meta.block_tables.cpu().gather(1, (last // block_size)[:, None])[:, 0] * block_size
+            + last % block_size
+        )
         slots[::5] = -1  # padding rows store nothing
         meta.slot_mapping.copy_(slots)
         for t in (q, k, v):
@@ -416,16 +622,25 @@ def test_decode_step_replays_in_a_cuda_graph():
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        ctx.attention(0, q, k, v, scale=head_dim ** -0.5)  # compile outside capture
+        ctx.attention(0, q, k, v, scale=head_dim**-0.5)  # compile outside capture
         with torch.cuda.graph(graph, stream=stream):
-            out = ctx.attention(0, q, k, v, scale=head_dim ** -0.5)
+            out = ctx.attention(0, q, k, v, scale=head_dim**-0.5)
     torch.cuda.current_stream().wait_stream(stream)
     for seed in (1, 2):
         fill_step(seed)
         k_ref, v_ref = k_pool.clone(), v_pool.clone()
         store_kv_ref(k_ref[0], v_ref[0], k, v, meta.slot_mapping)
-        ref = paged_attention_ref(q, k_ref[0], v_ref[0], meta.block_tables, meta.context_lens,
-                                  meta.query_start_loc, 1, max_len, head_dim ** -0.5)
+        ref = paged_attention_ref(
+            q,
+            k_ref[0],
+            v_ref[0],
+            meta.block_tables,
+            meta.context_lens,
+            meta.query_start_loc,
+            1,
+            max_len,
+            head_dim**-0.5,
+        )
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(k_pool, k_ref) and torch.equal(v_pool, v_ref)

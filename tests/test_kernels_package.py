@@ -36,8 +36,14 @@ print(json.dumps({
 
 def probe(pythonpath: Path, cwd: Path, mode: str) -> dict:
     env = {"PATH": "", "PYTHONPATH": str(pythonpath), "PYTHONNOUSERSITE": "1"}
-    done = subprocess.run([sys.executable, "-c", PROBE, mode], cwd=cwd, env=env, capture_output=True, text=True,
-                          check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE, mode],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -45,7 +51,9 @@ def test_source_tree_is_not_hugging_face_kernels():
     """No distribution metadata (hidden, in case this checkout is also pip-installed): transformers falls back
     to importing our `kernels` and finds no `__version__`."""
     result = probe(ROOT, ROOT, "hide-radixinfer-metadata")
-    assert result["origin"] == str(ROOT / "kernels" / "__init__.py")  # the probe really saw our package
+    assert result["origin"] == str(
+        ROOT / "kernels" / "__init__.py"
+    )  # the probe really saw our package
     assert result["available"] is False
 
 
@@ -53,17 +61,27 @@ def test_installed_wheel_is_not_hugging_face_kernels(tmp_path):
     """What a wheel install leaves behind, reproduced without building one: our `kernels` package plus a
     `radixinfer` dist-info whose RECORD and top_level.txt list it, so `kernels` maps to radixinfer's version
     (read from pyproject.toml, so a version bump into the accepted range fails here)."""
-    version = re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+    version = re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M).group(
+        1
+    )
     site = tmp_path / "site"
-    shutil.copytree(ROOT / "kernels", site / "kernels", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(
+        ROOT / "kernels", site / "kernels", ignore=shutil.ignore_patterns("__pycache__")
+    )
     dist_info = site / f"radixinfer-{version}.dist-info"
     dist_info.mkdir()
-    (dist_info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: radixinfer\nVersion: {version}\n")
+    (dist_info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: radixinfer\nVersion: {version}\n"
+    )
     (dist_info / "top_level.txt").write_text("kernels\nradixinfer\n")
     files = [p.relative_to(site).as_posix() for p in site.rglob("*") if p.is_file()]
-    (dist_info / "RECORD").write_text("".join(f"{f},,\n" for f in files) + f"{dist_info.name}/RECORD,,\n")
+    (dist_info / "RECORD").write_text(
+        "".join(f"{f},,\n" for f in files) + f"{dist_info.name}/RECORD,,\n"
+    )
 
     result = probe(site, tmp_path, "as-installed")
     assert result["origin"] == str(site / "kernels" / "__init__.py")
-    assert set(result["distributions"]) == {"radixinfer"}  # the probe really went through the metadata mapping
+    assert set(result["distributions"]) == {
+        "radixinfer"
+    }  # the probe really went through the metadata mapping
     assert result["available"] is False

@@ -4,8 +4,6 @@ incremental block-table rows; the sampler's host-side noise keys."""
 
 from __future__ import annotations
 
-from tests import _triton_env  # noqa: I001  (first: without CUDA, Triton must start in interpreter mode)
-
 import random
 
 import numpy as np
@@ -18,19 +16,37 @@ from radixinfer.cache.kv_store import KVStore
 from radixinfer.engine.model_runner import BlockTableRows, ModelRunner, pack_block_tables
 from radixinfer.engine.sampler import SamplingBatch, row_keys, seed_bits, uniform_noise
 from radixinfer.models import load_model
+from tests import _triton_env  # noqa: I001  (first: without CUDA, Triton must start in interpreter mode)
 
 BLOCK_SIZE = 16
 DEVICES = [
     "cpu",
-    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]),
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+        ],
+    ),
 ]
 
 
-def make_runner(device: str, max_batch_size: int = 4, num_blocks: int = 64, backend=None, **kwargs) -> ModelRunner:
+def make_runner(
+    device: str, max_batch_size: int = 4, num_blocks: int = 64, backend=None, **kwargs
+) -> ModelRunner:
     model = load_model("tiny", device, dtype="float32", seed=0).model
-    kv = KVStore(model.num_layers, num_blocks, BLOCK_SIZE, model.num_kv_heads, model.head_dim, torch.float32,
-                 torch.device(device))
-    return ModelRunner(model, kv, backend or get_backend(device), torch.device(device), max_batch_size, **kwargs)
+    kv = KVStore(
+        model.num_layers,
+        num_blocks,
+        BLOCK_SIZE,
+        model.num_kv_heads,
+        model.head_dim,
+        torch.float32,
+        torch.device(device),
+    )
+    return ModelRunner(
+        model, kv, backend or get_backend(device), torch.device(device), max_batch_size, **kwargs
+    )
 
 
 def slots(table: list[int], positions) -> list[int]:
@@ -44,7 +60,9 @@ def prefill(runner: ModelRunner, seqs: list[tuple[list[int], list[int], int]]) -
     positions = [p for _, _, end in seqs for p in range(end)]
     slot_mapping = [s for _, table, end in seqs for s in slots(table, range(end))]
     ends = [end for _, _, end in seqs]
-    hidden = runner.prefill(ids, positions, slot_mapping, [table for _, table, _ in seqs], ends, ends)
+    hidden = runner.prefill(
+        ids, positions, slot_mapping, [table for _, table, _ in seqs], ends, ends
+    )
     return runner.logits(hidden)
 
 
@@ -88,7 +106,9 @@ def test_decode_reads_shared_prefixes_once_with_the_same_logits(device):
     prefix cache lays them out), through the Triton backend (the interpreter on CPU, graphs on CUDA): the
     planner groups them, and the decode logits equal those of the same sequences in unshared blocks."""
     if device == "cpu" and not _triton_env.INTERPRETED:
-        pytest.skip("Triton kernels take CPU tensors only in the interpreter (this machine has CUDA)")
+        pytest.skip(
+            "Triton kernels take CPU tensors only in the interpreter (this machine has CUDA)"
+        )
     runner = make_runner(device, max_batch_size=4, num_blocks=128, backend=TritonAttentionBackend())
     rng = random.Random(3)
     prompt = [rng.randrange(256) for _ in range(150)]
@@ -104,9 +124,13 @@ def test_decode_reads_shared_prefixes_once_with_the_same_logits(device):
     done = [len(t) - 3 for t in seqs]
     prefill(runner, [(t, table, d) for t, table, d in zip(seqs, tables, done)])
     for _ in range(3):
-        logits = runner.decode([t[d] for t, d in zip(seqs, done)], done,
-                               [slots(table, [d])[0] for table, d in zip(tables, done)], tables,
-                               [d + 1 for d in done])
+        logits = runner.decode(
+            [t[d] for t, d in zip(seqs, done)],
+            done,
+            [slots(table, [d])[0] for table, d in zip(tables, done)],
+            tables,
+            [d + 1 for d in done],
+        )
         assert runner._decode_buffers.kv_starts[:4].tolist() == [144] * 4
         for i, d in enumerate(done):
             torch.testing.assert_close(logits[i], ref[starts[i] + d], rtol=1e-4, atol=1e-4)
@@ -120,9 +144,16 @@ def test_prefill_passes_equal_whole_prompt_logits_whatever_the_split(device):
     graphs on CUDA), give the logits of each whole prompt prefilled alone by the reference backend, and write
     no block outside the tables (the padding tokens of a bucket store nothing)."""
     if device == "cpu" and not _triton_env.INTERPRETED:
-        pytest.skip("Triton kernels take CPU tensors only in the interpreter (this machine has CUDA)")
-    runner = make_runner(device, num_blocks=32, backend=TritonAttentionBackend(), prefill_max_tokens=128,
-                         prefill_max_seqs=4)
+        pytest.skip(
+            "Triton kernels take CPU tensors only in the interpreter (this machine has CUDA)"
+        )
+    runner = make_runner(
+        device,
+        num_blocks=32,
+        backend=TritonAttentionBackend(),
+        prefill_max_tokens=128,
+        prefill_max_seqs=4,
+    )
     assert bool(runner._prefill_graphs) == (device == "cuda")
     reference = make_runner(device, num_blocks=32, use_cuda_graphs=False)
     rng = random.Random(5)
@@ -139,8 +170,14 @@ def test_prefill_passes_equal_whole_prompt_logits_whatever_the_split(device):
         ids = [t for i in seqs for t in prompts[i][cuts[i][0] : cuts[i][1]]]
         positions = [p for i in seqs for p in range(*cuts[i])]
         slot_mapping = [s for i in seqs for s in slots(tables[i], range(*cuts[i]))]
-        hidden = runner.prefill(ids, positions, slot_mapping, [tables[i] for i in seqs],
-                                [cuts[i][1] for i in seqs], [cuts[i][1] - cuts[i][0] for i in seqs])
+        hidden = runner.prefill(
+            ids,
+            positions,
+            slot_mapping,
+            [tables[i] for i in seqs],
+            [cuts[i][1] for i in seqs],
+            [cuts[i][1] - cuts[i][0] for i in seqs],
+        )
         logits = runner.logits(hidden)
         starts = np.cumsum([0] + [cuts[i][1] - cuts[i][0] for i in seqs])
         for j, i in enumerate(seqs):
@@ -166,8 +203,10 @@ def test_each_forward_computes_from_its_own_inputs_while_the_gpu_runs_behind():
     torch.cuda._sleep(100_000_000)
     prefilled = [prefill(runner, [(p, t, len(p))]) for p, t in zip(prompts, tables)]
     torch.cuda._sleep(100_000_000)
-    decoded = [runner.decode([p[-1]], [len(p) - 1], slots(t, [len(p) - 1]), [t], [len(p)]).clone()
-               for p, t in zip(prompts, tables)]
+    decoded = [
+        runner.decode([p[-1]], [len(p) - 1], slots(t, [len(p) - 1]), [t], [len(p)]).clone()
+        for p, t in zip(prompts, tables)
+    ]
     for i in range(2):
         torch.testing.assert_close(prefilled[i], expected[i], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(decoded[i][0], expected[i][-1], rtol=1e-4, atol=1e-4)
@@ -187,7 +226,9 @@ def test_padded_rows_store_nothing(device):
     prefill(runner, [(prompt, table, 18)])
     k_before = runner.kv.k.clone()
     runner.decode([prompt[18]], [18], slots(table, [18]), [table], [19])
-    changed = (runner.kv.k != k_before).any(dim=(0, 2, 3, 4)).nonzero().flatten().tolist()  # blocks written
+    changed = (
+        (runner.kv.k != k_before).any(dim=(0, 2, 3, 4)).nonzero().flatten().tolist()
+    )  # blocks written
     assert changed == [9]
 
 
@@ -252,7 +293,7 @@ def test_block_table_rows_move_shifted_tables_and_trust_the_changed_rows():
     rows = BlockTableRows(np.zeros((12, 10), dtype=np.int32))
     device = np.zeros((12, 10), dtype=np.int32)  # the device tables: only rewritten rows reach them
     batch: list[list[int]] = []
-    for step in range(400):
+    for _step in range(400):
         edited: set[int] = set()
         for _ in range(rng.randrange(3)):
             if batch:
@@ -261,7 +302,10 @@ def test_block_table_rows_move_shifted_tables_and_trust_the_changed_rows():
             i, j = rng.sample(range(len(batch)), 2)
             batch[i], batch[j] = batch[j], batch[i]
         while len(batch) < 12 and rng.random() < 0.5:
-            batch.insert(rng.randrange(len(batch) + 1), [rng.randrange(100) for _ in range(rng.randrange(1, 8))])
+            batch.insert(
+                rng.randrange(len(batch) + 1),
+                [rng.randrange(100) for _ in range(rng.randrange(1, 8))],
+            )
         for i, table in enumerate(batch):
             if rng.random() < 0.3:
                 if len(table) < 10 and rng.random() < 0.7:
@@ -299,4 +343,6 @@ def test_filters_are_detected_per_row():
     assert not build([1.0, 1.0], [0, 0]).any_filter
     assert build([1.0, 0.9], [0, 0]).any_filter
     assert build([1.0, 1.0], [0, 3]).any_filter
-    assert SamplingBatch.build([0.0, 0.0], [0.5, 1.0], [0, 3], [1, 2], [0, 0], torch.device("cpu")).all_greedy
+    assert SamplingBatch.build(
+        [0.0, 0.0], [0.5, 1.0], [0, 3], [1, 2], [0, 0], torch.device("cpu")
+    ).all_greedy

@@ -34,26 +34,70 @@ from radixinfer.models.presets import preset_config
 from radixinfer.tokenizer import ByteTokenizer, HFTokenizer
 
 VOCAB = 300  # >= the byte tokenizer's 257 ids, so checkpoints without tokenizer files still load
-_SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              max_position_embeddings=256, eos_token_id=None, bos_token_id=None)
+_SMALL = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=256,
+    eos_token_id=None,
+    bos_token_id=None,
+)
 
 ARCHS = {
-    "llama3": (LlamaForCausalLM, LlamaConfig(
-        **_SMALL, num_key_value_heads=2, rope_theta=500000.0, tie_word_embeddings=False,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 64},
-    )),
-    "qwen2": (Qwen2ForCausalLM, Qwen2Config(**_SMALL, num_key_value_heads=2, tie_word_embeddings=True)),
-    "qwen3": (Qwen3ForCausalLM, Qwen3Config(
-        **_SMALL, num_key_value_heads=2, head_dim=32, attention_bias=True, tie_word_embeddings=False,
-    )),
-    "mistral": (MistralForCausalLM, MistralConfig(
-        **_SMALL, num_key_value_heads=1, sliding_window=None, tie_word_embeddings=False,
-        rope_scaling={"rope_type": "linear", "factor": 2.0},
-    )),
-    "gpt2": (GPT2LMHeadModel, GPT2Config(
-        vocab_size=VOCAB, n_positions=256, n_embd=64, n_layer=2, n_head=4, eos_token_id=None, bos_token_id=None,
-    )),
+    "llama3": (
+        LlamaForCausalLM,
+        LlamaConfig(
+            **_SMALL,
+            num_key_value_heads=2,
+            rope_theta=500000.0,
+            tie_word_embeddings=False,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+    ),
+    "qwen2": (
+        Qwen2ForCausalLM,
+        Qwen2Config(**_SMALL, num_key_value_heads=2, tie_word_embeddings=True),
+    ),
+    "qwen3": (
+        Qwen3ForCausalLM,
+        Qwen3Config(
+            **_SMALL,
+            num_key_value_heads=2,
+            head_dim=32,
+            attention_bias=True,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "mistral": (
+        MistralForCausalLM,
+        MistralConfig(
+            **_SMALL,
+            num_key_value_heads=1,
+            sliding_window=None,
+            tie_word_embeddings=False,
+            rope_scaling={"rope_type": "linear", "factor": 2.0},
+        ),
+    ),
+    "gpt2": (
+        GPT2LMHeadModel,
+        GPT2Config(
+            vocab_size=VOCAB,
+            n_positions=256,
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            eos_token_id=None,
+            bos_token_id=None,
+        ),
+    ),
 }
 
 
@@ -63,7 +107,11 @@ def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen)
-            p.copy_(noise * 0.2 if p.dim() >= 2 else noise * 0.1 + (0.0 if name.endswith("bias") else 1.0))
+            p.copy_(
+                noise * 0.2
+                if p.dim() >= 2
+                else noise * 0.1 + (0.0 if name.endswith("bias") else 1.0)
+            )
 
 
 class KVPool:
@@ -73,13 +121,17 @@ class KVPool:
         shape = (model.num_layers, num_blocks, block_size, model.num_kv_heads, model.head_dim)
         self.k, self.v = torch.zeros(shape), torch.zeros(shape)
         self.block_size = block_size
-        self._free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+        self._free = torch.randperm(
+            num_blocks, generator=torch.Generator().manual_seed(seed)
+        ).tolist()
 
     def table(self, num_tokens: int) -> list[int]:
         return [self._free.pop() for _ in range(math.ceil(num_tokens / self.block_size))]
 
 
-def paged_logits(model, pool: KVPool, batch: list[tuple[list[int], list[int], int]]) -> torch.Tensor:
+def paged_logits(
+    model, pool: KVPool, batch: list[tuple[list[int], list[int], int]]
+) -> torch.Tensor:
     """One ragged forward. ``batch``: per sequence (block table, new token ids, cached prefix length).
     Returns the logits of every new token, sequences concatenated: [num_tokens, vocab]."""
     bs = pool.block_size
@@ -89,9 +141,13 @@ def paged_logits(model, pool: KVPool, batch: list[tuple[list[int], list[int], in
     context_lens = [prefix + len(new) for _, new, prefix in batch]
     meta = AttentionMetadata(
         slot_mapping=torch.tensor([t[p // bs] * bs + p % bs for t, p in zip(tables, positions)]),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t, _, _ in batch], dtype=torch.int32),
+        block_tables=torch.tensor(
+            [t + [0] * (width - len(t)) for t, _, _ in batch], dtype=torch.int32
+        ),
         context_lens=torch.tensor(context_lens, dtype=torch.int32),
-        query_start_loc=torch.tensor([0] + [len(new) for _, new, _ in batch], dtype=torch.int32).cumsum(0).int(),
+        query_start_loc=torch.tensor([0] + [len(new) for _, new, _ in batch], dtype=torch.int32)
+        .cumsum(0)
+        .int(),
         max_query_len=max(len(new) for _, new, _ in batch),
         max_context_len=max(context_lens),
     )
@@ -133,7 +189,9 @@ def test_full_prompt(pair, block_size):
     hf, model = pair
     tokens = prompt(21, seed=1)
     pool = KVPool(model, block_size)
-    assert_logits_close(paged_logits(model, pool, [(pool.table(21), tokens, 0)]), hf_logits(hf, tokens))
+    assert_logits_close(
+        paged_logits(model, pool, [(pool.table(21), tokens, 0)]), hf_logits(hf, tokens)
+    )
 
 
 @pytest.mark.parametrize("block_size", [1, 3, 16])
@@ -144,7 +202,9 @@ def test_cached_prefix_then_extend(pair, block_size):
     pool = KVPool(model, block_size)
     table = pool.table(len(tokens))
     paged_logits(model, pool, [(table, tokens[:7], 0)])
-    assert_logits_close(paged_logits(model, pool, [(table, tokens[7:], 7)]), hf_logits(hf, tokens)[7:])
+    assert_logits_close(
+        paged_logits(model, pool, [(table, tokens[7:], 7)]), hf_logits(hf, tokens)[7:]
+    )
 
 
 @pytest.mark.parametrize("block_size", [1, 3, 16])
@@ -164,7 +224,9 @@ def test_greedy_decode_matches_generate(pair):
     tables = [pool.table(len(p) + 8) for p in prompts]
     seqs = [list(p) for p in prompts]
     logits = paged_logits(model, pool, [(t, p, 0) for t, p in zip(tables, prompts)])
-    logits = logits[torch.tensor([len(p) for p in prompts]).cumsum(0) - 1]  # each prompt's last token
+    logits = logits[
+        torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
+    ]  # each prompt's last token
     for _ in range(8):
         next_tokens = logits.argmax(-1).tolist()
         batch = [(t, [tok], len(s)) for t, tok, s in zip(tables, next_tokens, seqs)]
@@ -172,7 +234,9 @@ def test_greedy_decode_matches_generate(pair):
             s.append(tok)
         logits = paged_logits(model, pool, batch)
     for p, s in zip(prompts, seqs):
-        expected = hf.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, pad_token_id=0)[0].tolist()
+        expected = hf.generate(
+            torch.tensor([p]), max_new_tokens=8, do_sample=False, pad_token_id=0
+        )[0].tolist()
         assert s == expected
 
 
@@ -193,14 +257,18 @@ def test_tiny_preset_runs_and_greedy_does_not_collapse():
     loaded = load_model("tiny", "cpu")
     model = loaded.model
     assert isinstance(loaded.tokenizer, ByteTokenizer) and loaded.eos_token_ids == (256,)
-    assert loaded.dtype == torch.float32 and 2e6 <= sum(p.numel() for p in model.parameters()) <= 5e6
+    assert (
+        loaded.dtype == torch.float32 and 2e6 <= sum(p.numel() for p in model.parameters()) <= 5e6
+    )
     tokens = loaded.tokenizer.encode("Hello, radix tree!")
     pool = KVPool(model, block_size=16, num_blocks=8)
     table = pool.table(len(tokens) + 32)
     logits, generated = paged_logits(model, pool, [(table, tokens, 0)])[-1:], []
     for _ in range(32):
         generated.append(int(logits[-1].argmax()))
-        logits = paged_logits(model, pool, [(table, generated[-1:], len(tokens) + len(generated) - 1)])
+        logits = paged_logits(
+            model, pool, [(table, generated[-1:], len(tokens) + len(generated) - 1)]
+        )
     assert len(set(generated)) > 1
 
 
@@ -213,8 +281,13 @@ def test_random_weights_are_seeded():
 
 @pytest.mark.parametrize(
     "name, params",
-    [("gpt2", 124.4e6), ("qwen2.5-0.5b", 494.0e6), ("qwen3-0.6b", 596.0e6), ("llama-3.2-1b", 1235.8e6),
-     ("llama-3.1-8b", 8030.3e6)],
+    [
+        ("gpt2", 124.4e6),
+        ("qwen2.5-0.5b", 494.0e6),
+        ("qwen3-0.6b", 596.0e6),
+        ("llama-3.2-1b", 1235.8e6),
+        ("llama-3.1-8b", 8030.3e6),
+    ],
 )
 def test_real_shape_presets_on_meta(name, params):
     loaded = load_model(name, "meta")
@@ -223,14 +296,20 @@ def test_real_shape_presets_on_meta(name, params):
 
 
 def test_preset_names():
-    assert PRESET_NAMES[0] == "tiny" and {"qwen2.5-0.5b", "qwen3-0.6b", "llama-3.2-1b", "llama-3.1-8b", "gpt2"} <= set(
-        PRESET_NAMES
-    )
+    assert PRESET_NAMES[0] == "tiny" and {
+        "qwen2.5-0.5b",
+        "qwen3-0.6b",
+        "llama-3.2-1b",
+        "llama-3.1-8b",
+        "gpt2",
+    } <= set(PRESET_NAMES)
 
 
 def test_explicit_dtype():
     loaded = load_model("tiny", "cpu", dtype="bf16")
-    assert loaded.dtype == torch.bfloat16 and next(loaded.model.parameters()).dtype == torch.bfloat16
+    assert (
+        loaded.dtype == torch.bfloat16 and next(loaded.model.parameters()).dtype == torch.bfloat16
+    )
     assert loaded.model.model.rotary_emb.cos.dtype == torch.bfloat16
     with pytest.raises(ValueError, match="dtype"):
         load_model("tiny", "cpu", dtype="int8")
@@ -243,7 +322,12 @@ def test_unknown_model_name():
 
 def test_unsupported_architecture():
     with pytest.raises(ValueError, match="bert"):
-        load_model(BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=1, num_attention_heads=4), "cpu")
+        load_model(
+            BertConfig(
+                vocab_size=VOCAB, hidden_size=64, num_hidden_layers=1, num_attention_heads=4
+            ),
+            "cpu",
+        )
 
 
 def test_config_vocab_too_small_for_byte_tokenizer():
@@ -253,7 +337,9 @@ def test_config_vocab_too_small_for_byte_tokenizer():
 
 def test_checkpoint_with_tokenizer_dtype_and_eos(tmp_path, gpt2_checkpoint_dir):
     """A GPT-2 fp16 checkpoint next to a byte-level BPE tokenizer: HF tokenizer, config dtype, EOS ids."""
-    config = GPT2Config(n_positions=64, n_embd=32, n_layer=1, n_head=2, eos_token_id=0, bos_token_id=0)
+    config = GPT2Config(
+        n_positions=64, n_embd=32, n_layer=1, n_head=2, eos_token_id=0, bos_token_id=0
+    )
     GPT2LMHeadModel(config).to(torch.float16).save_pretrained(tmp_path)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(gpt2_checkpoint_dir / name, tmp_path)

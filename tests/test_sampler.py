@@ -11,8 +11,11 @@ from radixinfer.engine.sampler import SamplingBatch, sample, uniform_noise
 
 def batch(rows: int, temperature=1.0, top_p=1.0, top_k=0, seeds=None, steps=None) -> SamplingBatch:
     return SamplingBatch.build(
-        [temperature] * rows, [top_p] * rows, [top_k] * rows,
-        seeds if seeds is not None else list(range(rows)), steps if steps is not None else [0] * rows,
+        [temperature] * rows,
+        [top_p] * rows,
+        [top_k] * rows,
+        seeds if seeds is not None else list(range(rows)),
+        steps if steps is not None else [0] * rows,
         torch.device("cpu"),
     )
 
@@ -34,7 +37,11 @@ def test_greedy_rows_take_the_argmax():
 def test_half_precision_logits_sample_as_their_float32_values():
     """The model hands logits over in its dtype; greedy and seeded sampling see the same values as float32."""
     logits = torch.randn(6, 40).to(torch.bfloat16)
-    for params in (batch(6, temperature=0.0), batch(6, temperature=0.9, top_p=0.8), batch(6, top_k=5)):
+    for params in (
+        batch(6, temperature=0.0),
+        batch(6, temperature=0.9, top_p=0.8),
+        batch(6, top_k=5),
+    ):
         assert torch.equal(sample(logits, params), sample(logits.float(), params))
 
 

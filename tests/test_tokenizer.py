@@ -64,7 +64,9 @@ def test_hf_tokenizer_wraps_a_byte_level_bpe(bpe):
     ids = bpe.encode(text)
     assert 0 not in ids and bpe.decode(ids) == text  # no BOS/EOS added; lossless
     assert bpe.decode([0] + ids + [0]) == text  # special tokens are dropped
-    assert bpe.is_special(0) and bpe.is_special(50257) and not bpe.is_special(8192)  # <pad0> is plain text
+    assert (
+        bpe.is_special(0) and bpe.is_special(50257) and not bpe.is_special(8192)
+    )  # <pad0> is plain text
 
 
 def test_hf_tokenizer_adds_bos_only_when_the_tokenizer_does(bpe_hf):

@@ -5,7 +5,6 @@ Also: 64-bit sampling seeds give distinct streams."""
 from __future__ import annotations
 
 import asyncio
-
 import math
 
 import numpy as np
@@ -13,10 +12,10 @@ import pytest
 import torch
 
 from radixinfer import LLM, SamplingParams
+from radixinfer.async_llm import AsyncLLM
 from radixinfer.bench import runner
 from radixinfer.cli import main, parse_args
 from radixinfer.models import PRESET_NAMES
-from radixinfer.async_llm import AsyncLLM
 
 GREEDY = SamplingParams(max_tokens=3, ignore_eos=True)
 NUM_BLOCKS = 64

@@ -32,12 +32,18 @@ class AttentionMetadata:
     ``1 <= query_len <= context_len``; ``block_tables[b, p // block_size]`` is valid for ``p < context_len[b]``.
     """
 
-    slot_mapping: torch.Tensor  # [num_tokens] int64; slot to store each new token's K/V in, -1 = don't store
+    slot_mapping: (
+        torch.Tensor
+    )  # [num_tokens] int64; slot to store each new token's K/V in, -1 = don't store
     # [num_seqs, max_blocks_per_seq] int32; entries past a sequence's end are 0 up to the batch's longest table
     # (beyond it they may be stale: nothing reads them)
     block_tables: torch.Tensor
-    context_lens: torch.Tensor  # [num_seqs] int32; KV positions each sequence attends over, new tokens included
-    query_start_loc: torch.Tensor  # [num_seqs + 1] int32; cumulative new-token counts (cu_seqlens_q)
+    context_lens: (
+        torch.Tensor
+    )  # [num_seqs] int32; KV positions each sequence attends over, new tokens included
+    query_start_loc: (
+        torch.Tensor
+    )  # [num_seqs + 1] int32; cumulative new-token counts (cu_seqlens_q)
     max_query_len: int
     max_context_len: int
     # decode only: sequences whose shared prefix the Triton backend reads once per tile (None: no grouping;
@@ -61,5 +67,7 @@ class AttentionMetadata:
         return self.query_start_loc[1:] - self.query_start_loc[:-1]
 
     @property
-    def prefix_lens(self) -> torch.Tensor:  # [num_seqs] int32; cached positions before the new tokens
+    def prefix_lens(
+        self,
+    ) -> torch.Tensor:  # [num_seqs] int32; cached positions before the new tokens
         return self.context_lens - self.query_lens

@@ -26,7 +26,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-MIN_SHARED_LEN = 128  # positions; two KV tiles of the kernel: below this a tile saves too little to pay off
+MIN_SHARED_LEN = (
+    128  # positions; two KV tiles of the kernel: below this a tile saves too little to pay off
+)
 EXTRA_TILES = 16  # partial tiles the grid has room for beyond the full ones (see `max_tiles`)
 
 
@@ -52,7 +54,9 @@ class SharedPrefixPlanner:
     layout and dtype; below 2 a tile cannot share anything and `plan` always returns 0.
     """
 
-    def __init__(self, block_size: int, seqs_per_tile: int, min_shared_len: int = MIN_SHARED_LEN) -> None:
+    def __init__(
+        self, block_size: int, seqs_per_tile: int, min_shared_len: int = MIN_SHARED_LEN
+    ) -> None:
         if min_shared_len < 1:
             raise ValueError(f"min_shared_len must be >= 1, got {min_shared_len}")
         self.block_size = block_size
@@ -89,10 +93,16 @@ class SharedPrefixPlanner:
         keys = tables[:n, min((self.min_shared_len - 1) // self.block_size, tables.shape[1] - 1)]
         long_enough = np.asarray(context_lens) > self.min_shared_len
         last = self._last
-        if not (last is not None and last.num_seqs == n and np.array_equal(last.keys, keys)
-                and np.array_equal(last.long_enough, long_enough)
-                and np.array_equal(tables[last.rows, last.cols], last.blocks)):
-            last = self._last = self._fresh_plan(tables, np.asarray(context_lens), keys.copy(), long_enough)
+        if not (
+            last is not None
+            and last.num_seqs == n
+            and np.array_equal(last.keys, keys)
+            and np.array_equal(last.long_enough, long_enough)
+            and np.array_equal(tables[last.rows, last.cols], last.blocks)
+        ):
+            last = self._last = self._fresh_plan(
+                tables, np.asarray(context_lens), keys.copy(), long_enough
+            )
         num_tiles = len(last.tile_lens)
         tile_lens[:] = 0
         tile_lens[:num_tiles] = last.tile_lens
@@ -101,11 +111,24 @@ class SharedPrefixPlanner:
         return num_tiles
 
     def _fresh_plan(
-        self, tables: np.ndarray, context_lens: np.ndarray, keys: np.ndarray, long_enough: np.ndarray
+        self,
+        tables: np.ndarray,
+        context_lens: np.ndarray,
+        keys: np.ndarray,
+        long_enough: np.ndarray,
     ) -> _Plan:
         n, size = len(context_lens), self.seqs_per_tile
-        none = _Plan(n, keys, long_enough, np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, tables.dtype),
-                     np.zeros((0, size), np.int32), np.zeros(0, np.int32), np.zeros(n, np.int32))
+        none = _Plan(
+            n,
+            keys,
+            long_enough,
+            np.zeros(0, np.int64),
+            np.zeros(0, np.int64),
+            np.zeros(0, tables.dtype),
+            np.zeros((0, size), np.int32),
+            np.zeros(0, np.int32),
+            np.zeros(n, np.int32),
+        )
         candidates = np.flatnonzero(long_enough)
         if len(candidates) < 2 or size < 2:
             return none
@@ -120,9 +143,13 @@ class SharedPrefixPlanner:
         starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
 
         lens = context_lens[order]
-        cols = min(tables.shape[1], int(lens.max() - 2) // self.block_size + 1)  # blocks below every newest position
+        cols = min(
+            tables.shape[1], int(lens.max() - 2) // self.block_size + 1
+        )  # blocks below every newest position
         leaders = np.repeat(order[starts], sizes)
-        same = np.logical_and.reduceat(tables[order, :cols] == tables[leaders, :cols], starts, axis=0)  # [G, cols]
+        same = np.logical_and.reduceat(
+            tables[order, :cols] == tables[leaders, :cols], starts, axis=0
+        )  # [G, cols]
         common_blocks = np.where(same.all(axis=1), cols, same.argmin(axis=1))
         shared = np.minimum(common_blocks * self.block_size, np.minimum.reduceat(lens, starts) - 1)
 
@@ -137,12 +164,27 @@ class SharedPrefixPlanner:
         # vectorised layout: member i of a kept group goes to tile first_tile[g] + i // size, slot i % size
         members = order[np.repeat(np.isin(np.arange(len(sizes)), use), sizes)]
         member_sizes = sizes[use]
-        index_in_group = np.arange(len(members)) - np.repeat(np.cumsum(member_sizes) - member_sizes, member_sizes)
+        index_in_group = np.arange(len(members)) - np.repeat(
+            np.cumsum(member_sizes) - member_sizes, member_sizes
+        )
         first_tile = np.cumsum(tiles_needed) - tiles_needed
         tile_seqs = np.full((int(tiles_needed.sum()), size), -1, dtype=np.int32)
-        tile_seqs[np.repeat(first_tile, member_sizes) + index_in_group // size, index_in_group % size] = members
+        tile_seqs[
+            np.repeat(first_tile, member_sizes) + index_in_group // size, index_in_group % size
+        ] = members
         kv_starts = np.zeros(n, dtype=np.int32)
         kv_starts[members] = np.repeat(shared[use], member_sizes)
-        last_shared_col = (kv_starts[members] - 1) // self.block_size  # the block holding position len - 1
-        return _Plan(n, keys, long_enough, members, last_shared_col, tables[members, last_shared_col], tile_seqs,
-                     np.repeat(shared[use], tiles_needed).astype(np.int32), kv_starts)
+        last_shared_col = (
+            kv_starts[members] - 1
+        ) // self.block_size  # the block holding position len - 1
+        return _Plan(
+            n,
+            keys,
+            long_enough,
+            members,
+            last_shared_col,
+            tables[members, last_shared_col],
+            tile_seqs,
+            np.repeat(shared[use], tiles_needed).astype(np.int32),
+            kv_starts,
+        )

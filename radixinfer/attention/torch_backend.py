@@ -11,15 +11,29 @@ from radixinfer.attention.metadata import AttentionMetadata
 
 class TorchAttentionBackend:
     name = "torch"
-    reads_shared_prefixes_once = False  # ignores AttentionMetadata.shared_prefix: same result, one gather
+    reads_shared_prefixes_once = (
+        False  # ignores AttentionMetadata.shared_prefix: same result, one gather
+    )
 
     def store_kv(self, k_cache, v_cache, k, v, slot_mapping) -> None:
         store_kv_ref(k_cache, v_cache, k, v, slot_mapping)
 
     def attend(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
     ) -> torch.Tensor:
         return paged_attention_ref(
-            q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.query_start_loc,
-            meta.max_query_len, meta.max_context_len, scale,
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.context_lens,
+            meta.query_start_loc,
+            meta.max_query_len,
+            meta.max_context_len,
+            scale,
         )

@@ -30,11 +30,25 @@ class TritonAttentionBackend:
         store_kv_triton(k_cache, v_cache, k, v, slot_mapping)
 
     def attend(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
     ) -> torch.Tensor:
         """The decode kernel when ``meta.is_decode`` (with ``meta.shared_prefix``'s tiles when set), the extend
         kernel over ``meta.extend_work`` otherwise."""
         return paged_attention_triton(
-            q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.query_start_loc,
-            meta.max_query_len, meta.max_context_len, scale, shared=meta.shared_prefix, extend_work=meta.extend_work,
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.context_lens,
+            meta.query_start_loc,
+            meta.max_query_len,
+            meta.max_context_len,
+            scale,
+            shared=meta.shared_prefix,
+            extend_work=meta.extend_work,
         )

@@ -25,7 +25,9 @@ BACKENDS = ("radixinfer", "hf", "openai")
 def _policies(text: str) -> list[str]:
     policies = text.split(",")
     if bad := [p for p in policies if p not in POLICIES]:
-        raise argparse.ArgumentTypeError(f"unknown policies {bad}; choose from {', '.join(POLICIES)}")
+        raise argparse.ArgumentTypeError(
+            f"unknown policies {bad}; choose from {', '.join(POLICIES)}"
+        )
     return policies
 
 
@@ -33,64 +35,153 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
 
     backend = parser.add_argument_group("backends and comparisons")
-    backend.add_argument("--backend", choices=BACKENDS, default="radixinfer",
-                         help="radixinfer, or hf: the same workload through transformers on the "
-                              "same weights, or openai: through an OpenAI-compatible server at "
-                              "--base-url [radixinfer]")
-    backend.add_argument("--base-url", default=None, metavar="URL",
-                         help="openai: the server, e.g. http://127.0.0.1:8000 "
-                              "(API key: $OPENAI_API_KEY)")
-    backend.add_argument("--compare-backends", action="store_true",
-                         help="run radixinfer and hf side by side (speedups are radixinfer's over hf)")
-    backend.add_argument("--compare-no-cache", action="store_true",
-                         help="run with the prefix cache on and off side by side (speedups are on over off)")
-    backend.add_argument("--compare-policies", type=_policies, default=None, metavar="P1,P2,...",
-                         help="run each admission policy side by side, e.g. fifo,pack,lpm")
-    backend.add_argument("--hf-attn-implementation", default="sdpa",
-                         help="attn_implementation of the transformers model [sdpa]")
-    backend.add_argument("--hf-batching", choices=BATCHING_MODES, default="auto",
-                         help="continuous (transformers' continuous batching), sequential (generate per request), "
-                              "auto = continuous when transformers has it [auto]")
+    backend.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="radixinfer",
+        help="radixinfer, or hf: the same workload through transformers on the "
+        "same weights, or openai: through an OpenAI-compatible server at "
+        "--base-url [radixinfer]",
+    )
+    backend.add_argument(
+        "--base-url",
+        default=None,
+        metavar="URL",
+        help="openai: the server, e.g. http://127.0.0.1:8000 (API key: $OPENAI_API_KEY)",
+    )
+    backend.add_argument(
+        "--compare-backends",
+        action="store_true",
+        help="run radixinfer and hf side by side (speedups are radixinfer's over hf)",
+    )
+    backend.add_argument(
+        "--compare-no-cache",
+        action="store_true",
+        help="run with the prefix cache on and off side by side (speedups are on over off)",
+    )
+    backend.add_argument(
+        "--compare-policies",
+        type=_policies,
+        default=None,
+        metavar="P1,P2,...",
+        help="run each admission policy side by side, e.g. fifo,pack,lpm",
+    )
+    backend.add_argument(
+        "--hf-attn-implementation",
+        default="sdpa",
+        help="attn_implementation of the transformers model [sdpa]",
+    )
+    backend.add_argument(
+        "--hf-batching",
+        choices=BATCHING_MODES,
+        default="auto",
+        help="continuous (transformers' continuous batching), sequential (generate per request), "
+        "auto = continuous when transformers has it [auto]",
+    )
 
     load = parser.add_argument_group("load")
-    load.add_argument("--num-requests", type=int, default=32, help="requests (fixed and random datasets) [32]")
-    load.add_argument("--request-rate", type=float, default=math.inf,
-                      help="Poisson arrivals per second; inf = all at once [inf]")
-    load.add_argument("--submit-interval-ms", type=float, default=None, help="fixed gap between submissions instead")
-    load.add_argument("--max-new-tokens", "--output-len", dest="max_new_tokens", type=int, default=16,
-                      help="new tokens per request (random: the maximum) [16]")
-    load.add_argument("--ignore-eos", "--no-stop-on-eos", dest="ignore_eos", action="store_true",
-                      help="always generate --max-new-tokens (random weights never emit EOS on purpose)")
-    load.add_argument("--truncate-prompts", action="store_true",
-                      help="left-truncate prompts longer than the model context instead of failing")
+    load.add_argument(
+        "--num-requests", type=int, default=32, help="requests (fixed and random datasets) [32]"
+    )
+    load.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="Poisson arrivals per second; inf = all at once [inf]",
+    )
+    load.add_argument(
+        "--submit-interval-ms",
+        type=float,
+        default=None,
+        help="fixed gap between submissions instead",
+    )
+    load.add_argument(
+        "--max-new-tokens",
+        "--output-len",
+        dest="max_new_tokens",
+        type=int,
+        default=16,
+        help="new tokens per request (random: the maximum) [16]",
+    )
+    load.add_argument(
+        "--ignore-eos",
+        "--no-stop-on-eos",
+        dest="ignore_eos",
+        action="store_true",
+        help="always generate --max-new-tokens (random weights never emit EOS on purpose)",
+    )
+    load.add_argument(
+        "--truncate-prompts",
+        action="store_true",
+        help="left-truncate prompts longer than the model context instead of failing",
+    )
 
     runs = parser.add_argument_group("runs and output")
-    runs.add_argument("--warmup-runs", type=int, default=0,
-                      help="unmeasured runs of the whole workload first (use 1 on GPU: kernels compile) [0]")
-    runs.add_argument("--repeat-runs", type=int, default=1, help="measured runs, pooled in the report [1]")
-    runs.add_argument("--cold-cache", action="store_true", help="empty the prefix cache before each measured run")
-    runs.add_argument("--gc-threshold", type=int, default=50_000, metavar="N",
-                      help="the garbage collector's young-generation threshold while the bench runs, as a serving "
-                           "process would set it (Python's default: 700; 0 leaves it alone) [50000]")
-    runs.add_argument("--json", default=None, metavar="PATH", help="also write every metric as JSON to PATH")
+    runs.add_argument(
+        "--warmup-runs",
+        type=int,
+        default=0,
+        help="unmeasured runs of the whole workload first (use 1 on GPU: kernels compile) [0]",
+    )
+    runs.add_argument(
+        "--repeat-runs", type=int, default=1, help="measured runs, pooled in the report [1]"
+    )
+    runs.add_argument(
+        "--cold-cache", action="store_true", help="empty the prefix cache before each measured run"
+    )
+    runs.add_argument(
+        "--gc-threshold",
+        type=int,
+        default=50_000,
+        metavar="N",
+        help="the garbage collector's young-generation threshold while the bench runs, as a serving "
+        "process would set it (Python's default: 700; 0 leaves it alone) [50000]",
+    )
+    runs.add_argument(
+        "--json", default=None, metavar="PATH", help="also write every metric as JSON to PATH"
+    )
 
     data = parser.add_argument_group("workloads")
     data.add_argument("--dataset", choices=tuple(WORKLOADS), default="fixed", help="[fixed]")
     data.add_argument("--prompt", default="Hello", help="fixed: the text to repeat [Hello]")
-    data.add_argument("--prompt-repeats", default="16",
-                      help="fixed: repeats, or a list like 512,1,1,1 cycled over requests [16]")
-    data.add_argument("--unique-prompts", action="store_true", help='fixed: append " [i]" to request i\'s prompt')
-    data.add_argument("--input-len", type=int, default=128,
-                      help="random: max prompt length; multi-turn: first turn [128]")
-    data.add_argument("--range-ratio", type=float, default=1.0,
-                      help="random: lengths uniform in [len * ratio, len] (1.0 = exact) [1.0]")
+    data.add_argument(
+        "--prompt-repeats",
+        default="16",
+        help="fixed: repeats, or a list like 512,1,1,1 cycled over requests [16]",
+    )
+    data.add_argument(
+        "--unique-prompts", action="store_true", help='fixed: append " [i]" to request i\'s prompt'
+    )
+    data.add_argument(
+        "--input-len",
+        type=int,
+        default=128,
+        help="random: max prompt length; multi-turn: first turn [128]",
+    )
+    data.add_argument(
+        "--range-ratio",
+        type=float,
+        default=1.0,
+        help="random: lengths uniform in [len * ratio, len] (1.0 = exact) [1.0]",
+    )
     data.add_argument("--num-groups", type=int, default=4, help="shared-prefix: system prompts [4]")
-    data.add_argument("--prompts-per-group", type=int, default=8, help="shared-prefix: questions per system prompt [8]")
-    data.add_argument("--system-prompt-len", type=int, default=256, help="shared-prefix: tokens [256]")
+    data.add_argument(
+        "--prompts-per-group",
+        type=int,
+        default=8,
+        help="shared-prefix: questions per system prompt [8]",
+    )
+    data.add_argument(
+        "--system-prompt-len", type=int, default=256, help="shared-prefix: tokens [256]"
+    )
     data.add_argument("--question-len", type=int, default=32, help="shared-prefix: tokens [32]")
-    data.add_argument("--num-conversations", type=int, default=8, help="multi-turn: conversations [8]")
+    data.add_argument(
+        "--num-conversations", type=int, default=8, help="multi-turn: conversations [8]"
+    )
     data.add_argument("--turns", type=int, default=3, help="multi-turn: turns per conversation [3]")
-    data.add_argument("--turn-len", type=int, default=32, help="multi-turn: new user tokens per later turn [32]")
+    data.add_argument(
+        "--turn-len", type=int, default=32, help="multi-turn: new user tokens per later turn [32]"
+    )
 
 
 def check_bench_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -108,8 +199,16 @@ def check_bench_arguments(parser: argparse.ArgumentParser, args: argparse.Namesp
         parser.error("--gc-threshold must be >= 0")
     if args.warmup_runs < 0 or args.repeat_runs < 1:
         parser.error("--warmup-runs must be >= 0 and --repeat-runs >= 1")
-    for name in ("num_requests", "max_new_tokens", "input_len", "num_groups", "prompts_per_group", "question_len",
-                 "num_conversations", "turns"):
+    for name in (
+        "num_requests",
+        "max_new_tokens",
+        "input_len",
+        "num_groups",
+        "prompts_per_group",
+        "question_len",
+        "num_conversations",
+        "turns",
+    ):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if not 0.0 <= args.range_ratio <= 1.0:

@@ -27,7 +27,9 @@ class Backend(Protocol):
     max_context_len: int  # prompt + generated tokens never exceed it
     info: dict  # recorded beside the metrics: what exactly ran (versions, modes)
 
-    def submit(self, prompt: Any, params: SamplingParams, sink: queue.SimpleQueue[StreamEvents]) -> str:
+    def submit(
+        self, prompt: Any, params: SamplingParams, sink: queue.SimpleQueue[StreamEvents]
+    ) -> str:
         """Start a request with a prompt of token ids (a list, or what `native_prompt` made of one); its events
         (or a `StreamFailure`) go to ``sink``, in lists (a backend may batch events of many requests into one
         list). Returns its request id."""
@@ -69,8 +71,12 @@ class RadixBackend:
         }
         self._front = AsyncLLM(llm)
 
-    def submit(self, prompt: list[int] | np.ndarray, params: SamplingParams,
-               sink: queue.SimpleQueue[StreamEvents]) -> str:
+    def submit(
+        self,
+        prompt: list[int] | np.ndarray,
+        params: SamplingParams,
+        sink: queue.SimpleQueue[StreamEvents],
+    ) -> str:
         return self._front.submit(prompt, params, None, sink)
 
     def native_prompt(self, prompt: list[int]) -> np.ndarray:
@@ -86,9 +92,14 @@ class RadixBackend:
         self._front.close()
 
 
-def open_radixinfer(model: str, args: argparse.Namespace, prefix_cache: bool, policy: str,
-                    gpu_memory_utilization: float | None = None,
-                    num_blocks: int | None = None) -> RadixBackend:
+def open_radixinfer(
+    model: str,
+    args: argparse.Namespace,
+    prefix_cache: bool,
+    policy: str,
+    gpu_memory_utilization: float | None = None,
+    num_blocks: int | None = None,
+) -> RadixBackend:
     """An `LLM` configured from the bench flags, with ``prefix_cache`` and admission ``policy`` per
     variant, using ``gpu_memory_utilization`` of the GPU and a KV pool of ``num_blocks`` or else
     what that leaves (variants open side by side split the GPU; None: ``--gpu-memory-utilization`` /

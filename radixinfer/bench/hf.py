@@ -14,8 +14,8 @@ transformers checkpoint dir, and every backend of the run loads that dir, so bot
 
 from __future__ import annotations
 
-import os
 import inspect
+import os
 import queue
 import threading
 import time
@@ -26,12 +26,12 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 from transformers.generation.streamers import BaseStreamer
 
+from radixinfer.async_llm import StreamEvents, StreamFailure
 from radixinfer.models import resolve_dtype
 from radixinfer.models.loader import RANDOM_INIT_STD
 from radixinfer.models.presets import preset_config
 from radixinfer.outputs import StreamDelta
 from radixinfer.sampling_params import SamplingParams
-from radixinfer.async_llm import StreamEvents, StreamFailure
 from radixinfer.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 # Same rule as radixinfer.models: a checkpoint with any of these files brings its own tokenizer.
@@ -47,7 +47,9 @@ def export_checkpoint(preset: str, directory: Path, device: str, dtype: str, see
     ~ N(0, RANDOM_INIT_STD)), so greedy outputs stay diverse and can be compared token for token."""
     config = preset_config(preset)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=resolve_dtype(dtype, config, torch.device(device)))
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=resolve_dtype(dtype, config, torch.device(device))
+        )
     generator = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for param in model.parameters():
@@ -59,7 +61,9 @@ def export_checkpoint(preset: str, directory: Path, device: str, dtype: str, see
 
 def _has_continuous_batching(model: PreTrainedModel) -> bool:
     """transformers 5's continuous batching API (manager + its own config class) is there."""
-    return hasattr(transformers, "ContinuousBatchingConfig") and hasattr(model, "init_continuous_batching")
+    return hasattr(transformers, "ContinuousBatchingConfig") and hasattr(
+        model, "init_continuous_batching"
+    )
 
 
 def _finish_reason(token_ids: list[int], eos_token_ids: list[int]) -> str:
@@ -70,8 +74,15 @@ class _ContinuousDriver:
     """transformers' continuous batching. Its outputs are cumulative (every streamed output holds all tokens
     so far); a pump thread turns them into one delta per new token, stamped with that token's time."""
 
-    def __init__(self, model: PreTrainedModel, max_batch_size: int, prefix_cache: bool, kv_tokens: int | None,
-                 kv_memory_fraction: float, seed: int) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        max_batch_size: int,
+        prefix_cache: bool,
+        kv_tokens: int | None,
+        kv_memory_fraction: float,
+        seed: int,
+    ) -> None:
         self._model = model
         page_size = getattr(transformers.ContinuousBatchingConfig, "page_size", 256)
         wanted = dict(
@@ -84,9 +95,13 @@ class _ContinuousDriver:
         )
         # The config's fields move between transformers releases: pass the ones this release has.
         accepted = inspect.signature(transformers.ContinuousBatchingConfig).parameters
-        self._config = transformers.ContinuousBatchingConfig(**{k: v for k, v in wanted.items() if k in accepted})
+        self._config = transformers.ContinuousBatchingConfig(
+            **{k: v for k, v in wanted.items() if k in accepted}
+        )
         self._lock = threading.Lock()
-        self._requests: dict[str, tuple[queue.SimpleQueue[StreamEvents], list[int]]] = {}  # id -> (sink, eos ids)
+        self._requests: dict[
+            str, tuple[queue.SimpleQueue[StreamEvents], list[int]]
+        ] = {}  # id -> (sink, eos ids)
         self._seen: dict[str, int] = {}  # tokens already delivered per request (pump thread only)
         self._start()
 
@@ -100,12 +115,24 @@ class _ContinuousDriver:
         self._pump = threading.Thread(target=self._pump_outputs, name="hf-cb-pump")
         self._pump.start()
 
-    def submit(self, request_id: str, prompt: list[int], params: SamplingParams, eos_token_ids: list[int],
-               sink: queue.SimpleQueue[StreamEvents]) -> None:
+    def submit(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        eos_token_ids: list[int],
+        sink: queue.SimpleQueue[StreamEvents],
+    ) -> None:
         with self._lock:
             self._requests[request_id] = (sink, eos_token_ids)
-        self._manager.add_request(prompt, request_id=request_id, max_new_tokens=params.max_tokens, streaming=True,
-                                  record_timestamps=True, eos_token_id=eos_token_ids)
+        self._manager.add_request(
+            prompt,
+            request_id=request_id,
+            max_new_tokens=params.max_tokens,
+            streaming=True,
+            record_timestamps=True,
+            eos_token_id=eos_token_ids,
+        )
 
     def _pump_outputs(self) -> None:
         while not self._stopping:
@@ -133,7 +160,11 @@ class _ContinuousDriver:
         events: StreamEvents = []
         for i in range(start, len(tokens)):
             last = finished and i == len(tokens) - 1
-            events.append(StreamDelta(request_id, [tokens[i]], "", last, reason if last else None, 0, times[i]))
+            events.append(
+                StreamDelta(
+                    request_id, [tokens[i]], "", last, reason if last else None, 0, times[i]
+                )
+            )
         self._seen[request_id] = len(tokens)
         if finished:
             self._forget(request_id)
@@ -169,7 +200,9 @@ class _ContinuousDriver:
 class _StreamerToSink(BaseStreamer):
     """A ``generate`` streamer: the first ``put`` is the prompt, each later one a new token."""
 
-    def __init__(self, request_id: str, eos_token_ids: list[int], sink: queue.SimpleQueue[StreamEvents]) -> None:
+    def __init__(
+        self, request_id: str, eos_token_ids: list[int], sink: queue.SimpleQueue[StreamEvents]
+    ) -> None:
         self._request_id, self._eos, self._sink = request_id, eos_token_ids, sink
         self._prompt_seen = False
         self._tokens: list[int] = []
@@ -185,7 +218,9 @@ class _StreamerToSink(BaseStreamer):
 
     def end(self) -> None:
         reason = _finish_reason(self._tokens, self._eos)
-        self._sink.put([StreamDelta(self._request_id, [], "", True, reason, 0, time.perf_counter())])
+        self._sink.put(
+            [StreamDelta(self._request_id, [], "", True, reason, 0, time.perf_counter())]
+        )
 
 
 class _SequentialDriver:
@@ -197,8 +232,14 @@ class _SequentialDriver:
         self._worker = threading.Thread(target=self._work, name="hf-generate")
         self._worker.start()
 
-    def submit(self, request_id: str, prompt: list[int], params: SamplingParams, eos_token_ids: list[int],
-               sink: queue.SimpleQueue[StreamEvents]) -> None:
+    def submit(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        eos_token_ids: list[int],
+        sink: queue.SimpleQueue[StreamEvents],
+    ) -> None:
         self._jobs.put((request_id, prompt, params, eos_token_ids, sink))
 
     def _work(self) -> None:
@@ -206,11 +247,19 @@ class _SequentialDriver:
             request_id, prompt, params, eos_token_ids, sink = job
             try:
                 ids = torch.tensor([prompt], device=self._model.device)
-                config = GenerationConfig(max_new_tokens=params.max_tokens, do_sample=False,
-                                          eos_token_id=eos_token_ids, pad_token_id=0)
+                config = GenerationConfig(
+                    max_new_tokens=params.max_tokens,
+                    do_sample=False,
+                    eos_token_id=eos_token_ids,
+                    pad_token_id=0,
+                )
                 with torch.no_grad():
-                    self._model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config,
-                                         streamer=_StreamerToSink(request_id, eos_token_ids, sink))
+                    self._model.generate(
+                        ids,
+                        attention_mask=torch.ones_like(ids),
+                        generation_config=config,
+                        streamer=_StreamerToSink(request_id, eos_token_ids, sink),
+                    )
             except Exception as exc:  # noqa: BLE001 - the consumer must hear of it
                 sink.put([StreamFailure(request_id, exc)])
 
@@ -229,39 +278,70 @@ class HFBackend:
     None takes ``kv_memory_fraction`` of free GPU memory, or `CPU_KV_TOKENS` on a CPU.
     """
 
-    def __init__(self, model_dir: str | os.PathLike, *, device: str, dtype: str, max_batch_size: int,
-                 prefix_cache: bool, kv_tokens: int | None, kv_memory_fraction: float, attn_implementation: str,
-                 batching: str, seed: int) -> None:
+    def __init__(
+        self,
+        model_dir: str | os.PathLike,
+        *,
+        device: str,
+        dtype: str,
+        max_batch_size: int,
+        prefix_cache: bool,
+        kv_tokens: int | None,
+        kv_memory_fraction: float,
+        attn_implementation: str,
+        batching: str,
+        seed: int,
+    ) -> None:
         config = AutoConfig.from_pretrained(model_dir)
         torch_dtype = resolve_dtype(dtype, config, torch.device(device))
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype,
-                                                     attn_implementation=attn_implementation)
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch_dtype, attn_implementation=attn_implementation
+        )
         self.model = model.to(device).eval()
         has_tokenizer = any((Path(model_dir) / name).is_file() for name in _TOKENIZER_FILES)
-        self.tokenizer: Tokenizer = HFTokenizer.from_pretrained(model_dir) if has_tokenizer else ByteTokenizer()
+        self.tokenizer: Tokenizer = (
+            HFTokenizer.from_pretrained(model_dir) if has_tokenizer else ByteTokenizer()
+        )
         self.vocab_size: int = config.vocab_size
         self.max_context_len: int = config.max_position_embeddings
         eos = [self.tokenizer.eos_token_id]
         if has_tokenizer:  # like radixinfer: the config's EOS ids only mean something with the checkpoint's tokenizer
             generation_eos = self.model.generation_config.eos_token_id
             eos += generation_eos if isinstance(generation_eos, list) else [generation_eos]
-        self.eos_token_ids = [i for i in dict.fromkeys(eos) if i is not None and 0 <= i < self.vocab_size]
+        self.eos_token_ids = [
+            i for i in dict.fromkeys(eos) if i is not None and 0 <= i < self.vocab_size
+        ]
         if batching == "auto":
             batching = "continuous" if _has_continuous_batching(self.model) else "sequential"
-        self.info = {"transformers": transformers.__version__, "batching": batching,
-                     "attn_implementation": attn_implementation}
+        self.info = {
+            "transformers": transformers.__version__,
+            "batching": batching,
+            "attn_implementation": attn_implementation,
+        }
         self._driver = (
-            _ContinuousDriver(self.model, max_batch_size, prefix_cache,
-                              CPU_KV_TOKENS if kv_tokens is None and self.model.device.type == "cpu" else kv_tokens,
-                              kv_memory_fraction, seed)
-            if batching == "continuous" else _SequentialDriver(self.model)
+            _ContinuousDriver(
+                self.model,
+                max_batch_size,
+                prefix_cache,
+                CPU_KV_TOKENS
+                if kv_tokens is None and self.model.device.type == "cpu"
+                else kv_tokens,
+                kv_memory_fraction,
+                seed,
+            )
+            if batching == "continuous"
+            else _SequentialDriver(self.model)
         )
         self._ids = 0
 
-    def submit(self, prompt: list[int], params: SamplingParams, sink: queue.SimpleQueue[StreamEvents]) -> str:
+    def submit(
+        self, prompt: list[int], params: SamplingParams, sink: queue.SimpleQueue[StreamEvents]
+    ) -> str:
         request_id = f"hf-{self._ids}"
         self._ids += 1
-        self._driver.submit(request_id, prompt, params, [] if params.ignore_eos else self.eos_token_ids, sink)
+        self._driver.submit(
+            request_id, prompt, params, [] if params.ignore_eos else self.eos_token_ids, sink
+        )
         return request_id
 
     def native_prompt(self, prompt: list[int]) -> list[int]:

@@ -75,14 +75,24 @@ def latency_ms(seconds: Iterable[float]) -> dict[str, float | None]:
     values = np.asarray(list(seconds), dtype=np.float64) * 1e3
     if values.size == 0:
         return {"mean": None, **{f"p{p}": None for p in PERCENTILES}}
-    return {"mean": float(values.mean()), **{f"p{p}": float(np.percentile(values, p)) for p in PERCENTILES}}
+    return {
+        "mean": float(values.mean()),
+        **{f"p{p}": float(np.percentile(values, p)) for p in PERCENTILES},
+    }
 
 
 def cache_delta(before: dict | None, after: dict | None) -> dict | None:
     """Counters accumulated between two ``cache_stats()`` snapshots (None when the backend has none)."""
     if before is None or after is None:
         return None
-    keys = ("prompt_tokens", "cached_tokens", "computed_prompt_tokens", "cow_copies", "evicted_blocks", "preemptions")
+    keys = (
+        "prompt_tokens",
+        "cached_tokens",
+        "computed_prompt_tokens",
+        "cow_copies",
+        "evicted_blocks",
+        "preemptions",
+    )
     return {k: after[k] - before[k] for k in keys}
 
 
@@ -107,7 +117,9 @@ def summarize(records: Sequence[RequestRecord], wall_s: float, cache: dict | Non
         "prompt_tokens": prompt_tokens,
         "cached_tokens": cached,
         "computed_prompt_tokens": cache["computed_prompt_tokens"] if cache else None,
-        "hit_rate": (cached / cache["prompt_tokens"] if cache["prompt_tokens"] else 0.0) if cache else None,
+        "hit_rate": (cached / cache["prompt_tokens"] if cache["prompt_tokens"] else 0.0)
+        if cache
+        else None,
         "completion_tokens": completion_tokens,
         "preemptions": cache["preemptions"] if cache else None,
         "ttft_ms": latency_ms(r.ttft for r in timed),
@@ -144,4 +156,8 @@ class GCPauses:
 
 
 def gc_pause_summary(pauses_ms: Sequence[float]) -> dict[str, float | int]:
-    return {"count": len(pauses_ms), "total_ms": sum(pauses_ms), "max_ms": max(pauses_ms, default=0.0)}
+    return {
+        "count": len(pauses_ms),
+        "total_ms": sum(pauses_ms),
+        "max_ms": max(pauses_ms, default=0.0),
+    }

@@ -19,8 +19,15 @@ STATS = ("mean", "p50", "p95", "p99")
 THROUGHPUTS = ("output_throughput", "total_throughput", "request_throughput")
 # (metric path, True when higher is better) for the speedup columns
 SPEEDUP_KEYS: tuple[tuple[str, bool], ...] = (
-    ("output_throughput", True), ("total_throughput", True), ("ttft_ms.p50", False), ("ttft_ms.p99", False),
-    ("tpot_ms.p50", False), ("itl_ms.p50", False), ("e2e_ms.p50", False), ("e2e_ms.p99", False), ("wall_s", False),
+    ("output_throughput", True),
+    ("total_throughput", True),
+    ("ttft_ms.p50", False),
+    ("ttft_ms.p99", False),
+    ("tpot_ms.p50", False),
+    ("itl_ms.p50", False),
+    ("e2e_ms.p50", False),
+    ("e2e_ms.p99", False),
+    ("wall_s", False),
 )
 
 
@@ -40,7 +47,10 @@ def speedup(first: dict, other: dict, path: str, higher_is_better: bool) -> floa
 
 
 def speedups(first: dict, other: dict) -> dict[str, float | None]:
-    return {path: speedup(first, other, path, higher_is_better) for path, higher_is_better in SPEEDUP_KEYS}
+    return {
+        path: speedup(first, other, path, higher_is_better)
+        for path, higher_is_better in SPEEDUP_KEYS
+    }
 
 
 def _rounds(run: dict) -> list[dict]:
@@ -51,7 +61,9 @@ def _rounds(run: dict) -> list[dict]:
 def paired_output_throughput(first: dict, other: dict) -> dict:
     """``first / other`` output throughput of each round (round r of both runs ran back to back, so process
     drift mostly cancels within a pair), and their min / median / max (None where a ratio is undefined)."""
-    ratios = [speedup(a, b, "output_throughput", True) for a, b in zip(_rounds(first), _rounds(other))]
+    ratios = [
+        speedup(a, b, "output_throughput", True) for a, b in zip(_rounds(first), _rounds(other))
+    ]
     known = [r for r in ratios if r is not None]
     spread = (min(known), statistics.median(known), max(known)) if known else (None, None, None)
     return {"ratios": ratios, **dict(zip(("min", "median", "max"), spread))}
@@ -60,8 +72,12 @@ def paired_output_throughput(first: dict, other: dict) -> dict:
 def comparisons(runs: list[dict]) -> list[dict]:
     """Speedups of the first run over each other run: pooled over all rounds, and output throughput per round."""
     return [
-        {"baseline": runs[0]["label"], "other": run["label"], "speedup": speedups(runs[0]["metrics"], run["metrics"]),
-         "paired_output_throughput": paired_output_throughput(runs[0], run)}
+        {
+            "baseline": runs[0]["label"],
+            "other": run["label"],
+            "speedup": speedups(runs[0]["metrics"], run["metrics"]),
+            "paired_output_throughput": paired_output_throughput(runs[0], run),
+        }
         for run in runs[1:]
     ]
 
@@ -75,8 +91,10 @@ def _fmt(value: float | int | None, digits: int = 2) -> str:
 
 
 def _rows(metrics: dict) -> list[tuple[str, str]]:
-    rows = [(key, _fmt(metrics[key])) for key in
-            ("requests", "prompt_tokens", "cached_tokens", "computed_prompt_tokens")]
+    rows = [
+        (key, _fmt(metrics[key]))
+        for key in ("requests", "prompt_tokens", "cached_tokens", "computed_prompt_tokens")
+    ]
     rows.append(("hit_rate", _fmt(metrics["hit_rate"], 3)))
     rows += [(key, _fmt(metrics[key])) for key in ("completion_tokens", "preemptions")]
     rows += [(f"{lat} {stat}", _fmt(metrics[lat][stat])) for lat in LATENCIES for stat in STATS]
@@ -89,7 +107,9 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
 
     def line(cells: list[str]) -> str:  # first column left-aligned, numbers right-aligned
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+        return "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
+        )
 
     return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
 
@@ -97,10 +117,14 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 # (row label, memory_plan key, shown in GiB); a figure a plan lacks (None: not measured, a CPU)
 # shows "-"
 MEMORY_ROWS = (
-    ("budget GiB", "budget_bytes", True), ("weights GiB", "weights_bytes", True),
-    ("activations GiB", "activation_bytes", True), ("CUDA graphs GiB", "cuda_graph_bytes", True),
-    ("other GiB", "other_bytes", True), ("KV cache GiB", "kv_bytes", True),
-    ("KV blocks", "num_blocks", False), ("KV tokens", "kv_tokens", False),
+    ("budget GiB", "budget_bytes", True),
+    ("weights GiB", "weights_bytes", True),
+    ("activations GiB", "activation_bytes", True),
+    ("CUDA graphs GiB", "cuda_graph_bytes", True),
+    ("other GiB", "other_bytes", True),
+    ("KV cache GiB", "kv_bytes", True),
+    ("KV blocks", "num_blocks", False),
+    ("KV tokens", "kv_tokens", False),
     ("max_model_len", "max_model_len", False),
 )
 
@@ -116,8 +140,10 @@ def _memory_table(runs: list[dict]) -> str:
         value = plan.get(key)
         return _fmt(value / 2**30 if in_gib and value is not None else value)
 
-    rows = [[label, *(cell(run["info"]["memory_plan"], key, gib) for run in planned)]
-            for label, key, gib in MEMORY_ROWS]
+    rows = [
+        [label, *(cell(run["info"]["memory_plan"], key, gib) for run in planned)]
+        for label, key, gib in MEMORY_ROWS
+    ]
     return _table(["memory plan", *(run["label"] for run in planned)], rows)
 
 
@@ -133,25 +159,37 @@ def format_report(result: dict) -> str:
     runs, comps = result["runs"], result["comparisons"]
     columns = [dict(_rows(run["metrics"])) for run in runs]
     names = [name for name, _ in _rows(runs[0]["metrics"])]
-    text = _table(["metric", *(r["label"] for r in runs)], [[n, *(c[n] for c in columns)] for n in names])
+    text = _table(
+        ["metric", *(r["label"] for r in runs)], [[n, *(c[n] for c in columns)] for n in names]
+    )
     if comps:
         header = ["speedup of " + runs[0]["label"], *(c["other"] for c in comps)]
-        rows = [[path, *(_fmt(c["speedup"][path]) + "x" for c in comps)] for path, _ in SPEEDUP_KEYS]
+        rows = [
+            [path, *(_fmt(c["speedup"][path]) + "x" for c in comps)] for path, _ in SPEEDUP_KEYS
+        ]
         spreads = [_round_spread(c) for c in comps]
         throughput = next(row for row in rows if row[0] == "output_throughput")
         throughput[1:] = [cell + spread for cell, spread in zip(throughput[1:], spreads)]
         text += "\n\n" + _table(header, rows)
         if any(spreads):
-            text += "\n(in parentheses beside output_throughput: min–max of the paired rounds' ratios)"
+            text += (
+                "\n(in parentheses beside output_throughput: min–max of the paired rounds' ratios)"
+            )
     if memory := _memory_table(runs):
         text += "\n\n" + memory
     return text
 
 
 SUMMARY_COLUMNS = (
-    ("hit", "hit_rate", 3), ("prompt tok", "prompt_tokens", 0), ("out tok/s", "output_throughput", 0),
-    ("ttft p50", "ttft_ms.p50", 1), ("ttft p99", "ttft_ms.p99", 1), ("tpot p50", "tpot_ms.p50", 2),
-    ("e2e p50", "e2e_ms.p50", 1), ("e2e p99", "e2e_ms.p99", 1), ("wall s", "wall_s", 2),
+    ("hit", "hit_rate", 3),
+    ("prompt tok", "prompt_tokens", 0),
+    ("out tok/s", "output_throughput", 0),
+    ("ttft p50", "ttft_ms.p50", 1),
+    ("ttft p99", "ttft_ms.p99", 1),
+    ("tpot p50", "tpot_ms.p50", 2),
+    ("e2e p50", "e2e_ms.p50", 1),
+    ("e2e p99", "e2e_ms.p99", 1),
+    ("wall s", "wall_s", 2),
 )
 
 
@@ -165,7 +203,13 @@ def summary_table(results: dict[str, dict]) -> str:
             m = run["metrics"]
             cells = [_fmt(metric(m, path), digits) for _, path, digits in SUMMARY_COLUMNS]
             speed = speedups(first, m)["output_throughput"]
-            rows.append([f"{name}: {run['label']}", *cells, "" if run is result["runs"][0] else _fmt(speed) + "x"])
+            rows.append(
+                [
+                    f"{name}: {run['label']}",
+                    *cells,
+                    "" if run is result["runs"][0] else _fmt(speed) + "x",
+                ]
+            )
     return _table(["run", *(title for title, _, _ in SUMMARY_COLUMNS), "first vs this"], rows)
 
 

@@ -47,6 +47,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from radixinfer.async_llm import StreamFailure
 from radixinfer.bench.backends import Backend, open_radixinfer
 from radixinfer.bench.hf import HFBackend, export_checkpoint
 from radixinfer.bench.metrics import (
@@ -62,7 +63,6 @@ from radixinfer.bench.workloads import Session, arrival_offsets, build_workload,
 from radixinfer.models import PRESET_NAMES
 from radixinfer.outputs import TokenBatch
 from radixinfer.sampling_params import SamplingParams
-from radixinfer.async_llm import StreamFailure
 
 
 @dataclass(frozen=True)
@@ -98,18 +98,25 @@ class _Turn:
     record: RequestRecord
 
 
-def request_for(session: Session, prompt: list[int], max_context_len: int,
-                args: argparse.Namespace) -> tuple[list[int], SamplingParams]:
+def request_for(
+    session: Session, prompt: list[int], max_context_len: int, args: argparse.Namespace
+) -> tuple[list[int], SamplingParams]:
     """What the bench submits for one turn of ``session``: the prompt fitted to the context (left-truncated with
     ``--truncate-prompts``, else ValueError) and its sampling params. Like the engine, it never asks for more
     tokens than the context holds (a model could not index their positions); ids only (``detokenize=False``)."""
     prompt = fit_to_context(prompt, max_context_len, args.truncate_prompts)
     max_tokens = min(session.max_tokens, max(1, max_context_len - len(prompt)))
-    return prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=args.ignore_eos, detokenize=False)
+    return prompt, SamplingParams(
+        max_tokens=max_tokens, ignore_eos=args.ignore_eos, detokenize=False
+    )
 
 
 def run_workload(
-    backend: Backend, sessions: list[Session], offsets: list[float], args: argparse.Namespace, desc: str
+    backend: Backend,
+    sessions: list[Session],
+    offsets: list[float],
+    args: argparse.Namespace,
+    desc: str,
 ) -> tuple[list[RequestRecord], float]:
     """Submit each session's first turn at its offset and each later turn as soon as the previous answer is
     complete; collect every token's timestamp. Returns the records (one per turn) and the wall time from
@@ -123,9 +130,17 @@ def run_workload(
     arrivals = sorted(range(len(sessions)), key=offsets.__getitem__)
     inflight: dict[str, _Turn] = {}
     records: list[RequestRecord] = []
-    progress = tqdm(total=sum(s.num_turns for s in sessions), desc=desc, unit="req", file=sys.stderr, leave=False)
+    progress = tqdm(
+        total=sum(s.num_turns for s in sessions),
+        desc=desc,
+        unit="req",
+        file=sys.stderr,
+        leave=False,
+    )
 
-    def submit(session: Session, index: int, prompt: list[int], params: SamplingParams, native: Any) -> None:
+    def submit(
+        session: Session, index: int, prompt: list[int], params: SamplingParams, native: Any
+    ) -> None:
         record = RequestRecord(time.perf_counter(), len(prompt))
         inflight[backend.submit(native, params, events)] = _Turn(session, index, prompt, record)
 
@@ -137,7 +152,10 @@ def run_workload(
     next_arrival = 0
     with progress:
         while next_arrival < len(arrivals) or inflight:
-            while next_arrival < len(arrivals) and time.perf_counter() >= start + offsets[arrivals[next_arrival]]:
+            while (
+                next_arrival < len(arrivals)
+                and time.perf_counter() >= start + offsets[arrivals[next_arrival]]
+            ):
                 i = arrivals[next_arrival]
                 submit(sessions[i], 0, *first[i], native_first[i])
                 next_arrival += 1
@@ -155,7 +173,9 @@ def run_workload(
                         inflight[request_id].record.add_token(token, timestamp)
                     continue
                 if event.finished and isinstance(event, StreamFailure):
-                    raise RuntimeError(f"request {event.request_id} failed: {event.error}") from event.error
+                    raise RuntimeError(
+                        f"request {event.request_id} failed: {event.error}"
+                    ) from event.error
                 turn = inflight[event.request_id]
                 turn.record.add(event)
                 if not event.finished:
@@ -181,7 +201,9 @@ class _Arm:
     backend: Backend
     sessions: list[Session]
     offsets: list[float]
-    runs: list[tuple[list[RequestRecord], float, dict | None, GCPauses]] = field(default_factory=list)
+    runs: list[tuple[list[RequestRecord], float, dict | None, GCPauses]] = field(
+        default_factory=list
+    )
 
     @classmethod
     def prepare(cls, variant: Variant, backend: Backend, args: argparse.Namespace) -> _Arm:
@@ -189,12 +211,18 @@ class _Arm:
         sessions = build_workload(args, backend.tokenizer, backend.vocab_size)
         for session in sessions:
             fit_to_context(session.prompt, backend.max_context_len, args.truncate_prompts)
-        offsets = arrival_offsets(len(sessions), args.request_rate, args.submit_interval_ms,
-                                  np.random.default_rng(args.seed + 1))
+        offsets = arrival_offsets(
+            len(sessions),
+            args.request_rate,
+            args.submit_interval_ms,
+            np.random.default_rng(args.seed + 1),
+        )
         return cls(variant, backend, sessions, offsets)
 
     def run(self, args: argparse.Namespace, what: str) -> tuple[list[RequestRecord], float]:
-        return run_workload(self.backend, self.sessions, self.offsets, args, f"{self.variant.label} {what}")
+        return run_workload(
+            self.backend, self.sessions, self.offsets, args, f"{self.variant.label} {what}"
+        )
 
     def measure(self, args: argparse.Namespace, what: str) -> None:
         if args.cold_cache:
@@ -206,17 +234,29 @@ class _Arm:
         gc.freeze()
         with GCPauses() as gc_pauses:
             records, wall = self.run(args, what)
-        self.runs.append((records, wall, cache_delta(before, self.backend.cache_stats()), gc_pauses))
+        self.runs.append(
+            (records, wall, cache_delta(before, self.backend.cache_stats()), gc_pauses)
+        )
 
     def result(self) -> dict:
         """The pooled summary and, with several measured runs, each run's own (in round order)."""
         runs = self.runs
-        pooled = summarize([r for records, _, _, _ in runs for r in records], sum(w for _, w, _, _ in runs),
-                           add_cache_deltas([c for _, _, c, _ in runs]))
+        pooled = summarize(
+            [r for records, _, _, _ in runs for r in records],
+            sum(w for _, w, _, _ in runs),
+            add_cache_deltas([c for _, _, c, _ in runs]),
+        )
         pooled["gc_pauses"] = gc_pause_summary([p for *_, pauses in runs for p in pauses.pauses_ms])
-        repeats = [{**summarize(*run[:3]), "gc_pauses": gc_pause_summary(run[3].pauses_ms)} for run in runs]
-        return {"label": self.variant.label, **asdict(self.variant), "info": self.backend.info,
-                "metrics": pooled, "repeats": repeats if len(runs) > 1 else []}
+        repeats = [
+            {**summarize(*run[:3]), "gc_pauses": gc_pause_summary(run[3].pauses_ms)} for run in runs
+        ]
+        return {
+            "label": self.variant.label,
+            **asdict(self.variant),
+            "info": self.backend.info,
+            "metrics": pooled,
+            "repeats": repeats if len(runs) > 1 else [],
+        }
 
 
 def round_orders(num_variants: int, rounds: int) -> list[list[int]]:
@@ -226,7 +266,9 @@ def round_orders(num_variants: int, rounds: int) -> list[list[int]]:
     return [order if r % 2 == 0 else order[::-1] for r in range(rounds)]
 
 
-def measure(variants: list[Variant], backends: list[Backend], args: argparse.Namespace) -> list[dict]:
+def measure(
+    variants: list[Variant], backends: list[Backend], args: argparse.Namespace
+) -> list[dict]:
     """Every variant's warm-up runs, then ``--repeat-runs`` rounds of one measured run of each variant (see
     `round_orders`); one result per variant, in variant order."""
     arms = [_Arm.prepare(variant, backend, args) for variant, backend in zip(variants, backends)]
@@ -239,8 +281,13 @@ def measure(variants: list[Variant], backends: list[Backend], args: argparse.Nam
     return [arm.result() for arm in arms]
 
 
-def open_backend(variant: Variant, model: str, args: argparse.Namespace,
-                 gpu_memory_utilization: float, num_blocks: int | None = None) -> Backend:
+def open_backend(
+    variant: Variant,
+    model: str,
+    args: argparse.Namespace,
+    gpu_memory_utilization: float,
+    num_blocks: int | None = None,
+) -> Backend:
     """The variant's backend with a KV pool of ``num_blocks`` (of ``--block-size`` tokens), or when None of
     what ``gpu_memory_utilization`` leaves (transformers: that fraction of the memory free after
     loading)."""
@@ -249,12 +296,18 @@ def open_backend(variant: Variant, model: str, args: argparse.Namespace,
 
         return OpenAIBackend(args.base_url, model)
     if variant.backend == "hf":
-        return HFBackend(model, device=args.device, dtype=args.dtype, max_batch_size=args.max_batch_size,
-                         prefix_cache=variant.prefix_cache,
-                         kv_tokens=num_blocks * args.block_size if num_blocks else None,
-                         kv_memory_fraction=gpu_memory_utilization,
-                         attn_implementation=args.hf_attn_implementation,
-                         batching=args.hf_batching, seed=args.seed)
+        return HFBackend(
+            model,
+            device=args.device,
+            dtype=args.dtype,
+            max_batch_size=args.max_batch_size,
+            prefix_cache=variant.prefix_cache,
+            kv_tokens=num_blocks * args.block_size if num_blocks else None,
+            kv_memory_fraction=gpu_memory_utilization,
+            attn_implementation=args.hf_attn_implementation,
+            batching=args.hf_batching,
+            seed=args.seed,
+        )
     return open_radixinfer(
         model, args, variant.prefix_cache, variant.policy, gpu_memory_utilization, num_blocks
     )
@@ -313,7 +366,9 @@ def run_bench(args: argparse.Namespace) -> dict:
             _close_all(backends)
             backends.clear()  # the last references: the release below can free their memory
             _release_device_memory()
-    config = {k: str(v) if isinstance(v, float) and math.isinf(v) else v for k, v in vars(args).items()}  # strict JSON
+    config = {
+        k: str(v) if isinstance(v, float) and math.isinf(v) else v for k, v in vars(args).items()
+    }  # strict JSON
     return {"config": config, "runs": results, "comparisons": comparisons(results)}
 
 

@@ -60,7 +60,9 @@ def run_lines(lines: list[str], out_dir: Path, run_timeout: int) -> int:
         results[name] = result
     if results:
         summary = summary_table(results)
-        print("== summary (latencies in ms; last column: output-throughput speedup of each run's first variant)")
+        print(
+            "== summary (latencies in ms; last column: output-throughput speedup of each run's first variant)"
+        )
         print(summary)
         (out_dir / "summary.txt").write_text(summary + "\n")
     return failed
@@ -72,7 +74,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-timeout", type=int, default=600, help="seconds per run [600]")
     args = parser.parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    lines = [line for line in sys.stdin.read().splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    lines = [
+        line
+        for line in sys.stdin.read().splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
     return run_lines(lines, args.out_dir, args.run_timeout)
 
 

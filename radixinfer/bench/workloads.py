@@ -52,7 +52,9 @@ def parse_repeats(text: str) -> list[int]:
     return repeats
 
 
-def fixed_prompt_texts(prompt: str, repeats: Sequence[int], unique: bool, num_requests: int) -> list[str]:
+def fixed_prompt_texts(
+    prompt: str, repeats: Sequence[int], unique: bool, num_requests: int
+) -> list[str]:
     """Request ``i`` is ``prompt`` repeated ``repeats[i % len(repeats)]`` times, space-joined, plus
     ``" [i]"`` when ``unique``."""
     texts = []
@@ -65,7 +67,9 @@ def fixed_prompt_texts(prompt: str, repeats: Sequence[int], unique: bool, num_re
 def fixed(
     args: argparse.Namespace, tokenizer: Tokenizer, vocab_size: int, rng: np.random.Generator
 ) -> list[Session]:
-    texts = fixed_prompt_texts(args.prompt, parse_repeats(args.prompt_repeats), args.unique_prompts, args.num_requests)
+    texts = fixed_prompt_texts(
+        args.prompt, parse_repeats(args.prompt_repeats), args.unique_prompts, args.num_requests
+    )
     return [Session(tokenizer.encode(text), args.max_new_tokens) for text in texts]
 
 
@@ -98,7 +102,11 @@ def shared_prefix(
     for _ in range(args.num_groups):
         system = _token_ids(rng, vocab_size, args.system_prompt_len)
         for _ in range(args.prompts_per_group):
-            sessions.append(Session(system + _token_ids(rng, vocab_size, args.question_len), args.max_new_tokens))
+            sessions.append(
+                Session(
+                    system + _token_ids(rng, vocab_size, args.question_len), args.max_new_tokens
+                )
+            )
     return [sessions[i] for i in rng.permutation(len(sessions))]
 
 
@@ -117,7 +125,9 @@ def multi_turn(
     ]
 
 
-WORKLOADS: dict[str, Callable[[argparse.Namespace, Tokenizer, int, np.random.Generator], list[Session]]] = {
+WORKLOADS: dict[
+    str, Callable[[argparse.Namespace, Tokenizer, int, np.random.Generator], list[Session]]
+] = {
     "fixed": fixed,
     "random": random_lengths,
     "shared-prefix": shared_prefix,
@@ -125,7 +135,9 @@ WORKLOADS: dict[str, Callable[[argparse.Namespace, Tokenizer, int, np.random.Gen
 }
 
 
-def build_workload(args: argparse.Namespace, tokenizer: Tokenizer, vocab_size: int) -> list[Session]:
+def build_workload(
+    args: argparse.Namespace, tokenizer: Tokenizer, vocab_size: int
+) -> list[Session]:
     """The sessions of ``args.dataset``, deterministic in ``args.seed`` (every backend gets the same)."""
     return WORKLOADS[args.dataset](args, tokenizer, vocab_size, np.random.default_rng(args.seed))
 

@@ -32,7 +32,14 @@ from typing import Any
 import numpy as np
 
 from radixinfer.cache.block_pool import BlockPool
-from radixinfer.cache.radix_tree import InsertResult, MatchResult, Node, RadixTree, TokenArray, as_token_array
+from radixinfer.cache.radix_tree import (
+    InsertResult,
+    MatchResult,
+    Node,
+    RadixTree,
+    TokenArray,
+    as_token_array,
+)
 
 
 @dataclass(eq=False)
@@ -44,7 +51,9 @@ class SeqKV:
     table: list[int]
     num_kv: int
     num_cached: int  # prompt tokens found in the cache at admission
-    payload: Any  # the cached final hidden state when the whole prompt was an exact repeat, else None
+    payload: (
+        Any  # the cached final hidden state when the whole prompt was an exact repeat, else None
+    )
     node: Node | None  # the locked tree node, or None
     released: bool = False
     # The admission walk: the first `publish` reuses it while it stands for the published path's walk.
@@ -69,7 +78,11 @@ class TreeWalk:
     def walk_of(self, n: int, version: int) -> MatchResult | None:
         """The walk of the sequence's first ``n`` tokens at tree ``version``, when this one stands for it."""
         length = self.result.length
-        if version == self.version and length <= n and (n <= self.query_len or length < self.query_len):
+        if (
+            version == self.version
+            and length <= n
+            and (n <= self.query_len or length < self.query_len)
+        ):
             return self.result
         return None
 
@@ -134,7 +147,9 @@ class KVCacheManager:
         self.tree = RadixTree(self.pool)
 
     # ------------------------------------------------------------------ admission
-    def admit(self, tokens: Sequence[int] | TokenArray, salt: Hashable = None, *, use_cache: bool = True) -> SeqKV:
+    def admit(
+        self, tokens: Sequence[int] | TokenArray, salt: Hashable = None, *, use_cache: bool = True
+    ) -> SeqKV:
         """Match ``tokens`` and lock what the match reads; the sequence starts with the matched blocks (no
         allocation yet, so admission itself never fails). The caller then `reserve`s the positions to compute.
 
@@ -147,12 +162,23 @@ class KVCacheManager:
         tokens = as_token_array(tokens)
         match = self._peeked(tokens, salt) or self.tree.match(tokens, salt)
         if match.length and match.length < match.node.end:
-            match = MatchResult(match.length, match.blocks, self.tree.split_at(match.node, match.length), None)
+            match = MatchResult(
+                match.length, match.blocks, self.tree.split_at(match.node, match.length), None
+            )
         self.tree.lock(match.node)
         self.pool.incref(match.blocks)
-        node = match.node if match.length else None  # an empty match reaches only the root: nothing to lock
-        return SeqKV(salt, list(match.blocks), match.length, match.length, match.payload, node,
-                     match=TreeWalk(match, len(tokens), self.tree.version))
+        node = (
+            match.node if match.length else None
+        )  # an empty match reaches only the root: nothing to lock
+        return SeqKV(
+            salt,
+            list(match.blocks),
+            match.length,
+            match.length,
+            match.payload,
+            node,
+            match=TreeWalk(match, len(tokens), self.tree.version),
+        )
 
     def cached_prefix_len(self, tokens: Sequence[int] | TokenArray, salt: Hashable = None) -> int:
         """How many leading tokens `admit` would find cached right now (changes nothing, counts nothing)."""
@@ -192,7 +218,9 @@ class KVCacheManager:
         return self.pool.fill[last] != offset and self.pool.refcount[last] > 1
 
     # ------------------------------------------------------------------ growth
-    def reserve(self, seqs: Sequence[SeqKV], new_lens: Sequence[int] | None = None) -> ReservePlan | None:
+    def reserve(
+        self, seqs: Sequence[SeqKV], new_lens: Sequence[int] | None = None
+    ) -> ReservePlan | None:
         """Give each sequence slots for positions ``num_kv .. new_len - 1`` (``new_lens`` None: one more
         position each, a decode step), all or nothing.
 
@@ -204,11 +232,17 @@ class KVCacheManager:
         pool = self.pool
         # Growing by g positions takes at most ceil((g - 1) / bs) + 1 blocks, a copy included (one block for a
         # decode step). With that many free, skip the exact count (a second pass over the batch) and eviction.
-        one_each = new_lens is None  # a decode step: the loop below derives each new length, no list built
+        one_each = (
+            new_lens is None
+        )  # a decode step: the loop below derives each new length, no list built
         if one_each:
             most = len(seqs)
         else:
-            most = sum((n - seq.num_kv + bs - 2) // bs + 1 for seq, n in zip(seqs, new_lens) if n > seq.num_kv)
+            most = sum(
+                (n - seq.num_kv + bs - 2) // bs + 1
+                for seq, n in zip(seqs, new_lens)
+                if n > seq.num_kv
+            )
         if pool.num_free < most and not self.ensure_free(
             self._blocks_needed(seqs, [seq.num_kv + 1 for seq in seqs] if one_each else new_lens)
         ):
@@ -232,12 +266,16 @@ class KVCacheManager:
                     copies.append((last, copy))
                     changed.append(i)
                     table[-1] = last = copy
-                    written_fill[copy] = 0  # even its first `offset` slots arrive only with the copy
+                    written_fill[copy] = (
+                        0  # even its first `offset` slots arrive only with the copy
+                    )
                 elif written_fill.get(last, bs) > offset:
                     # Slots from `offset` on are written by this forward (a sole holder may rewrite stale ones).
                     written_fill[last] = offset
                 end = offset + new_len - start
-                if end <= bs:  # the growth stays inside the boundary block (a decode step, 15 times in 16)
+                if (
+                    end <= bs
+                ):  # the growth stays inside the boundary block (a decode step, 15 times in 16)
                     fill[last] = end
                     base = last * bs
                     if end - offset == 1:
@@ -261,8 +299,14 @@ class KVCacheManager:
                 slots.append(table[start // bs] * bs + offset)
             else:  # one run of consecutive slots per block
                 for index in range(start // bs, (new_len - 1) // bs + 1):
-                    shift = (table[index] - index) * bs  # slot of position p in this block: p + shift
-                    slots.extend(range(max(start, index * bs) + shift, min(new_len, (index + 1) * bs) + shift))
+                    shift = (
+                        table[index] - index
+                    ) * bs  # slot of position p in this block: p + shift
+                    slots.extend(
+                        range(
+                            max(start, index * bs) + shift, min(new_len, (index + 1) * bs) + shift
+                        )
+                    )
             seq.num_kv = new_len
         self.counters.cow_copies += len(copies)
         return ReservePlan(slots, copies, changed)
@@ -282,9 +326,12 @@ class KVCacheManager:
         fresh_rows = np.flatnonzero(fresh)
         shared = np.flatnonzero(~own)
         shared_seqs = [seqs[i] for i in shared.tolist()]
-        most = len(fresh_rows) + len(shared_seqs)  # one block each at most (a copy or a fresh block)
+        most = len(fresh_rows) + len(
+            shared_seqs
+        )  # one block each at most (a copy or a fresh block)
         if pool.num_free < most and not self.ensure_free(
-            len(fresh_rows) + self._blocks_needed(shared_seqs, [seq.num_kv + 1 for seq in shared_seqs])
+            len(fresh_rows)
+            + self._blocks_needed(shared_seqs, [seq.num_kv + 1 for seq in shared_seqs])
         ):
             return None
         copies: list[tuple[int, int]] = []
@@ -319,8 +366,12 @@ class KVCacheManager:
         between this count and the allocations only drops holders, so it can only save copies.)"""
         bs = self.block_size
         fill, refcount = self.pool.fill, self.pool.refcount
-        fill_after: dict[int, int] = {}  # boundary block -> its fill once earlier sequences of the batch wrote
-        copied_away: dict[int, int] = {}  # boundary block -> earlier sequences of the batch that copied it
+        fill_after: dict[
+            int, int
+        ] = {}  # boundary block -> its fill once earlier sequences of the batch wrote
+        copied_away: dict[
+            int, int
+        ] = {}  # boundary block -> earlier sequences of the batch that copied it
         need = 0
         for seq, new_len in zip(seqs, new_lens):
             start = seq.num_kv
@@ -330,7 +381,10 @@ class KVCacheManager:
             offset = start % bs
             if offset:
                 last = seq.table[-1]
-                if fill_after.get(last, fill[last]) != offset and refcount[last] - copied_away.get(last, 0) > 1:
+                if (
+                    fill_after.get(last, fill[last]) != offset
+                    and refcount[last] - copied_away.get(last, 0) > 1
+                ):
                     need += 1
                     copied_away[last] = copied_away.get(last, 0) + 1
                 else:
@@ -350,7 +404,9 @@ class KVCacheManager:
         return self.pool.num_free >= num_blocks
 
     # ------------------------------------------------------------------ publishing
-    def publish(self, seq: SeqKV, tokens: Sequence[int] | TokenArray, *, prompt_end: bool = False) -> int:
+    def publish(
+        self, seq: SeqKV, tokens: Sequence[int] | TokenArray, *, prompt_end: bool = False
+    ) -> int:
         """Insert ``tokens`` (the sequence's first ``len(tokens) <= num_kv`` tokens) into the tree so others
         reuse them, point the table at blocks the tree already held (then release the duplicates), and move
         the sequence's lock to the deepest node of its path. With ``prompt_end`` a node ends exactly at
@@ -373,12 +429,22 @@ class KVCacheManager:
         seq.node = result.node
         return result.new_tokens
 
-    def _insert(self, seq: SeqKV, tokens: Sequence[int] | TokenArray, prompt_end: bool, lock: bool) -> InsertResult:
+    def _insert(
+        self, seq: SeqKV, tokens: Sequence[int] | TokenArray, prompt_end: bool, lock: bool
+    ) -> InsertResult:
         assert len(tokens) <= seq.num_kv, "publishing positions whose KV is not stored"
-        walked = seq.match.walk_of(len(tokens), self.tree.version) if seq.match is not None else None
+        walked = (
+            seq.match.walk_of(len(tokens), self.tree.version) if seq.match is not None else None
+        )
         seq.match = None
-        return self.tree.insert(as_token_array(tokens), seq.table, seq.salt, end_node=prompt_end, walked=walked,
-                                lock=lock)
+        return self.tree.insert(
+            as_token_array(tokens),
+            seq.table,
+            seq.salt,
+            end_node=prompt_end,
+            walked=walked,
+            lock=lock,
+        )
 
     def attach_payload(self, seq: SeqKV, payload: Any) -> None:
         """Store the final hidden state of the prompt's last position on the node ending there (published
@@ -425,7 +491,9 @@ class KVCacheManager:
         holders = self.tree.block_holders()
         for seq in live:
             assert not seq.released
-            assert len(seq.table) == -(-seq.num_kv // self.block_size), f"table/num_kv mismatch {seq}"
+            assert len(seq.table) == -(-seq.num_kv // self.block_size), (
+                f"table/num_kv mismatch {seq}"
+            )
             for b in seq.table:
                 holders[b] = holders.get(b, 0) + 1
             if seq.node is not None:

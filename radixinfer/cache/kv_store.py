@@ -38,7 +38,14 @@ class KVStore:
     def bytes_per_block(
         num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
     ) -> int:
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        return (
+            2
+            * num_layers
+            * block_size
+            * num_kv_heads
+            * head_dim
+            * torch.empty((), dtype=dtype).element_size()
+        )
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         """Perform every (src, dst) copy of a step, all layers, K and V, in one launch."""

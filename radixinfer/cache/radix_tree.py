@@ -49,9 +49,21 @@ class Node:
     """One edge of the tree and the node at its lower end. Kept deliberately small: policy state (the LRU
     set) lives in the tree, not here."""
 
-    __slots__ = ("key", "start", "blocks", "children", "parent", "lock_count", "last_access", "payload", "id")
+    __slots__ = (
+        "key",
+        "start",
+        "blocks",
+        "children",
+        "parent",
+        "lock_count",
+        "last_access",
+        "payload",
+        "id",
+    )
 
-    def __init__(self, key: TokenArray, start: int, blocks: list[int], parent: Node | None, node_id: int) -> None:
+    def __init__(
+        self, key: TokenArray, start: int, blocks: list[int], parent: Node | None, node_id: int
+    ) -> None:
         self.key = key  # tokens at positions [start, start + len(key))
         self.start = start
         self.blocks = blocks  # block ids for indices start // bs .. (end - 1) // bs
@@ -78,7 +90,9 @@ class MatchResult:
     length: int
     blocks: list[int]
     node: Node
-    payload: Any  # the stored final hidden state when the match ends exactly at a prompt end, else None
+    payload: (
+        Any  # the stored final hidden state when the match ends exactly at a prompt end, else None
+    )
 
 
 @dataclass(frozen=True)
@@ -142,11 +156,15 @@ class RadixTree:
             return root, 0, []
         keys = path[0].key if len(path) == 1 else np.concatenate([c.key for c in path])
         length = common_prefix_len(keys, tokens)
-        path = path[: bisect.bisect_left(ends, length) + 1]  # up to the node holding position length - 1
+        path = path[
+            : bisect.bisect_left(ends, length) + 1
+        ]  # up to the node holding position length - 1
         bs = self.block_size
         blocks: list[int] = []
         for child in path:
-            blocks[child.start // bs :] = child.blocks  # the child's version of the boundary block wins
+            blocks[child.start // bs :] = (
+                child.blocks
+            )  # the child's version of the boundary block wins
         del blocks[-(-length // bs) :]
         return path[-1], length, blocks
 
@@ -180,8 +198,14 @@ class RadixTree:
 
     # ------------------------------------------------------------------ insertion
     def insert(
-        self, tokens: TokenArray, blocks: Sequence[int], salt: Hashable = None, *, end_node: bool = False,
-        walked: MatchResult | None = None, lock: bool = False,
+        self,
+        tokens: TokenArray,
+        blocks: Sequence[int],
+        salt: Hashable = None,
+        *,
+        end_node: bool = False,
+        walked: MatchResult | None = None,
+        lock: bool = False,
     ) -> InsertResult:
         """Insert the path ``tokens`` whose KV lives in ``blocks`` (a sequence's block table covering at least
         ``len(tokens)`` positions). New nodes take a reference on the blocks they list.
@@ -206,8 +230,13 @@ class RadixTree:
         if pos < n or end_node:
             node = self.split_at(node, pos)
         full = pos // bs
-        remap = [] if list(blocks[:full]) == tree_blocks[:full] else [  # equal (one C comparison): the usual case
-            (k, tb) for k, tb in enumerate(tree_blocks[:full]) if blocks[k] != tb]
+        remap = (
+            []
+            if list(blocks[:full]) == tree_blocks[:full]
+            else [  # equal (one C comparison): the usual case
+                (k, tb) for k, tb in enumerate(tree_blocks[:full]) if blocks[k] != tb
+            ]
+        )
         new_tokens = n - pos
         if new_tokens:
             leaf_blocks = list(blocks[pos // bs : -(-n // bs)])
@@ -288,7 +317,9 @@ class RadixTree:
         while freed < num_blocks and evictable:
             leaf = evictable[0]
             self.version += 1
-            leaf.payload = None  # it belonged to the last position, which goes now (or the whole leaf does)
+            leaf.payload = (
+                None  # it belonged to the last position, which goes now (or the whole leaf does)
+            )
             last_index = (leaf.end - 1) // bs
             if last_index * bs <= leaf.start:  # its only block goes: remove the leaf
                 evictable.pop(0)
@@ -330,7 +361,9 @@ class RadixTree:
 
     def nodes(self) -> list[tuple[Hashable, Node]]:
         """Every non-root node with its salt (for tests and integrity checks; walks the whole tree)."""
-        return [(salt, node) for salt, root in self._roots.items() for node in self._nodes_below(root)]
+        return [
+            (salt, node) for salt, root in self._roots.items() for node in self._nodes_below(root)
+        ]
 
     def path_tokens(self, node: Node) -> TokenArray:
         """Tokens from the root to the end of ``node``."""
@@ -372,7 +405,9 @@ class RadixTree:
                 assert len(node.key) > 0, f"empty edge {node}"
                 assert node.start == parent.end, f"{node} does not start where its parent ends"
                 want = -(-node.end // bs) - node.start // bs
-                assert len(node.blocks) == want, f"{node} holds {len(node.blocks)} blocks, covers {want}"
+                assert len(node.blocks) == want, (
+                    f"{node} holds {len(node.blocks)} blocks, covers {want}"
+                )
                 child_locks = sum(c.lock_count for c in node.children.values())
                 assert node.lock_count >= child_locks, f"{node} has fewer locks than its children"
                 for b in node.blocks:
@@ -380,4 +415,6 @@ class RadixTree:
                 if not node.children and node.lock_count == 0:
                     expected_evictable.add(node.id)
         actual = {n.id for n in self._evictable}
-        assert actual == expected_evictable, f"evictable set {actual} != unlocked leaves {expected_evictable}"
+        assert actual == expected_evictable, (
+            f"evictable set {actual} != unlocked leaves {expected_evictable}"
+        )

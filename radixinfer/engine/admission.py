@@ -37,7 +37,9 @@ class AdmissionConfig:
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
-            raise ValueError(f"prefill_admission_policy must be one of {POLICIES}, got {self.policy!r}")
+            raise ValueError(
+                f"prefill_admission_policy must be one of {POLICIES}, got {self.policy!r}"
+            )
         for name in ("max_requests", "max_tokens", "lookahead"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -45,7 +47,11 @@ class AdmissionConfig:
             raise ValueError(f"force_fifo_every must be >= 0, got {self.force_fifo_every}")
 
     def policy_for_round(self, round_index: int) -> str:
-        if self.policy != "fifo" and self.force_fifo_every and round_index % self.force_fifo_every == 0:
+        if (
+            self.policy != "fifo"
+            and self.force_fifo_every
+            and round_index % self.force_fifo_every == 0
+        ):
             return "fifo"
         return self.policy
 

@@ -60,7 +60,9 @@ class EngineCounters:
     prompt_tokens: int = 0  # prompt tokens of admitted requests (counted once per request)
     cached_tokens: int = 0  # of those, read from the prefix cache (`Request.num_cached_tokens`)
     computed_prompt_tokens: int = 0  # of those, run through prefill forwards
-    recomputed_tokens: int = 0  # rows computed again after a preemption (prompt and generated tokens)
+    recomputed_tokens: int = (
+        0  # rows computed again after a preemption (prompt and generated tokens)
+    )
     prefill_forwards: int = 0
     decode_forwards: int = 0
     preemptions: int = 0
@@ -87,7 +89,9 @@ class _Pass:
 
     items: list[_PrefillItem] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
-    leaders: dict[tuple[Hashable, bytes], _PrefillItem] = field(default_factory=dict)  # (salt, prompt bytes)
+    leaders: dict[tuple[Hashable, bytes], _PrefillItem] = field(
+        default_factory=dict
+    )  # (salt, prompt bytes)
 
 
 @dataclass
@@ -113,7 +117,9 @@ class _DecodeBatch:
     stop_ids: np.ndarray  # every member's stop token ids, pooled
     request_ids: list[str]
     num_cached_tokens: list[int]
-    tokens: torch.Tensor | None = None  # the last launch's sampled tokens, on the device: the next inputs
+    tokens: torch.Tensor | None = (
+        None  # the last launch's sampled tokens, on the device: the next inputs
+    )
 
 
 class _Launch:
@@ -124,8 +130,13 @@ class _Launch:
     token is their last by length (``last_rows``). If no request stopped running since, its read-back decides
     per request only for those rows and the stop tokens: every other row goes out in one `TokenBatch`."""
 
-    def __init__(self, reqs: list[Request], tokens: torch.Tensor, batch: _DecodeBatch | None = None,
-                 departures: int = -1) -> None:
+    def __init__(
+        self,
+        reqs: list[Request],
+        tokens: torch.Tensor,
+        batch: _DecodeBatch | None = None,
+        departures: int = -1,
+    ) -> None:
         self.reqs, self.tokens = reqs, tokens
         self.batch, self.departures = batch, departures
         self.last_rows = np.flatnonzero(batch.left == 1) if batch is not None else _NO_ROWS
@@ -170,10 +181,16 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._round = itertools.count()
-        self._seeds = random.Random(config.seed)  # per-request sampling seeds when params.seed is None
-        self._unread: list[_Launch] = []  # forwards launched this step, their tokens not read back yet
+        self._seeds = random.Random(
+            config.seed
+        )  # per-request sampling seeds when params.seed is None
+        self._unread: list[
+            _Launch
+        ] = []  # forwards launched this step, their tokens not read back yet
         self._last_decode: _DecodeBatch | None = None
-        self.prefilling: list[Request] = []  # the PREFILLING requests of `active`, in admission order
+        self.prefilling: list[
+            Request
+        ] = []  # the PREFILLING requests of `active`, in admission order
         # Counts of the changes to the set of RUNNING requests (a decode batch holds while the first is
         # unchanged), and of requests that stopped running (a launch's tokens all go to running requests
         # while the second is unchanged).
@@ -196,13 +213,17 @@ class LLMEngine:
             got = "an empty string" if isinstance(cache_salt, str) else type(cache_salt).__name__
             raise ValueError(f"cache_salt must be a non-empty string or None, got {got}")
         if request_id is not None and not isinstance(request_id, str):
-            raise ValueError(f"request_id must be a string or None, got {type(request_id).__name__}")
+            raise ValueError(
+                f"request_id must be a string or None, got {type(request_id).__name__}"
+            )
         prompt_array = self.prompt_ids(prompt)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         if params.stop_token_ids and max(params.stop_token_ids) >= self.vocab_size:
             bad = max(params.stop_token_ids)
-            raise ValueError(f"stop_token_ids: {bad} is outside the vocabulary [0, {self.vocab_size})")
+            raise ValueError(
+                f"stop_token_ids: {bad} is outside the vocabulary [0, {self.vocab_size})"
+            )
         prompt_len = len(prompt_array)
         total = min(prompt_len + params.max_tokens, self.max_context_len)
         blocks = -(-total // self.cache.block_size) + 1  # +1: a copy-on-write of the boundary block
@@ -217,7 +238,9 @@ class LLMEngine:
         elif request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(31)
-        stop_ids = frozenset(params.stop_token_ids or ()) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        stop_ids = frozenset(params.stop_token_ids or ()) | (
+            frozenset() if params.ignore_eos else self.eos_token_ids
+        )
         req = Request(
             request_id=request_id,
             prompt_ids=prompt_array,
@@ -253,15 +276,21 @@ class LLMEngine:
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)):
             ids = prompt
-            if ids and isinstance(ids[0], bool):  # a mask passed as a prompt: bools are ints to Python
+            if ids and isinstance(
+                ids[0], bool
+            ):  # a mask passed as a prompt: bools are ints to Python
                 raise ValueError("prompt: token ids must be integers, got bools")
         elif isinstance(prompt, np.ndarray):
             if prompt.ndim != 1 or prompt.dtype.kind not in "iu":
-                raise ValueError(f"prompt: an array of token ids must be 1-D integers, got {prompt.ndim}-D "
-                                 f"{prompt.dtype}")
+                raise ValueError(
+                    f"prompt: an array of token ids must be 1-D integers, got {prompt.ndim}-D "
+                    f"{prompt.dtype}"
+                )
             ids = prompt
         else:
-            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+            raise ValueError(
+                f"prompt must be a string or a list of token ids, got {type(prompt).__name__}"
+            )
         if len(ids) == 0:
             raise ValueError("prompt must not be empty")
         if len(ids) > self.max_context_len:
@@ -276,11 +305,17 @@ class LLMEngine:
             except TypeError:
                 raise ValueError("prompt: token ids must be integers") from None
             except OverflowError:
-                raise ValueError(f"prompt: a token id is outside the vocabulary [0, {self.vocab_size})") from None
+                raise ValueError(
+                    f"prompt: a token id is outside the vocabulary [0, {self.vocab_size})"
+                ) from None
         if not (0 <= token_ids.min() and token_ids.max() < self.vocab_size):
             bad = int(token_ids[(token_ids < 0) | (token_ids >= self.vocab_size)][0])
-            raise ValueError(f"prompt: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-        return ids.astype(np.int64) if token_ids is ids else token_ids  # the caller's array is copied
+            raise ValueError(
+                f"prompt: token id {bad} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        return (
+            ids.astype(np.int64) if token_ids is ids else token_ids
+        )  # the caller's array is copied
 
     def abort(self, request_id: str) -> StreamDelta | None:
         """Stop a request wherever it is; its blocks are released at once. Returns its final delta."""
@@ -337,12 +372,21 @@ class LLMEngine:
         cap = self.config.max_num_seqs
         free_slots = admission.max_requests if cap is None else cap - len(self.active)
         if self.waiting and free_slots > 0 and budget > 0:
-            candidates = list(itertools.islice(self.waiting, max(admission.lookahead, admission.max_requests)))
+            candidates = list(
+                itertools.islice(self.waiting, max(admission.lookahead, admission.max_requests))
+            )
             for grant in plan_admission(
-                candidates, admission, next(self._round), cost_of=self._uncached_cost,
-                cached_of=self._cached_len, max_requests=free_slots, max_tokens=budget,
+                candidates,
+                admission,
+                next(self._round),
+                cost_of=self._uncached_cost,
+                cached_of=self._cached_len,
+                max_requests=free_slots,
+                max_tokens=budget,
             ):
-                outcome = self._plan_item(first, grant.item, grant.num_tokens, fresh=True, may_defer=True)
+                outcome = self._plan_item(
+                    first, grant.item, grant.num_tokens, fresh=True, may_defer=True
+                )
                 if outcome is _DEFER:
                     deferred.append(grant)
                 elif not outcome:
@@ -352,7 +396,9 @@ class LLMEngine:
             # A request that would now copy a block the second pass itself writes waits for the next round.
             second = _Pass()
             for grant in deferred:
-                if not self._plan_item(second, grant.item, grant.num_tokens, fresh=True, may_defer=True):
+                if not self._plan_item(
+                    second, grant.item, grant.num_tokens, fresh=True, may_defer=True
+                ):
                     break
             self._run_prefill_pass(second, events)
         return bool(first.items)
@@ -381,7 +427,9 @@ class LLMEngine:
         seq = req.seq
         start = seq.num_kv
         if start >= n:  # the whole prompt is cached
-            leader = None if seq.payload is not None else pass_.leaders.get((req.salt, tokens.tobytes()))
+            leader = (
+                None if seq.payload is not None else pass_.leaders.get((req.salt, tokens.tobytes()))
+            )
             if seq.payload is not None or leader is not None:  # nothing to compute
                 item = _PrefillItem(req, n, n, [], payload=seq.payload, leader=leader)
             else:  # recompute the last position for fresh logits; its K/V is already stored
@@ -410,7 +458,9 @@ class LLMEngine:
                 pass_.leaders.setdefault((req.salt, tokens.tobytes()), item)
         pass_.items.append(item)
         if fresh:
-            if req.num_cached_tokens is None:  # its first admission: what it reads from the cache is final
+            if (
+                req.num_cached_tokens is None
+            ):  # its first admission: what it reads from the cache is final
                 req.num_cached_tokens = item.start if item.end > item.start else n
                 self.counters.prompt_tokens += len(req.prompt_ids)
                 self.counters.cached_tokens += req.num_cached_tokens
@@ -428,7 +478,9 @@ class LLMEngine:
         computed = [it for it in items if it.end > it.start]
         hidden = None
         if computed:
-            lengths = np.fromiter((it.end - it.start for it in computed), dtype=np.int64, count=len(computed))
+            lengths = np.fromiter(
+                (it.end - it.start for it in computed), dtype=np.int64, count=len(computed)
+            )
             ends = np.cumsum(lengths)
             for it, end in zip(computed, ends.tolist()):
                 it.row = end - 1
@@ -449,7 +501,9 @@ class LLMEngine:
             self.counters.prefill_forwards += 1
             for it in computed:
                 rows = it.end - it.start
-                if it.req.num_sampled:  # resumed after a preemption: its prompt was counted once already
+                if (
+                    it.req.num_sampled
+                ):  # resumed after a preemption: its prompt was counted once already
                     self.counters.recomputed_tokens += rows
                 else:
                     it.req.num_computed_prompt_tokens += rows
@@ -473,7 +527,9 @@ class LLMEngine:
                     self.cache.attach_payload(it.req.seq, last_hidden[i])
         reqs = [it.req for it in finishing]
         for req in reqs:
-            req.status = Status.RUNNING  # decodes from its first token, on the device until read back
+            req.status = (
+                Status.RUNNING
+            )  # decodes from its first token, on the device until read back
         self.prefilling = [r for r in self.prefilling if r.status is Status.PREFILLING]
         self._epoch += 1
         self._launch(reqs, self._sample(reqs, self.runner.logits(last_hidden)))
@@ -499,16 +555,28 @@ class LLMEngine:
             self.runner.kv.copy_blocks(plan.copies)
             lanes = batch.lanes
             if repeated:  # every input token is in the last launch, row for row
-                input_ids, carried, carried_rows = np.zeros(len(batch.reqs), np.int64), batch.tokens, None
+                input_ids, carried, carried_rows = (
+                    np.zeros(len(batch.reqs), np.int64),
+                    batch.tokens,
+                    None,
+                )
             else:
                 input_ids, carried, carried_rows = self._decode_inputs(batch.reqs)
             logits = self.runner.decode(
-                input_ids, lanes.num_kv - 1, plan.slots, batch.tables, lanes.num_kv, carried=carried,
-                carried_rows=carried_rows, changed_tables=plan.changed,
+                input_ids,
+                lanes.num_kv - 1,
+                plan.slots,
+                batch.tables,
+                lanes.num_kv,
+                carried=carried,
+                carried_rows=carried_rows,
+                changed_tables=plan.changed,
             )
             self.cache.mark_written()
             self.counters.decode_forwards += 1
-            batch.tokens = self._launch(batch.reqs, self._sample(batch.reqs, logits, batch.greedy), batch).tokens
+            batch.tokens = self._launch(
+                batch.reqs, self._sample(batch.reqs, logits, batch.greedy), batch
+            ).tokens
             batch.left -= 1
         self._read_back(previous, events)
         return batch is not None
@@ -534,8 +602,13 @@ class LLMEngine:
         seqs = [r.seq for r in reqs]
         stop_ids = frozenset().union(*(r.stop_ids for r in reqs))
         return _DecodeBatch(
-            reqs, DecodeLanes(seqs), [seq.table for seq in seqs], self._epoch,
-            left=np.fromiter((r.max_output_len - r.num_sampled for r in reqs), dtype=np.int64, count=len(reqs)),
+            reqs,
+            DecodeLanes(seqs),
+            [seq.table for seq in seqs],
+            self._epoch,
+            left=np.fromiter(
+                (r.max_output_len - r.num_sampled for r in reqs), dtype=np.int64, count=len(reqs)
+            ),
             greedy=not any(r.params.temperature for r in reqs),
             ids_only=all(r.detokenizer is None for r in reqs),
             stop_ids=np.fromiter(stop_ids, dtype=np.int64, count=len(stop_ids)),
@@ -544,7 +617,9 @@ class LLMEngine:
         )
 
     @staticmethod
-    def _decode_inputs(batch: list[Request]) -> tuple[np.ndarray, torch.Tensor | None, list[int] | None]:
+    def _decode_inputs(
+        batch: list[Request],
+    ) -> tuple[np.ndarray, torch.Tensor | None, list[int] | None]:
         """``(input_ids, carried, carried_rows)`` for `ModelRunner.decode`, in one pass over the batch. A
         sequence's input token is its id when read back (carried row -1), else a placeholder id and its row in
         the concatenated tokens of the launches that sampled them (the last decode, this step's prefill)."""
@@ -580,7 +655,9 @@ class LLMEngine:
                 return batch, plan
             self._preempt(max(self.active, key=lambda r: r.arrival_index))
 
-    def _launch(self, reqs: list[Request], tokens: torch.Tensor, batch: _DecodeBatch | None = None) -> _Launch:
+    def _launch(
+        self, reqs: list[Request], tokens: torch.Tensor, batch: _DecodeBatch | None = None
+    ) -> _Launch:
         """Record that ``tokens`` (sampled on the device, one per request) will be read back next step."""
         launch = _Launch(reqs, tokens, batch, self._departures)
         for row, req in enumerate(reqs):
@@ -612,7 +689,10 @@ class LLMEngine:
                 stops = np.flatnonzero(np.isin(launch.host.numpy(), batch.stop_ids))
                 if stops.size:
                     ending = np.union1d(ending, stops)
-            reqs, steady = launch.reqs, TokenBatch(batch.request_ids, tokens, batch.num_cached_tokens, now)
+            reqs, steady = (
+                launch.reqs,
+                TokenBatch(batch.request_ids, tokens, batch.num_cached_tokens, now),
+            )
             if ending.size:
                 for i in ending.tolist():
                     finished |= self._take_token(reqs[i], tokens[i], now, events)
@@ -624,7 +704,9 @@ class LLMEngine:
                 req.output_ids.append(token)
             if reqs:
                 events.append(steady)
-        if finished:  # one pass, not a list removal per finished request (a whole batch may finish at once)
+        if (
+            finished
+        ):  # one pass, not a list removal per finished request (a whole batch may finish at once)
             self.active = [r for r in self.active if r.status is not Status.FINISHED]
 
     def _take_token(self, req: Request, token: int, now: float, events: list[EngineEvent]) -> bool:
@@ -638,11 +720,15 @@ class LLMEngine:
         text = detokenizer.add(token) if detokenizer is not None else ""
         if token in req.stop_ids or len(out) >= req.max_output_len:
             self._release(req)
-            events.append(self._finish(req, "stop" if token in req.stop_ids else "length", [token], text, now))
+            events.append(
+                self._finish(req, "stop" if token in req.stop_ids else "length", [token], text, now)
+            )
             return True
         if text:
             req.text += text
-        events.append(StreamDelta(req.request_id, [token], text, False, None, req.num_cached_tokens, now))
+        events.append(
+            StreamDelta(req.request_id, [token], text, False, None, req.num_cached_tokens, now)
+        )
         return False
 
     def _preempt(self, req: Request) -> None:
@@ -656,7 +742,9 @@ class LLMEngine:
         self._departures += 1
         req.status = Status.WAITING
         req.prompt_done = 0
-        if not req.num_sampled:  # preempted before its first token: its next admission counts afresh
+        if (
+            not req.num_sampled
+        ):  # preempted before its first token: its next admission counts afresh
             c = self.counters
             c.prompt_tokens -= len(req.prompt_ids)
             c.cached_tokens -= req.num_cached_tokens
@@ -667,7 +755,9 @@ class LLMEngine:
         self.counters.preemptions += 1
 
     # ------------------------------------------------------------------ sampling and output
-    def _sample(self, reqs: list[Request], logits: torch.Tensor, greedy: bool | None = None) -> torch.Tensor:
+    def _sample(
+        self, reqs: list[Request], logits: torch.Tensor, greedy: bool | None = None
+    ) -> torch.Tensor:
         """Sampled token ids ``[len(reqs)]`` on the device (no host sync). ``greedy``: whether every request
         samples greedily, when the caller knows."""
         if greedy is None:
@@ -686,7 +776,12 @@ class LLMEngine:
         return sample(logits, batch)
 
     def _finish(
-        self, req: Request, reason: str, token_ids: list[int], text: str = "", now: float | None = None
+        self,
+        req: Request,
+        reason: str,
+        token_ids: list[int],
+        text: str = "",
+        now: float | None = None,
     ) -> StreamDelta:
         if req.detokenizer is not None:
             text += req.detokenizer.flush()
@@ -697,7 +792,12 @@ class LLMEngine:
         req.status = Status.FINISHED
         req.finish_reason = reason
         return StreamDelta(
-            req.request_id, token_ids, text, True, reason, req.num_cached_tokens or 0,
+            req.request_id,
+            token_ids,
+            text,
+            True,
+            reason,
+            req.num_cached_tokens or 0,
             time.perf_counter() if now is None else now,
         )
 

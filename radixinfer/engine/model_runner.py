@@ -45,7 +45,9 @@ def pack_block_tables(tables: Sequence[Sequence[int]], out: np.ndarray) -> None:
     """Write ragged block tables into the rows of ``out`` ``[>= len(tables), width]`` (vectorised: one
     boolean-mask assignment, row-major, so the concatenation lands row by row). Padding entries are 0."""
     lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
-    flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=out.dtype, count=int(lens.sum()))
+    flat = np.fromiter(
+        itertools.chain.from_iterable(tables), dtype=out.dtype, count=int(lens.sum())
+    )
     rows = out[: len(tables)]
     rows[...] = 0
     rows[np.arange(out.shape[1])[None, :] < lens[:, None]] = flat
@@ -73,8 +75,12 @@ class BlockTableRows:
     def __init__(self, rows: np.ndarray) -> None:
         self.rows = rows  # [num_rows, width] int32, zero-filled by the caller
         num_rows = rows.shape[0]
-        self._held: list[list[int] | None] = [None] * num_rows  # row -> the table object it was written from
-        self._written: list[list[int]] = [[] for _ in range(num_rows)]  # row -> the entries written there
+        self._held: list[list[int] | None] = [
+            None
+        ] * num_rows  # row -> the table object it was written from
+        self._written: list[list[int]] = [
+            [] for _ in range(num_rows)
+        ]  # row -> the entries written there
 
     def update(
         self, tables: Sequence[list[int]], changed: Sequence[int] | None = None
@@ -120,7 +126,9 @@ class BlockTableRows:
             table, old = tables[i], written[i]
             if old != table:
                 n, m = len(table), len(old)
-                if m < n and table[:m] == old:  # grown by blocks (the common change): write just those
+                if (
+                    m < n and table[:m] == old
+                ):  # grown by blocks (the common change): write just those
                     if n == m + 1:
                         rows[i, m] = table[m]
                     else:
@@ -184,13 +192,24 @@ class _StepBuffers:
     staged rows, and scatters those into the device tables."""
 
     def __init__(
-        self, max_tokens: int, max_seqs: int, width: int, device: torch.device, max_tiles: int = 0,
-        seqs_per_tile: int = 0, max_work: int = 0,
+        self,
+        max_tokens: int,
+        max_seqs: int,
+        width: int,
+        device: torch.device,
+        max_tiles: int = 0,
+        seqs_per_tile: int = 0,
+        max_work: int = 0,
     ) -> None:
         sizes = {  # the int32 layout, in order; one definition for the host and the device views
-            "context_lens": max_seqs, "query_start": max_seqs + 1, "work": 2 * max_work,
-            "kv_starts": max_seqs if max_tiles else 0, "tile_lens": max_tiles, "tile_seqs": max_tiles * seqs_per_tile,
-            "staged": max_seqs * width, "tables": max_seqs * width,
+            "context_lens": max_seqs,
+            "query_start": max_seqs + 1,
+            "work": 2 * max_work,
+            "kv_starts": max_seqs if max_tiles else 0,
+            "tile_lens": max_tiles,
+            "tile_seqs": max_tiles * seqs_per_tile,
+            "staged": max_seqs * width,
+            "tables": max_seqs * width,
         }
         ends = dict(zip(sizes, itertools.accumulate(sizes.values())))
         self._spans = {name: slice(ends[name] - size, ends[name]) for name, size in sizes.items()}
@@ -200,11 +219,18 @@ class _StepBuffers:
         self.host32 = torch.zeros(ends["tables"], dtype=torch.int32)
         self.dev64 = torch.zeros_like(self.host64, device=device)
         self.dev32 = torch.zeros_like(self.host32, device=device)
-        self.width, self.max_seqs, self.seqs_per_tile, self.max_work = width, max_seqs, seqs_per_tile, max_work
+        self.width, self.max_seqs, self.seqs_per_tile, self.max_work = (
+            width,
+            max_seqs,
+            seqs_per_tile,
+            max_work,
+        )
         h64, h32 = self.host64.numpy(), self.host32.numpy()
         self.ids, self.positions, self.slots, self.carry_rows, self._staged_rows = h64
         self.context_lens, self.query_start, self.kv_starts, self.tile_lens = (
-            h32[self._spans[name]] for name in ("context_lens", "query_start", "kv_starts", "tile_lens"))
+            h32[self._spans[name]]
+            for name in ("context_lens", "query_start", "kv_starts", "tile_lens")
+        )
         self.tile_seqs = h32[self._spans["tile_seqs"]].reshape(max_tiles, seqs_per_tile)
         self.work = h32[self._spans["work"]].reshape(2, max_work)
         self.tables = h32[self._spans["tables"]].reshape(max_seqs, width)
@@ -239,7 +265,12 @@ class _StepBuffers:
         self._staged = (0, 0)
 
     def metadata(
-        self, num_tokens: int, num_seqs: int, max_query_len: int, max_context_len: int, num_tiles: int = 0,
+        self,
+        num_tokens: int,
+        num_seqs: int,
+        max_query_len: int,
+        max_context_len: int,
+        num_tiles: int = 0,
         num_work: int = 0,
     ) -> AttentionMetadata:
         """``num_tiles`` > 0: decode reads shared prefixes through the first ``num_tiles`` tiles (the grid;
@@ -260,7 +291,9 @@ class _StepBuffers:
             max_query_len=max_query_len,
             max_context_len=max_context_len,
             shared_prefix=shared,
-            extend_work=self._dev("work").view(2, self.max_work)[:, :num_work] if num_work else None,
+            extend_work=self._dev("work").view(2, self.max_work)[:, :num_work]
+            if num_work
+            else None,
         )
 
 
@@ -301,25 +334,42 @@ class ModelRunner:
         self.max_batch_size = max_batch_size
         self.prefill_max_tokens, self.prefill_max_seqs = prefill_max_tokens, prefill_max_seqs
         dtype = next(model.parameters()).dtype
-        self.kv = kv if kv is not None else KVStore(
-            model.num_layers, 1, self.block_size, model.num_kv_heads, model.head_dim, dtype, device)
+        self.kv = (
+            kv
+            if kv is not None
+            else KVStore(
+                model.num_layers,
+                1,
+                self.block_size,
+                model.num_kv_heads,
+                model.head_dim,
+                dtype,
+                device,
+            )
+        )
         self._planner: SharedPrefixPlanner | None = None
         seqs_per_tile = shared_prefix_seqs_per_tile(model.num_heads, model.num_kv_heads, dtype)
         if backend.reads_shared_prefixes_once and seqs_per_tile >= 2:
             self._planner = SharedPrefixPlanner(self.block_size, seqs_per_tile)
         max_tiles = self._planner.max_tiles(max_batch_size) if self._planner else 0
         self._decode_buffers = _StepBuffers(
-            max_batch_size, max_batch_size, self.table_width, device, max_tiles, seqs_per_tile)
-        self._decode_buffers.query_start[:] = np.arange(max_batch_size + 1)  # one token per sequence
+            max_batch_size, max_batch_size, self.table_width, device, max_tiles, seqs_per_tile
+        )
+        self._decode_buffers.query_start[:] = np.arange(
+            max_batch_size + 1
+        )  # one token per sequence
         self._decode_tables = BlockTableRows(self._decode_buffers.tables)
         self._block_m = extend_block_m(dtype)
         self._prefill_sizes = prefill_graph_token_counts(prefill_max_tokens)
         self._prefill_buffers = self._prefill_step_buffers(
-            self._prefill_sizes[-1], prefill_max_seqs, self.table_width)
+            self._prefill_sizes[-1], prefill_max_seqs, self.table_width
+        )
         # (batch bucket, reads shared prefixes once) -> (graph, its logits)
         self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._graph_sizes: list[int] = []
-        self._prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # tokens -> (graph, hidden)
+        self._prefill_graphs: dict[
+            int, tuple[torch.cuda.CUDAGraph, torch.Tensor]
+        ] = {}  # tokens -> (graph, hidden)
         # every graph's output lives in one of these (replays never overlap): [max_batch_size,
         # vocab] logits and [largest prefill bucket, hidden] hidden states
         self._graph_outputs: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -413,8 +463,13 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ prefill
     def _prefill_step_buffers(self, max_tokens: int, max_seqs: int, width: int) -> _StepBuffers:
-        return _StepBuffers(max_tokens, max_seqs, width, self.device,
-                            max_work=-(-max_tokens // self._block_m) + max_seqs)
+        return _StepBuffers(
+            max_tokens,
+            max_seqs,
+            width,
+            self.device,
+            max_work=-(-max_tokens // self._block_m) + max_seqs,
+        )
 
     @torch.inference_mode()
     def prefill(
@@ -433,28 +488,41 @@ class ModelRunner:
         num_tokens, num_seqs = len(input_ids), len(tables)
         width = max(map(len, tables))
         buf = self._prefill_buffers
-        bucket = next((t for t in self._prefill_sizes if t >= num_tokens), 0) if num_seqs <= buf.max_seqs else 0
+        bucket = (
+            next((t for t in self._prefill_sizes if t >= num_tokens), 0)
+            if num_seqs <= buf.max_seqs
+            else 0
+        )
         if not bucket:  # larger than any planned pass: buffers of its own
             buf = self._prefill_step_buffers(num_tokens, num_seqs, width)
         buf.ids[:num_tokens] = input_ids
         buf.positions[:num_tokens] = positions
         buf.slots[:num_tokens] = slots
-        buf.slots[num_tokens:bucket] = -1  # padding tokens store nothing (and no work item reads them)
+        buf.slots[
+            num_tokens:bucket
+        ] = -1  # padding tokens store nothing (and no work item reads them)
         pack_block_tables(tables, buf.tables[:, :width])  # only the columns this pass sends
         buf.stage_rows(range(num_seqs), width)
         buf.context_lens[:num_seqs] = context_lens
         buf.query_start[0] = 0
         query_lens = np.asarray(query_lens)
         np.cumsum(query_lens, out=buf.query_start[1 : num_seqs + 1])
-        num_work = plan_extend_work(query_lens, buf.context_lens[:num_seqs], self._block_m, buf.work)
+        num_work = plan_extend_work(
+            query_lens, buf.context_lens[:num_seqs], self._block_m, buf.work
+        )
         buf.upload()
         graph = self._prefill_graphs.get(bucket)
         if graph is not None:
             graph[0].replay()
             return graph[1][:num_tokens]
-        meta = buf.metadata(num_tokens, num_seqs, int(query_lens.max()), max(context_lens), num_work=num_work)
-        return self.model(buf.dev64[0, :num_tokens], buf.dev64[1, :num_tokens],
-                          ForwardContext(meta, self.kv.k, self.kv.v, self.backend))
+        meta = buf.metadata(
+            num_tokens, num_seqs, int(query_lens.max()), max(context_lens), num_work=num_work
+        )
+        return self.model(
+            buf.dev64[0, :num_tokens],
+            buf.dev64[1, :num_tokens],
+            ForwardContext(meta, self.kv.k, self.kv.v, self.backend),
+        )
 
     def _prefill_graph_forward(self, num_tokens: int) -> torch.Tensor:
         """The forward a prefill graph of ``num_tokens`` captures: every sequence slot of the buffers, the whole
@@ -509,8 +577,13 @@ class ModelRunner:
         buf.stage_rows(*self._decode_tables.update(tables, changed_tables))
         buf.context_lens[:n] = context_lens
         buf.context_lens[n:bucket] = 0  # ... and attend to nothing
-        shared = self._planner is not None and self._planner.plan(
-            buf.tables, buf.context_lens[:n], buf.tile_seqs, buf.tile_lens, buf.kv_starts) > 0
+        shared = (
+            self._planner is not None
+            and self._planner.plan(
+                buf.tables, buf.context_lens[:n], buf.tile_seqs, buf.tile_lens, buf.kv_starts
+            )
+            > 0
+        )
         buf.upload()
         if carried is not None:
             ids = buf.dev64[0, :n]
@@ -579,7 +652,8 @@ class ModelRunner:
             for size, shared in itertools.product(sizes, variants):
                 logits = self._graph_outputs[0][:size]
                 self._graphs[size, shared] = capture(
-                    self._decode_forward, size, self.max_context_len, shared, logits)
+                    self._decode_forward, size, self.max_context_len, shared, logits
+                )
             for num_tokens in reversed(self._prefill_sizes):
                 self._prefill_graphs[num_tokens] = capture(self._prefill_graph_forward, num_tokens)
         torch.cuda.current_stream().wait_stream(stream)

@@ -32,7 +32,9 @@ def seed_bits(seeds: list[int]) -> np.ndarray:
     return np.array(seeds, dtype=np.uint64).view(np.int64)
 
 
-def row_keys(seeds: torch.Tensor | np.ndarray, steps: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
+def row_keys(
+    seeds: torch.Tensor | np.ndarray, steps: torch.Tensor | np.ndarray
+) -> torch.Tensor | np.ndarray:
     """``[num_rows]`` int64: one key per (seed, step); the noise of a row is a function of its key alone.
     ``seeds`` holds 64-bit seeds' bits (`seed_bits`): the high word offsets the step's hash, the low
     word is mixed in after, so seeds differing in any bit give different streams (one 32-bit key per
@@ -92,7 +94,9 @@ class SamplingBatch:
         keys are hashed here, on a few hundred ints, instead of in ~20 tiny device kernels."""
         if not any(temperature):
             return cls.greedy(device)
-        any_filter = any(top_k) or min(top_p) < 1.0  # top_k >= 0 and top_p <= 1 (SamplingParams validates)
+        any_filter = (
+            any(top_k) or min(top_p) < 1.0
+        )  # top_k >= 0 and top_p <= 1 (SamplingParams validates)
         keys = row_keys(seed_bits(seeds), np.asarray(steps, dtype=np.int64))
         # [4, rows] float64: holds every int < 2**53 exactly, so keys (< 2**32) and top-k survive the trip
         host = torch.from_numpy(np.array([temperature, top_p, top_k, keys], dtype=np.float64))
@@ -103,7 +107,9 @@ class SamplingBatch:
         return cls(floats[0], floats[1], ints[0], ints[1], False, any_filter)
 
 
-def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def _filter_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
     """Set logits outside each row's top-k / nucleus to -inf (rows with k=0, p=1 are unchanged)."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)  # [rows, vocab]
     ranks = torch.arange(logits.shape[-1], device=logits.device)[None, :]
@@ -116,7 +122,9 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-argmax = by_device(argmax_triton, argmax_ref)  # [rows, vocab] -> [rows] int64, the first index of each max
+argmax = by_device(
+    argmax_triton, argmax_ref
+)  # [rows, vocab] -> [rows] int64, the first index of each max
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

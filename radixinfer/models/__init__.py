@@ -1,8 +1,8 @@
 """Models with paged-KV forward passes, and `load_model`, the one entry point the engine calls.
 
-    load_model("tiny", "cpu")                      preset: random weights, byte tokenizer
-    load_model("/ckpt/Qwen2.5-0.5B", "cuda")       local HF dir: its safetensors weights and its tokenizer
-    load_model(LlamaConfig(...), "cpu", seed=3)    a config: random weights, byte tokenizer
+load_model("tiny", "cpu")                      preset: random weights, byte tokenizer
+load_model("/ckpt/Qwen2.5-0.5B", "cuda")       local HF dir: its safetensors weights and its tokenizer
+load_model(LlamaConfig(...), "cpu", seed=3)    a config: random weights, byte tokenizer
 """
 
 from __future__ import annotations
@@ -17,7 +17,12 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from radixinfer.models.base import PagedCausalLM
-from radixinfer.models.loader import MODEL_CLASSES, build_model, init_random_weights, load_checkpoint_weights
+from radixinfer.models.loader import (
+    MODEL_CLASSES,
+    build_model,
+    init_random_weights,
+    load_checkpoint_weights,
+)
 from radixinfer.models.presets import PRESET_NAMES, preset_config
 from radixinfer.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
@@ -36,9 +41,14 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
 }
 DTYPE_NAMES: tuple[str, ...] = ("auto", *_DTYPES)  # what ``dtype`` may be given as, by name
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -126,18 +136,24 @@ def _resolve(model: str | os.PathLike | PretrainedConfig) -> tuple[PretrainedCon
         raise ValueError(f"model={str(model)!r}: its config.json cannot be read: {exc}") from None
 
 
-def resolve_dtype(dtype: str | torch.dtype, config: PretrainedConfig, device: torch.device) -> torch.dtype:
+def resolve_dtype(
+    dtype: str | torch.dtype, config: PretrainedConfig, device: torch.device
+) -> torch.dtype:
     """``"auto"``: the config's ``dtype`` (``torch_dtype`` in older transformers) when it has one, as a
     checkpoint's does; else bfloat16 on CUDA and float32 elsewhere. Otherwise a torch floating dtype or its
     name (``"bfloat16"``, ``"bf16"``, ``"float16"``, ``"fp16"``, ``"float32"``, ...)."""
     if isinstance(dtype, str) and dtype == "auto":
-        configured = config.dtype if hasattr(config, "dtype") else getattr(config, "torch_dtype", None)
+        configured = (
+            config.dtype if hasattr(config, "dtype") else getattr(config, "torch_dtype", None)
+        )
         if configured is None:
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         dtype = configured
     resolved = _DTYPES.get(dtype.removeprefix("torch.")) if isinstance(dtype, str) else dtype
     if resolved not in set(_DTYPES.values()):
-        raise ValueError(f"dtype={dtype!r} is not supported; use 'auto' or one of {', '.join(_DTYPES)}")
+        raise ValueError(
+            f"dtype={dtype!r} is not supported; use 'auto' or one of {', '.join(_DTYPES)}"
+        )
     return resolved
 
 
@@ -154,13 +170,17 @@ def _load_tokenizer(checkpoint: Path | None, config: PretrainedConfig) -> Tokeni
     return ByteTokenizer()
 
 
-def _eos_token_ids(tokenizer: Tokenizer, checkpoint: Path | None, config: PretrainedConfig) -> tuple[int, ...]:
+def _eos_token_ids(
+    tokenizer: Tokenizer, checkpoint: Path | None, config: PretrainedConfig
+) -> tuple[int, ...]:
     """The config's EOS ids describe the checkpoint's own tokenizer; with the byte tokenizer they are
     meaningless (a random config's ``eos_token_id=2`` is byte 0x02), so only its EOS counts then."""
     ids = [tokenizer.eos_token_id]
     if isinstance(tokenizer, HFTokenizer):
         generation_config = checkpoint / "generation_config.json"
-        generation = json.loads(generation_config.read_text()) if generation_config.is_file() else {}
+        generation = (
+            json.loads(generation_config.read_text()) if generation_config.is_file() else {}
+        )
         ids += _as_list(config.eos_token_id) + _as_list(generation.get("eos_token_id"))
     return tuple(dict.fromkeys(i for i in ids if i is not None and 0 <= i < config.vocab_size))
 

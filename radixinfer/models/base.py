@@ -53,9 +53,13 @@ class PagedCausalLM(nn.Module):
         self.vocab_size: int = config.vocab_size
         # only full attention is implemented: a sliding-window model is exact up to its window, so cap there
         window = attention_window(config)
-        self.max_context_len: int = min(config.max_position_embeddings, window or config.max_position_embeddings)
+        self.max_context_len: int = min(
+            config.max_position_embeddings, window or config.max_position_embeddings
+        )
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
         """``input_ids``, ``positions``: ``[num_tokens]`` int64. Returns the final hidden states after the
         final norm, ``[num_tokens, hidden_size]`` in the model dtype."""
         raise NotImplementedError
@@ -83,7 +87,9 @@ class PagedCausalLM(nn.Module):
         Skipped: rotary ``inv_freq`` buffers some checkpoints carry, and ``lm_head.weight`` of a tied model
         (it is the embedding). Fused parameters get the shard id their weight loader expects.
         """
-        if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.config.tie_word_embeddings):
+        if name.endswith("rotary_emb.inv_freq") or (
+            name == "lm_head.weight" and self.config.tie_word_embeddings
+        ):
             return None
         for part, (fused, shard_id) in self.stacked_params.items():
             if f".{part}." in name:

@@ -22,15 +22,24 @@ class GPT2Attention(nn.Module):
         super().__init__()
         hidden = config.hidden_size
         self.layer_idx = layer_idx
-        self.num_heads, self.head_dim = config.num_attention_heads, hidden // config.num_attention_heads
+        self.num_heads, self.head_dim = (
+            config.num_attention_heads,
+            hidden // config.num_attention_heads,
+        )
         self.scale = self.head_dim**-0.5 if config.scale_attn_weights else 1.0
         if config.scale_attn_by_inverse_layer_idx:
             self.scale /= layer_idx + 1
-        self.c_attn = nn.Linear(hidden, 3 * hidden)  # q, k, v concatenated (already fused in the checkpoint)
+        self.c_attn = nn.Linear(
+            hidden, 3 * hidden
+        )  # q, k, v concatenated (already fused in the checkpoint)
         self.c_proj = nn.Linear(hidden, hidden)
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        q, k, v = self.c_attn(x).view(-1, 3, self.num_heads, self.head_dim).unbind(1)  # 3 x [T, H, D]
+    def forward(
+        self, x: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        q, k, v = (
+            self.c_attn(x).view(-1, 3, self.num_heads, self.head_dim).unbind(1)
+        )  # 3 x [T, H, D]
         out = ctx.attention(self.layer_idx, q, k, v, self.scale)  # [T, H, D]
         return self.c_proj(out.flatten(1))
 
@@ -75,7 +84,9 @@ class GPT2LMHeadModel(PagedCausalLM):
         self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
         self.lm_head = self.make_lm_head(self.wte)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
         h = self.wte(input_ids) + self.wpe(positions)  # [T, hidden]
         for block in self.h:
             h = block(h, ctx)

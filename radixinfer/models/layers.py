@@ -41,12 +41,16 @@ rms_norm = by_device(rms_norm_triton, rms_norm_ref)
 silu_and_mul = by_device(silu_and_mul_triton, silu_and_mul_ref)
 
 
-def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id: str | None = None) -> None:
+def default_weight_loader(
+    param: torch.Tensor, loaded: torch.Tensor, shard_id: str | None = None
+) -> None:
     """Copy a whole, unfused tensor into ``param`` (casting to its dtype and device)."""
     if shard_id is not None:
         raise ValueError(f"unexpected shard {shard_id!r} for an unfused parameter")
     if param.shape != loaded.shape:
-        raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, parameter {tuple(param.shape)}")
+        raise ValueError(
+            f"checkpoint tensor has shape {tuple(loaded.shape)}, parameter {tuple(param.shape)}"
+        )
     param.data.copy_(loaded)
 
 
@@ -66,7 +70,9 @@ class FusedLinear(nn.Linear):
     def shard_ids(self) -> tuple[str, ...]:
         return tuple(self.shard_sizes)
 
-    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: str | None) -> None:
+    def weight_loader(
+        self, param: torch.Tensor, loaded: torch.Tensor, shard_id: str | None
+    ) -> None:
         if shard_id not in self.shard_sizes:
             raise ValueError(f"unknown shard {shard_id!r}; expected one of {self.shard_ids}")
         offset = 0

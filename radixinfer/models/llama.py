@@ -25,15 +25,22 @@ from radixinfer.models.rotary import RotaryEmbedding, apply_rotary
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: PretrainedConfig, layer_idx: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(
+        self, config: PretrainedConfig, layer_idx: int, num_kv_heads: int, head_dim: int
+    ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, num_kv_heads, head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_attention_heads,
+            num_kv_heads,
+            head_dim,
+        )
         self.scale = head_dim**-0.5
         attention_bias = getattr(config, "attention_bias", False)
         q_size, kv_size = self.num_heads * head_dim, num_kv_heads * head_dim
         self.qkv_proj = FusedLinear(
-            config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size},
+            config.hidden_size,
+            {"q": q_size, "k": kv_size, "v": kv_size},
             bias=attention_bias or config.model_type == "qwen2",
         )
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=attention_bias)
@@ -76,7 +83,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, layer_idx: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(
+        self, config: PretrainedConfig, layer_idx: int, num_kv_heads: int, head_dim: int
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, layer_idx, num_kv_heads, head_dim)
@@ -84,7 +93,11 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config)
 
     def forward(
-        self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+        self,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
         ctx: ForwardContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream is carried unsummed, vLLM-style, so each add fuses into the norm after it:
@@ -100,16 +113,21 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: PretrainedConfig, num_kv_heads: int, head_dim: int, max_positions: int) -> None:
+    def __init__(
+        self, config: PretrainedConfig, num_kv_heads: int, head_dim: int, max_positions: int
+    ) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = RotaryEmbedding(config, head_dim, max_positions)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, num_kv_heads, head_dim) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, num_kv_heads, head_dim)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
         h, residual = self.embed_tokens(input_ids), None  # [T, hidden]
         cos, sin = self.rotary_emb(positions)  # [T, head_dim // 2], gathered once for all layers
         for layer in self.layers:
@@ -131,5 +149,7 @@ class LlamaForCausalLM(PagedCausalLM):
         self.model = LlamaModel(config, self.num_kv_heads, self.head_dim, self.max_context_len)
         self.lm_head = self.make_lm_head(self.model.embed_tokens)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
         return self.model(input_ids, positions, ctx)

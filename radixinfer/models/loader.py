@@ -25,7 +25,9 @@ MODEL_CLASSES: dict[str, type[PagedCausalLM]] = {
     "gpt2": GPT2LMHeadModel,
 }
 
-RANDOM_INIT_STD = 0.2  # large enough that a random model's greedy output does not collapse to one token
+RANDOM_INIT_STD = (
+    0.2  # large enough that a random model's greedy output does not collapse to one token
+)
 
 
 @contextmanager
@@ -38,7 +40,9 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def build_model(config: PretrainedConfig, device: torch.device, dtype: torch.dtype) -> PagedCausalLM:
+def build_model(
+    config: PretrainedConfig, device: torch.device, dtype: torch.dtype
+) -> PagedCausalLM:
     """Construct the model for ``config`` directly on ``device`` in ``dtype`` (no float32 copy on the CPU).
 
     Parameter values are placeholders until `load_checkpoint_weights` or `init_random_weights` fills them.
@@ -88,9 +92,13 @@ def load_checkpoint_weights(model: PagedCausalLM, path: Path) -> None:
                     continue
                 param_name, tensor, shard_id = mapped
                 if param_name not in params:
-                    raise ValueError(f"checkpoint tensor {name!r} ({file.name}) matches no parameter of the model")
+                    raise ValueError(
+                        f"checkpoint tensor {name!r} ({file.name}) matches no parameter of the model"
+                    )
                 module_name, _, _ = param_name.rpartition(".")
-                loader = getattr(model.get_submodule(module_name), "weight_loader", default_weight_loader)
+                loader = getattr(
+                    model.get_submodule(module_name), "weight_loader", default_weight_loader
+                )
                 loader(params[param_name], tensor, shard_id)
                 loaded.add((param_name, shard_id))
     expected = {

@@ -18,13 +18,17 @@ from radixinfer.models.layers import by_device
 
 def rope_parameters(config: PretrainedConfig) -> dict:
     """The config's RoPE settings as one dict with at least ``rope_type`` and ``rope_theta``."""
-    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    params = dict(
+        getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    )
     params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
     params.setdefault("rope_type", params.get("type", "default"))
     return params
 
 
-def rope_inv_freq(config: PretrainedConfig, head_dim: int) -> torch.Tensor:  # [head_dim // 2] float32, on CPU
+def rope_inv_freq(
+    config: PretrainedConfig, head_dim: int
+) -> torch.Tensor:  # [head_dim // 2] float32, on CPU
     """Inverse frequencies, computed on the CPU in float32 with transformers' formulas (bit-identical)."""
     params = rope_parameters(config)
     if params.get("partial_rotary_factor", 1.0) != 1.0:
@@ -60,11 +64,15 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config: PretrainedConfig, head_dim: int, max_positions: int) -> None:
         super().__init__()
         positions = torch.arange(max_positions, dtype=torch.float32)  # [P]
-        freqs = positions[:, None] * rope_inv_freq(config, head_dim).to(positions.device)  # [P, head_dim // 2]
+        freqs = positions[:, None] * rope_inv_freq(config, head_dim).to(
+            positions.device
+        )  # [P, head_dim // 2]
         self.register_buffer("cos", freqs.cos().to(torch.get_default_dtype()), persistent=False)
         self.register_buffer("sin", freqs.sin().to(torch.get_default_dtype()), persistent=False)
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [T] -> 2 x [T, head_dim // 2]
+    def forward(
+        self, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [T] -> 2 x [T, head_dim // 2]
         return self.cos[positions], self.sin[positions]
 
 
