@@ -295,10 +295,8 @@ class LLM:
                 finished = delta.finished
                 yield delta
         finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self.engine.abort(request_id)
-            self.engine.pop_finished(request_id)
+            # Idempotent: the finalizer set in `stream` may run this cleanup too.
+            self._abort_all([request_id])
 
     def _step(self) -> None:
         """One engine step; its deltas for open streams go to their inboxes."""

@@ -54,8 +54,10 @@ class EngineConfig:
 
 @dataclass
 class EngineCounters:
-    """Monotonic engine counters. Taken at a request's successful admission, never at a failed attempt, so
-    once every admitted prompt is complete ``prompt_tokens == cached_tokens + computed_prompt_tokens``."""
+    """Engine counters. Taken at a request's successful admission, never at a failed attempt, so once no
+    prompt is part-way through prefill ``prompt_tokens == cached_tokens + computed_prompt_tokens`` (a prompt
+    aborted part-way counts only what was read or computed; one preempted before its first token counts afresh
+    at its next admission)."""
 
     prompt_tokens: int = 0  # prompt tokens of admitted requests (counted once per request)
     cached_tokens: int = 0  # of those, read from the prefix cache (`Request.num_cached_tokens`)
@@ -327,6 +329,10 @@ class LLMEngine:
         else:
             if req.status is Status.PREFILLING:
                 self.prefilling.remove(req)
+                # Its prompt never completes: count only the part that was read from the cache or computed.
+                self.counters.prompt_tokens -= (
+                    len(req.prompt_ids) - req.num_cached_tokens - req.num_computed_prompt_tokens
+                )
             self.active.remove(req)
             self._release(req)
         return self._finish(req, "abort", [])
