@@ -225,8 +225,8 @@ def test_steady_decode_steps_derive_inputs_from_the_last_step_exactly():
     def run(fast: bool) -> tuple[list, list, int]:
         llm = LLM("tiny", block_size=4, num_blocks=512, max_batch_size=8)
         engine, calls, full_passes = llm.engine, [], []
-        real_decode, real_inputs = engine.runner.decode, engine._decode_inputs
-        engine._decode_inputs = lambda batch: full_passes.append(1) or real_inputs(batch)
+        real_decode, real_inputs = engine.runner.decode, engine.pipeline.decode_inputs
+        engine.pipeline.decode_inputs = lambda batch: full_passes.append(1) or real_inputs(batch)
 
         def decode(input_ids, positions, slots, tables, context_lens, carried=None, carried_rows=None,
                    changed_tables=None):
@@ -248,7 +248,7 @@ def test_steady_decode_steps_derive_inputs_from_the_last_step_exactly():
         outputs = {}
         while engine.has_unfinished():
             if not fast:
-                engine._last_decode = None
+                engine.scheduler.last_decode = None
             for delta in deltas_of(engine.step()):
                 outputs.setdefault(delta.request_id, []).extend(delta.token_ids)
         return calls, sorted(outputs.items()), len(full_passes)
