@@ -67,8 +67,15 @@ class LLM:
     transformers ``PretrainedConfig`` (random weights). Engine options beyond the fixed signature
     (``prefill_max_batch_size``, ``prefill_max_tokens``, ``prefill_admission_policy``,
     ``prefill_admission_lookahead``, ``prefill_force_fifo_every``, ``chunked_prefill``, ``decode_first``,
-    ``kv_memory_fraction``, ``max_num_seqs``) are keyword-only. ``max_batch_size`` caps the sequences decoded per
-    step; ``max_num_seqs`` (default: KV memory) caps the requests holding KV at once.
+    ``kv_memory_fraction``, ``max_num_seqs``, ``freeze_gc``) are keyword-only. ``max_batch_size`` caps the
+    sequences decoded per step; ``max_num_seqs`` (default: KV memory) caps the requests holding KV at once.
+
+    ``freeze_gc=True`` is for long-running front ends (a server, a benchmark): everything alive once the engine
+    is built (torch, transformers, the model's modules, the graphs) lives as long as the engine, so it is moved
+    out of the garbage collector's reach (`gc.freeze`), and the collector's full passes, which stop the engine
+    loop, stop rescanning hundreds of thousands of objects that can never be garbage. It freezes the whole
+    process's objects (unfrozen at exit, so interpreter shutdown still finalises them): leave it off in a
+    library or a notebook.
     """
 
     def __init__(
@@ -91,6 +98,7 @@ class LLM:
         decode_first: bool = False,
         kv_memory_fraction: float = 0.85,
         max_num_seqs: int | None = None,
+        freeze_gc: bool = False,
     ) -> None:
         # Checked here, under the names the caller used (the configs below name their own fields).
         torch_device = checks.device(device)
@@ -105,7 +113,7 @@ class LLM:
             checks.optional_integer(name, value, 1)
         for name, value in (
             ("enable_prefix_cache", enable_prefix_cache), ("chunked_prefill", chunked_prefill),
-            ("decode_first", decode_first),
+            ("decode_first", decode_first), ("freeze_gc", freeze_gc),
         ):
             checks.flag(name, value)
         checks.integer("seed", seed, 0, SEED_LIMIT)
@@ -137,13 +145,10 @@ class LLM:
         self.tokenizer = loaded.tokenizer
         self.engine = LLMEngine(runner, cache, loaded.tokenizer, loaded.eos_token_ids, config)
         self._streams: dict[str, deque[StreamDelta]] = {}  # open `stream` iterators' undelivered deltas
-        # Everything alive now (torch, transformers, the model's modules, the graphs) lives as long as the
-        # engine: freezing it keeps the collector's full passes, which stop the engine loop, from rescanning
-        # hundreds of thousands of objects that can never be garbage.
-        # (Unfrozen at exit, so interpreter shutdown still finalises them.)
-        gc.collect()
-        gc.freeze()
-        atexit.register(gc.unfreeze)
+        if freeze_gc:
+            gc.collect()
+            gc.freeze()
+            atexit.register(gc.unfreeze)
 
     def _add_all(
         self, prompts: Sequence[Prompt], params: Sequence[SamplingParams], cache_salt: str | None

@@ -103,5 +103,6 @@ def open_radixinfer(model: str, args: argparse.Namespace, prefix_cache: bool, po
         chunked_prefill=not args.no_chunked_prefill,
         decode_first=args.decode_first,
         kv_memory_fraction=args.kv_memory_fraction if kv_memory_fraction is None else kv_memory_fraction,
+        freeze_gc=True,  # a benchmark is a long-running front end (`LLM`'s docstring)
     )
     return RadixBackend(llm)
