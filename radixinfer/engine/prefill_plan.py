@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -84,10 +84,9 @@ class PrefillPass:
         return torch.cat(rows)
 
 
-@dataclass(frozen=True)
-class PrefillPlan:
+class PrefillPlan(NamedTuple):
     """A prefill round: its first pass, and the grants deferred to a second pass right after it
-    (they would copy a block the first pass is still writing)."""
+    (they would copy a block the first pass is still writing). A tuple: one is built every step."""
 
     first: PrefillPass
     deferred: list[Grant[Request]]
