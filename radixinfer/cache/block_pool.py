@@ -5,7 +5,8 @@ never per layer. Besides refcounts the pool keeps, per block, how many of its sl
 (``fill``): slots of a block are written in position order, so the written slots are always ``[0, fill)``.
 That is what makes copy-on-write decisions O(1) (docs/invariants.md, invariant 2): a holder whose next position in
 the block is ``offset`` may write in place iff ``fill == offset`` (nobody wrote there yet: it *claims* the
-slot) or it is the block's only holder; otherwise it must copy the block first.
+slot) or it is the block's only holder; otherwise it must copy the block first (`BlockPool.must_copy`, the
+one place the rule is written).
 """
 
 from __future__ import annotations

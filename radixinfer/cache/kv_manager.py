@@ -13,7 +13,8 @@ the deepest tree node of its cached path. The lifecycle (docs/request-lifecycle.
 
 The boundary block. A sequence whose next position ``p`` falls inside its last block ``B`` at ``offset =
 p % block_size`` may write in place only if nobody wrote that slot yet (``fill[B] == offset``: it claims
-it) or it holds ``B`` alone; otherwise it copies ``B`` to a fresh block first (copy-on-write)::
+it) or it holds ``B`` alone; otherwise it copies ``B`` to a fresh block first (copy-on-write; the rule
+is `BlockPool.must_copy`)::
 
     tree:  [a b c d | e f g .]   B (fill 3)       seq with path "a b c d e f x":
     seq:   [a b c d | e f x .]   B' = copy(B), then write "x" at offset 2 of B'
