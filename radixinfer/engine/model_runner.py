@@ -362,12 +362,12 @@ class ModelRunner:
         ctx = ForwardContext(meta, self.kv.k, self.kv.v, self.backend)
         return self.model(buf.dev64[0, :num_tokens], buf.dev64[1, :num_tokens], ctx)
 
-    @torch.inference_mode()
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         """Copy each ``(src, dst)`` KV block, every layer, K and V, in one launch, before the next
         forward's writes (a step's copy-on-writes)."""
         self.kv.copy_blocks(copies)
 
+    @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[n, hidden]`` -> ``[n, vocab]`` in the model dtype: the output projection only."""
         return self.model.compute_logits(hidden)
