@@ -16,9 +16,10 @@ Cases (block_size 16, every time a median over many repetitions, `time.perf_coun
 
 * ``decode`` at batch 16 / 64 / 256, prompts of 600 distinct tokens (contexts 600 to ~1000 while measured):
   one `engine.step()` with every request decoding. First timed clean, then again with every phase wrapped
-  in a timer (the wrappers cost ~0.2 µs per call): `cache.reserve_step`, `kv.copy_blocks`, `runner.decode`
+  in a timer (the wrappers cost ~0.2 µs per call): `cache.reserve_step`, `runner.copy_blocks`, `runner.decode`
   (inclusive; of it the block-table rows and, on CUDA, the graph replay), `cache.mark_written`, and
-  `_sample` (of it `SamplingBatch.build` = sampling setup, and the `sample` call), and `_read_back` =
+  `_sample` = `sample_requests` (of it `SamplingBatch.build` = sampling setup, and the `sample` call), and
+  `_read_back` = `OutputProcessor.read_back` =
   ``output processing``: reading back the previous step's tokens (steps overlap: step k's tokens are read
   after step k+1 is launched), stop checks, detokenizing and the stream deltas.
   ``engine other`` = instrumented step - those phases (the empty prefill round, batch lists, counters).
@@ -56,6 +57,7 @@ from transformers import LlamaConfig
 
 import radixinfer.engine.engine as engine_module
 import radixinfer.engine.model_runner as runner_module
+import radixinfer.engine.sampler as sampler_module
 from radixinfer.attention import get_backend
 from radixinfer.cache.kv_manager import KVCacheManager
 from radixinfer.cache.kv_store import KVStore
@@ -218,14 +220,14 @@ def median_us(values_ns: list[float]) -> float:
 def decode_phases(engine: LLMEngine) -> list[tuple[str, Any, str]]:
     spec = [
         ("reserve", engine.cache, "reserve_step"),
-        ("copy_blocks", engine.runner.kv, "copy_blocks"),
+        ("copy_blocks", engine.runner, "copy_blocks"),
         ("runner.decode", engine.runner, "decode"),
         ("block tables", BlockTableRows, "update"),
         ("mark_written", engine.cache, "mark_written"),
-        ("_sample", engine, "_sample"),
+        ("_sample", engine_module, "sample_requests"),
         ("sampling setup", SamplingBatch, "build"),
-        ("_read_back", engine, "_read_back"),
-        ("sample", engine_module, "sample"),
+        ("_read_back", engine.output, "read_back"),
+        ("sample", sampler_module, "sample"),
     ]
     if engine.runner.device.type == "cuda":
         spec.append(("graph replay", torch.cuda.CUDAGraph, "replay"))
@@ -339,11 +341,11 @@ def bench_admit(
         ("cached_prefix_len (policy)", engine.cache, "cached_prefix_len"),
         ("reserve", engine.cache, "reserve_step"),
         ("publish", engine.cache, "publish"),
-        ("copy_blocks", engine.runner.kv, "copy_blocks"),
+        ("copy_blocks", engine.runner, "copy_blocks"),
         ("runner.prefill", engine.runner, "prefill"),
         ("pack_block_tables (prefill)", runner_module, "pack_block_tables"),
-        ("_sample", engine, "_sample"),
-        ("_launch", engine, "_launch"),
+        ("_sample", engine_module, "sample_requests"),
+        ("_launch", engine.pipeline, "launch"),
     ]
     clean, adds, totals, phases = [], [], [], []
     for rep in range(2 * reps + 2):
@@ -418,7 +420,7 @@ def bench_model_decode(
     time_steps(engine, warmup)
     clean, _ = time_steps(engine, steps)
     context_start = np.mean([len(r.prompt_ids) + len(r.output_ids) for r in running])
-    spec = [("forward", torch.cuda.CUDAGraph, "replay"), ("sample", engine_module, "sample")]
+    spec = [("forward", torch.cuda.CUDAGraph, "replay"), ("sample", sampler_module, "sample")]
     with EventTimer(spec) as timer:
         evented, _ = time_steps(engine, steps)
     context_end = np.mean([len(r.prompt_ids) + len(r.output_ids) for r in running])
@@ -581,6 +583,7 @@ def main() -> None:
             device=args.device,
             dtype=args.dtype,
             max_batch_size=max(batches),
+            freeze_gc=True,
             num_blocks=max(batches) * -(-context // BLOCK_SIZE) + 64,
         )
         result["model_build_s"] = time.perf_counter() - t0

@@ -34,7 +34,7 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=15)
     args = parser.parse_args()
     batch = args.groups * args.per_group
-    llm = LLM(args.model, device="cuda", dtype=args.dtype, max_batch_size=batch)
+    llm = LLM(args.model, device="cuda", dtype=args.dtype, max_batch_size=batch, freeze_gc=True)
     engine = llm.engine
     rng = random.Random(0)
     params = SamplingParams(max_tokens=128, ignore_eos=True, detokenize=False)

@@ -93,9 +93,9 @@ class LLM:
     transformers ``PretrainedConfig`` (random weights). Engine options beyond the fixed signature
     (``prefill_max_batch_size``, ``prefill_max_tokens``, ``prefill_admission_policy``,
     ``prefill_admission_lookahead``, ``prefill_force_fifo_every``, ``chunked_prefill``, ``decode_first``,
-    ``gpu_memory_utilization``, ``max_model_len``, ``max_num_seqs``) are keyword-only.
-    ``max_batch_size`` caps the sequences decoded per step; ``max_num_seqs`` (default: KV memory)
-    caps the requests holding KV at once.
+    ``gpu_memory_utilization``, ``max_model_len``, ``max_num_seqs``, ``freeze_gc``) are
+    keyword-only. ``max_batch_size`` caps the sequences decoded per step; ``max_num_seqs``
+    (default: KV memory) caps the requests holding KV at once.
 
     Memory (`radixinfer.engine.memory`): on CUDA the engine may use ``gpu_memory_utilization`` of
     the whole GPU (vLLM's meaning; two engines in one process take a share each). Weights, the
@@ -104,6 +104,13 @@ class LLM:
     model's context) caps prompt plus output and the workspaces sized by it. A configuration that
     cannot fit raises ``ValueError`` saying what to lower. The plan is logged and kept in
     ``memory_plan``. On a CPU the pool is ``num_blocks`` or 256 MiB of blocks.
+
+    ``freeze_gc=True`` is for long-running front ends (a server, a benchmark): everything alive
+    once the engine is built (torch, transformers, the model's modules, the graphs) lives as long
+    as the engine, so it is moved out of the garbage collector's reach (`gc.freeze`), and the
+    collector's full passes, which stop the engine loop, stop rescanning hundreds of thousands of
+    objects that can never be garbage. It freezes the whole process's objects (unfrozen at exit,
+    so interpreter shutdown still finalises them): leave it off in a library or a notebook.
     """
 
     def __init__(
@@ -127,6 +134,7 @@ class LLM:
         gpu_memory_utilization: float = 0.9,
         max_model_len: int | None = None,
         max_num_seqs: int | None = None,
+        freeze_gc: bool = False,
     ) -> None:
         # Checked here, under the names the caller used (the configs below name their own fields).
         torch_device = checks.device(device)
@@ -147,6 +155,7 @@ class LLM:
             ("enable_prefix_cache", enable_prefix_cache),
             ("chunked_prefill", chunked_prefill),
             ("decode_first", decode_first),
+            ("freeze_gc", freeze_gc),
         ):
             checks.flag(name, value)
         checks.integer("seed", seed, 0, SEED_LIMIT)
@@ -219,13 +228,10 @@ class LLM:
         self._streams: dict[
             str, deque[StreamDelta]
         ] = {}  # open `stream` iterators' undelivered deltas
-        # Everything alive now (torch, transformers, the model's modules, the graphs) lives as long as the
-        # engine: freezing it keeps the collector's full passes, which stop the engine loop, from rescanning
-        # hundreds of thousands of objects that can never be garbage.
-        # (Unfrozen at exit, so interpreter shutdown still finalises them.)
-        gc.collect()
-        gc.freeze()
-        atexit.register(gc.unfreeze)
+        if freeze_gc:
+            gc.collect()
+            gc.freeze()
+            atexit.register(gc.unfreeze)
 
     def _add_all(
         self, prompts: Sequence[Prompt], params: Sequence[SamplingParams], cache_salt: str | None

@@ -132,7 +132,8 @@ def check_engine_arguments(parser: argparse.ArgumentParser, args: argparse.Names
 
 
 def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """`LLM`'s arguments from the flags (``model`` included)."""
+    """`LLM`'s arguments from the flags (``model`` included). Both users (a benchmark, a server)
+    are long-running front ends, so the process's objects are frozen (``freeze_gc``)."""
     return dict(
         model=args.model,
         device=args.device,
@@ -152,4 +153,5 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
+        freeze_gc=True,
     )

@@ -3,6 +3,7 @@ ragged prefill per burst, in-burst dedup, exact repeats compute nothing), salts,
 
 from __future__ import annotations
 
+import gc
 import math
 import random
 
@@ -243,8 +244,8 @@ def test_steady_decode_steps_derive_inputs_from_the_last_step_exactly():
     def run(fast: bool) -> tuple[list, list, int]:
         llm = LLM("tiny", block_size=4, num_blocks=512, max_batch_size=8)
         engine, calls, full_passes = llm.engine, [], []
-        real_decode, real_inputs = engine.runner.decode, engine._decode_inputs
-        engine._decode_inputs = lambda batch: full_passes.append(1) or real_inputs(batch)
+        real_decode, real_inputs = engine.runner.decode, engine.pipeline.decode_inputs
+        engine.pipeline.decode_inputs = lambda batch: full_passes.append(1) or real_inputs(batch)
 
         def decode(
             input_ids,
@@ -291,7 +292,7 @@ def test_steady_decode_steps_derive_inputs_from_the_last_step_exactly():
         outputs = {}
         while engine.has_unfinished():
             if not fast:
-                engine._last_decode = None
+                engine.scheduler.last_decode = None
             for delta in deltas_of(engine.step()):
                 outputs.setdefault(delta.request_id, []).extend(delta.token_ids)
         return calls, sorted(outputs.items()), len(full_passes)
@@ -370,3 +371,18 @@ def test_one_token_requests_never_decode(llm):
     outs = llm.generate([[7, 8, 9], [7, 8, 9, 10]], SamplingParams(max_tokens=1, ignore_eos=True))
     assert [len(o.token_ids) for o in outs] == [1, 1]
     assert llm.cache_stats()["decode_forwards"] == 0
+
+
+def test_gc_freeze_is_an_explicit_option_of_long_running_front_ends():
+    """`LLM()` leaves the collector alone; ``freeze_gc=True`` moves what is alive out of its reach, and
+    the engine still serves (a benchmark's or a server's set-up)."""
+    before = gc.get_freeze_count()
+    LLM("tiny", num_blocks=64)
+    assert gc.get_freeze_count() == before
+    try:
+        llm = LLM("tiny", num_blocks=64, freeze_gc=True)
+        assert gc.get_freeze_count() > before
+        out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True))[0]
+        assert len(out.token_ids) == 3
+    finally:
+        gc.unfreeze()

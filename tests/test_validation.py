@@ -177,6 +177,7 @@ def test_the_async_front_refuses_a_bad_salt_and_keeps_serving(llm):
         ({"enable_prefix_cache": "yes"}, "enable_prefix_cache"),
         ({"chunked_prefill": 1}, "chunked_prefill"),
         ({"decode_first": None}, "decode_first"),
+        ({"freeze_gc": "yes"}, "freeze_gc"),
         ({"seed": -1}, "seed"),
         ({"seed": 2**64}, "seed"),
         ({"dtype": "int8"}, "dtype"),

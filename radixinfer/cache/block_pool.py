@@ -5,7 +5,8 @@ never per layer. Besides refcounts the pool keeps, per block, how many of its sl
 (``fill``): slots of a block are written in position order, so the written slots are always ``[0, fill)``.
 That is what makes copy-on-write decisions O(1) (docs/invariants.md, invariant 2): a holder whose next position in
 the block is ``offset`` may write in place iff ``fill == offset`` (nobody wrote there yet: it *claims* the
-slot) or it is the block's only holder; otherwise it must copy the block first.
+slot) or it is the block's only holder; otherwise it must copy the block first (`BlockPool.must_copy`, the
+one place the rule is written).
 """
 
 from __future__ import annotations
@@ -73,6 +74,19 @@ class BlockPool:
         self.refcount[fresh] = 1
         self.refcount[block] -= 1
         return fresh
+
+    def must_copy(self, block: int, offset: int) -> bool:
+        """The copy-on-write rule (docs/invariants.md, invariant 2), for a holder of ``block`` whose next
+        position falls at ``offset > 0`` inside it: it may write in place iff nobody wrote that slot yet
+        (``fill == offset``: it claims the slot) or it holds the block alone; otherwise it must copy the block
+        first. `must_copy_all` is the same rule over arrays."""
+        return self.fill[block] != offset and self.refcount[block] > 1
+
+    def must_copy_all(self, blocks: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+        """`must_copy` for each ``(blocks[i], offsets[i])``, as a bool array, on the pool as it is now (each
+        answer holds for a holder served alone: a claim or a copy by another holder of the same block changes
+        the block's fill or holders)."""
+        return (self.fill_view[blocks] != offsets) & (self.refcount_view[blocks] > 1)
 
     def incref(self, blocks: Iterable[int]) -> None:
         refcount = self.refcount

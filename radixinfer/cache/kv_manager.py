@@ -13,7 +13,8 @@ the deepest tree node of its cached path. The lifecycle (docs/request-lifecycle.
 
 The boundary block. A sequence whose next position ``p`` falls inside its last block ``B`` at ``offset =
 p % block_size`` may write in place only if nobody wrote that slot yet (``fill[B] == offset``: it claims
-it) or it holds ``B`` alone; otherwise it copies ``B`` to a fresh block first (copy-on-write)::
+it) or it holds ``B`` alone; otherwise it copies ``B`` to a fresh block first (copy-on-write; the rule
+is `BlockPool.must_copy`)::
 
     tree:  [a b c d | e f g .]   B (fill 3)       seq with path "a b c d e f x":
     seq:   [a b c d | e f x .]   B' = copy(B), then write "x" at offset 2 of B'
@@ -24,95 +25,22 @@ the step's K/V writes.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from radixinfer.cache.block_pool import BlockPool
+from radixinfer.cache.decode_step import DecodeLanes, reserve_step
 from radixinfer.cache.radix_tree import (
     InsertResult,
     MatchResult,
-    Node,
     RadixTree,
     TokenArray,
     as_token_array,
 )
+from radixinfer.cache.sequence import ReservePlan, SeqKV, TreeWalk
 
-
-@dataclass(eq=False)
-class SeqKV:
-    """A live sequence's cache state. ``table[i]`` holds positions ``i*block_size ..``; positions
-    ``[0, num_kv)`` have KV stored (or scheduled to be stored by the current step) in the table's slots."""
-
-    salt: Hashable
-    table: list[int]
-    num_kv: int
-    num_cached: int  # prompt tokens found in the cache at admission
-    payload: (
-        Any  # the cached final hidden state when the whole prompt was an exact repeat, else None
-    )
-    node: Node | None  # the locked tree node, or None
-    released: bool = False
-    # The admission walk: the first `publish` reuses it while it stands for the published path's walk.
-    match: TreeWalk | None = None
-
-
-@dataclass(frozen=True)
-class TreeWalk:
-    """A walk of a query of ``query_len`` tokens from the root, taken at tree ``version``, kept so a later step
-    need not walk again: the policy's peek for the admission, the admission match for the first publish.
-
-    While the tree is unchanged it is also the walk of a path that starts with the query's first
-    ``min(n, query_len)`` tokens, for a path of ``n`` tokens where either ``n <= query_len`` (the walk of a
-    prefix stops where the query's did, or earlier) or the query's walk stopped short of its end (the tree
-    diverges there, so tokens past the query cannot extend it). A path that goes on past a query the tree
-    matched to its end may go on matching: it must be walked."""
-
-    result: MatchResult
-    query_len: int
-    version: int
-
-    def walk_of(self, n: int, version: int) -> MatchResult | None:
-        """The walk of the sequence's first ``n`` tokens at tree ``version``, when this one stands for it."""
-        length = self.result.length
-        if (
-            version == self.version
-            and length <= n
-            and (n <= self.query_len or length < self.query_len)
-        ):
-            return self.result
-        return None
-
-
-@dataclass(frozen=True)
-class ReservePlan:
-    """Slots to write, in order (per sequence, its positions ``old num_kv .. new num_kv - 1``), the block
-    copies ``(src, dst)`` to perform before those writes, and which sequences' block tables changed (their
-    indices in the call, ascending): they took a fresh block or copied their boundary block. `reserve_step`
-    gives the slots as an int64 array."""
-
-    slots: list[int] | np.ndarray
-    copies: list[tuple[int, int]]
-    changed: list[int]
-
-
-class DecodeLanes:
-    """The sequences of a decode batch that runs again and again, with what a decode step reads of each kept in
-    arrays: its length (``num_kv``) and its boundary block (the table's last entry), so `reserve_step` serves
-    the whole batch in a few array operations instead of a pass over the sequences.
-
-    The arrays stay true only while `reserve_step` is the one thing that grows or remaps these sequences: the
-    engine keeps one while it decodes the same requests in the same order, and builds a new one otherwise.
-    """
-
-    def __init__(self, seqs: list[SeqKV]) -> None:
-        self.seqs = seqs
-        n = len(seqs)
-        self.num_kv = np.fromiter((seq.num_kv for seq in seqs), dtype=np.int64, count=n)
-        self.last_block = np.fromiter((seq.table[-1] for seq in seqs), dtype=np.int64, count=n)
+__all__ = ["CacheCounters", "DecodeLanes", "KVCacheManager", "ReservePlan", "SeqKV", "TreeWalk"]
 
 
 @dataclass
@@ -196,26 +124,16 @@ class KVCacheManager:
             return last[2].walk_of(len(tokens), self.tree.version)
         return None
 
-    def blocks_needed(self, seq: SeqKV, new_len: int) -> int:
-        """Fresh blocks `reserve` would take to grow ``seq`` to ``new_len`` positions (copy included)."""
-        return self._blocks_needed([seq], [new_len])
-
     def needs_copy_of_unwritten(self, seq: SeqKV, new_len: int) -> bool:
         """Whether growing ``seq`` would copy a block whose K/V the current forward has not written yet.
         Such a sequence must wait for the next pass (the copy runs before the forward).
 
         Exact for a `reserve` of ``seq`` alone. In one batched `reserve`, a sequence that claims the next slot
         of a shared block makes a later one at the same offset copy it, so batch only after `mark_written`."""
-        if not self._needs_copy(seq, new_len):
-            return False
-        return seq.num_kv % self.block_size > self._written_fill.get(seq.table[-1], self.block_size)
-
-    def _needs_copy(self, seq: SeqKV, new_len: int) -> bool:
         offset = seq.num_kv % self.block_size
-        if offset == 0 or new_len <= seq.num_kv:
+        if offset == 0 or new_len <= seq.num_kv or not self.pool.must_copy(seq.table[-1], offset):
             return False
-        last = seq.table[-1]
-        return self.pool.fill[last] != offset and self.pool.refcount[last] > 1
+        return offset > self._written_fill.get(seq.table[-1], self.block_size)
 
     # ------------------------------------------------------------------ growth
     def reserve(
@@ -226,16 +144,12 @@ class KVCacheManager:
 
         Evicts unlocked LRU leaves if the pool is short. Returns None and changes nothing but the eviction
         when memory is still short (the caller preempts or waits). Copy-on-write of the boundary block is
-        planned here and batched for all sequences of the call.
+        planned here (`BlockPool.must_copy`) and batched for all sequences of the call.
         """
         bs = self.block_size
-        pool = self.pool
         # Growing by g positions takes at most ceil((g - 1) / bs) + 1 blocks, a copy included (one block for a
-        # decode step). With that many free, skip the exact count (a second pass over the batch) and eviction.
-        one_each = (
-            new_lens is None
-        )  # a decode step: the loop below derives each new length, no list built
-        if one_each:
+        # decode step). With that many free, skip the exact count (a dry run over the batch) and eviction.
+        if new_lens is None:
             most = len(seqs)
         else:
             most = sum(
@@ -243,15 +157,41 @@ class KVCacheManager:
                 for seq, n in zip(seqs, new_lens)
                 if n > seq.num_kv
             )
-        if pool.num_free < most and not self.ensure_free(
-            self._blocks_needed(seqs, [seq.num_kv + 1 for seq in seqs] if one_each else new_lens)
-        ):
+        if self.pool.num_free < most and not self.ensure_free(self.blocks_needed(seqs, new_lens)):
             return None
+        plan, _ = self._grow(seqs, new_lens, dry_run=False)
+        return plan
+
+    def blocks_needed(self, seqs: Sequence[SeqKV], new_lens: Sequence[int] | None = None) -> int:
+        """Fresh blocks ``reserve(seqs, new_lens)`` would take, copies included; changes nothing. A dry run
+        of `reserve`'s own planning. (Eviction between this count and the allocations only drops holders, so
+        it can only save copies.)"""
+        _, need = self._grow(seqs, new_lens, dry_run=True)
+        return need
+
+    def _grow(
+        self, seqs: Sequence[SeqKV], new_lens: Sequence[int] | None, dry_run: bool
+    ) -> tuple[ReservePlan | None, int]:
+        """`reserve`'s planning: serve the batch in order, and return the plan and the fresh blocks taken.
+
+        A sequence's decision depends on the ones before it in the batch: one that claims the next slot of a
+        shared block makes a later one at the same offset copy it, and one that copies leaves the block with
+        one holder fewer. So a ``dry_run`` (no plan, only the count) makes those two changes to the pool's
+        counters too, decides each sequence by the same `BlockPool.must_copy`, and puts the counters back."""
+        bs = self.block_size
+        pool = self.pool
         fill, refcount = pool.fill, pool.refcount
+        one_each = (
+            new_lens is None
+        )  # a decode step: the loop derives each new length, no list built
         slots: list[int] = []
         copies: list[tuple[int, int]] = []
         changed: list[int] = []
         written_fill = self._written_fill
+        touched: dict[
+            int, tuple[int, int]
+        ] = {}  # a dry run's boundary blocks -> (fill, refcount) before
+        need = 0
         for i, seq in enumerate(seqs):
             start = seq.num_kv
             new_len = start + 1 if one_each else new_lens[i]
@@ -259,9 +199,21 @@ class KVCacheManager:
                 continue
             table = seq.table
             offset = start % bs
+            if dry_run:
+                need += -(-new_len // bs) - len(table)
+                if offset:
+                    last = table[-1]
+                    if last not in touched:
+                        touched[last] = (fill[last], refcount[last])
+                    if pool.must_copy(last, offset):
+                        need += 1
+                        refcount[last] -= 1  # its reference moves to the copy
+                    else:
+                        fill[last] = min(bs, offset + new_len - start)
+                continue
             if offset:
                 last = table[-1]
-                if fill[last] != offset and refcount[last] > 1:
+                if pool.must_copy(last, offset):
                     copy = pool.fork(last)
                     copies.append((last, copy))
                     changed.append(i)
@@ -287,6 +239,7 @@ class KVCacheManager:
                 fill[last] = bs
             num_fresh = -(-new_len // bs) - len(table)
             if num_fresh:
+                need += num_fresh
                 if not changed or changed[-1] != i:
                     changed.append(i)
                 first_new = len(table)
@@ -308,88 +261,25 @@ class KVCacheManager:
                         )
                     )
             seq.num_kv = new_len
+        if dry_run:
+            for block, (block_fill, holders) in touched.items():
+                fill[block], refcount[block] = block_fill, holders
+            return None, need
         self.counters.cow_copies += len(copies)
-        return ReservePlan(slots, copies, changed)
+        return ReservePlan(slots, copies, changed), need + len(copies)
 
     def reserve_step(self, lanes: DecodeLanes) -> ReservePlan | None:
-        """``reserve(lanes.seqs)`` (one more position each, all or nothing), vectorised for the two usual
-        cases: the position starts a block (the sequence takes a fresh one), or it falls inside a boundary
-        block the sequence holds alone (it writes there in place). Nothing else can read or copy such a block
-        (it is in no tree node and no other table), so neither the order of the batch nor the written-fill
-        record (consulted only for copies of shared blocks) matters for it. The rest, a shared boundary block
-        (claim or copy-on-write), go through `reserve` in batch order; they never touch a block that one of
-        the usual sequences holds, so serving them first is serving the batch in order."""
-        bs, pool, seqs = self.block_size, self.pool, lanes.seqs
-        last, offset = lanes.last_block, lanes.num_kv % bs
-        fresh = offset == 0
-        own = fresh | (pool.refcount_view[last] == 1)
-        fresh_rows = np.flatnonzero(fresh)
-        shared = np.flatnonzero(~own)
-        shared_seqs = [seqs[i] for i in shared.tolist()]
-        most = len(fresh_rows) + len(
-            shared_seqs
-        )  # one block each at most (a copy or a fresh block)
-        if pool.num_free < most and not self.ensure_free(
-            len(fresh_rows)
-            + self._blocks_needed(shared_seqs, [seq.num_kv + 1 for seq in shared_seqs])
-        ):
-            return None
-        copies: list[tuple[int, int]] = []
-        changed = fresh_rows
-        if shared_seqs:  # cannot fail now: the blocks are free
-            plan = self.reserve(shared_seqs)
-            copies = plan.copies
-            changed = np.union1d(fresh_rows, shared[plan.changed])
-            last[shared] = [seq.table[-1] for seq in shared_seqs]
-        if len(fresh_rows):
-            blocks = pool.allocate(len(fresh_rows))
-            for i, block in zip(fresh_rows.tolist(), blocks):
-                seqs[i].table.append(block)
-            last[fresh_rows] = blocks
-        slots = last * bs + offset
-        if shared_seqs:
-            slots[shared] = plan.slots
-            pool.fill_view[last[own]] = offset[own] + 1
-            owned: Sequence[SeqKV] = list(itertools.compress(seqs, own.tolist()))
-        else:
-            pool.fill_view[last] = offset + 1
-            owned = seqs
-        for seq in owned:
-            seq.num_kv += 1
-        lanes.num_kv += 1
-        return ReservePlan(slots, copies, changed.tolist())
+        """``reserve(lanes.seqs)`` for a decode batch that runs again and again, in a few array operations
+        (`radixinfer.cache.decode_step.reserve_step`)."""
+        return reserve_step(self, lanes)
 
-    def _blocks_needed(self, seqs: Sequence[SeqKV], new_lens: Sequence[int]) -> int:
-        """Fresh blocks `reserve` takes for the batch, copies included. The batch is replayed in order, as
-        `reserve` serves it: a sequence that claims the next slot of a shared block makes a later one at the
-        same offset copy the block, and one that copies leaves the block with one holder fewer. (Eviction
-        between this count and the allocations only drops holders, so it can only save copies.)"""
-        bs = self.block_size
-        fill, refcount = self.pool.fill, self.pool.refcount
-        fill_after: dict[
-            int, int
-        ] = {}  # boundary block -> its fill once earlier sequences of the batch wrote
-        copied_away: dict[
-            int, int
-        ] = {}  # boundary block -> earlier sequences of the batch that copied it
-        need = 0
-        for seq, new_len in zip(seqs, new_lens):
-            start = seq.num_kv
-            if new_len <= start:
-                continue
-            need += -(-new_len // bs) - len(seq.table)
-            offset = start % bs
-            if offset:
-                last = seq.table[-1]
-                if (
-                    fill_after.get(last, fill[last]) != offset
-                    and refcount[last] - copied_away.get(last, 0) > 1
-                ):
-                    need += 1
-                    copied_away[last] = copied_away.get(last, 0) + 1
-                else:
-                    fill_after[last] = min(bs, offset + new_len - start)
-        return need
+    def note_in_place_writes(self, blocks: Sequence[int], offsets: Sequence[int]) -> None:
+        """Record that the forward being planned writes ``blocks[i]`` in place from slot ``offsets[i]`` on
+        (`reserve` records its own): until `mark_written`, no copy may read those slots."""
+        written_fill, bs = self._written_fill, self.block_size
+        for block, offset in zip(blocks, offsets):
+            if written_fill.get(block, bs) > offset:
+                written_fill[block] = offset
 
     def mark_written(self) -> None:
         """The forward that writes every slot reserved so far has been issued: later copies may read them.

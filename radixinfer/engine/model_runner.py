@@ -537,6 +537,11 @@ class ModelRunner:
         hidden = self.model(buf.dev64[0, :num_tokens], buf.dev64[1, :num_tokens], ctx)
         return self._graph_outputs[1][:num_tokens].copy_(hidden)
 
+    def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Copy each ``(src, dst)`` KV block, every layer, K and V, in one launch, before the next
+        forward's writes (a step's copy-on-writes)."""
+        self.kv.copy_blocks(copies)
+
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[n, hidden]`` -> ``[n, vocab]`` in the model dtype: the output projection only."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 import enum
 from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -50,12 +49,9 @@ class Request:
     num_computed_prompt_tokens: int = 0
     finish_reason: str | None = None
     stop_ids: frozenset[int] = frozenset()
-    # Tokens sampled so far, read back or still on the device (the host reads a step's tokens a step later),
-    # and where the newest one lies, the input of the next decode: its launch (whose ``read_back`` says whether
-    # it is in ``output_ids`` yet) and row there.
+    # Tokens sampled so far, read back or still on the device (the host reads a step's tokens a step later;
+    # `radixinfer.engine.pipeline` knows where the newest one is until then).
     num_sampled: int = 0
-    carry: Any = None
-    carry_row: int = 0
     max_output_len: int = 0  # max_tokens, capped so prompt + output fit the model's context
     text: str = ""
     # `token_array`'s cache and the output length it was built at

@@ -8,13 +8,18 @@ whatever order the batch is in. Sampling from the filtered softmax uses the Gumb
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from kernels.argmax import argmax_ref, argmax_triton
 from radixinfer.models.layers import by_device
+
+if TYPE_CHECKING:
+    from radixinfer.engine.request import Request
 
 _MASK32 = 0xFFFFFFFF
 _MIX = 0x45D9F3B  # products of values < 2**32 with it stay below 2**63: no int64 overflow
@@ -140,3 +145,24 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     gumbel = -torch.log(-torch.log(noise_from_keys(batch.keys, logits.shape[-1])))
     sampled_ids = argmax(scaled + gumbel)
     return torch.where(batch.temperature > 0, sampled_ids, greedy_ids)
+
+
+def sample_requests(
+    reqs: Sequence[Request], logits: torch.Tensor, greedy: bool | None = None
+) -> torch.Tensor:
+    """Sampled token ids ``[len(reqs)]`` for ``logits`` ``[len(reqs), vocab]``, each row with its
+    request's parameters, seed and count of sampled tokens; on the device (no host sync).
+    ``greedy``: whether every request samples greedily, when the caller knows."""
+    if greedy is None:
+        greedy = not any(r.params.temperature for r in reqs)
+    if greedy:
+        return sample(logits, SamplingBatch.greedy(logits.device))
+    batch = SamplingBatch.build(
+        [r.params.temperature for r in reqs],
+        [r.params.top_p for r in reqs],
+        [r.params.top_k for r in reqs],
+        [r.seed for r in reqs],
+        [r.num_sampled for r in reqs],
+        logits.device,
+    )
+    return sample(logits, batch)

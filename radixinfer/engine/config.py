@@ -1,0 +1,86 @@
+"""The engine's options (`EngineConfig`) and its monotonic counters, with the rules for counting
+prompt tokens (`EngineCounters`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from radixinfer.engine.admission import AdmissionConfig
+
+if TYPE_CHECKING:
+    from radixinfer.engine.prefill_plan import PrefillItem
+    from radixinfer.engine.request import Request
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_batch_size: int = 64  # sequences decoded in one step
+    # Requests holding KV at once (prefilled + decoding). None: bounded only by KV memory and the
+    # per-round prefill batch, so a request's first token never waits for a decode slot (its later
+    # ones may).
+    max_num_seqs: int | None = None
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    decode_first: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1 or None, got {self.max_num_seqs}")
+
+
+@dataclass
+class EngineCounters:
+    """Engine counters. Taken at a request's successful admission, never at a failed attempt, so
+    once no prompt is part-way through prefill
+    ``prompt_tokens == cached_tokens + computed_prompt_tokens`` (a prompt aborted part-way counts
+    only what was read or computed; one preempted before its first token counts afresh at its next
+    admission)."""
+
+    prompt_tokens: int = 0  # prompt tokens of admitted requests (counted once per request)
+    cached_tokens: int = 0  # of those, read from the prefix cache (`Request.num_cached_tokens`)
+    computed_prompt_tokens: int = 0  # of those, run through prefill forwards
+    recomputed_tokens: int = 0  # rows computed again after a preemption (prompt and generated)
+    prefill_forwards: int = 0
+    decode_forwards: int = 0
+    preemptions: int = 0
+
+    def count_admission(self, req: Request, num_cached_tokens: int) -> None:
+        """A request's first successful admission: what it reads from the cache is final."""
+        req.num_cached_tokens = num_cached_tokens
+        self.prompt_tokens += len(req.prompt_ids)
+        self.cached_tokens += num_cached_tokens
+
+    def count_computed(self, items: Iterable[PrefillItem]) -> None:
+        """The rows a prefill forward computed for ``items``: prompt tokens, or recomputed rows for
+        a request resumed after a preemption (its prompt was counted once already)."""
+        for it in items:
+            rows = it.end - it.start
+            if it.req.num_sampled:
+                self.recomputed_tokens += rows
+            else:
+                it.req.num_computed_prompt_tokens += rows
+                self.computed_prompt_tokens += rows
+
+    def count_preemption(self, req: Request) -> None:
+        """A preempted request. One preempted before its first token is admitted afresh later, so
+        its prompt's counts are taken back (what it computed becomes recomputed work)."""
+        self.preemptions += 1
+        if req.num_sampled:
+            return
+        self.prompt_tokens -= len(req.prompt_ids)
+        self.cached_tokens -= req.num_cached_tokens
+        self.computed_prompt_tokens -= req.num_computed_prompt_tokens
+        self.recomputed_tokens += req.num_computed_prompt_tokens
+        req.num_cached_tokens, req.num_computed_prompt_tokens = None, 0
+
+    def count_abort(self, req: Request) -> None:
+        """A request aborted while it holds KV. If its prompt was part-way through prefill, the
+        part never read or computed is taken back from ``prompt_tokens``."""
+        if req.num_cached_tokens is not None:
+            self.prompt_tokens -= (
+                len(req.prompt_ids) - req.num_cached_tokens - req.num_computed_prompt_tokens
+            )

@@ -1,0 +1,239 @@
+"""The scheduler: which requests hold KV and run, as plain plans (docs/request-lifecycle.md).
+
+It owns the queues (``waiting``; ``active``, with its ``prefilling`` part) and decides, on the
+cache's word: a prefill round's `PrefillPlan` (admission, chunks, dedup leaders, deferral to a
+second pass, the retry-as-miss fallback), the step's decode batch, and whom to preempt. The engine
+runs what it plans.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections import deque
+
+from radixinfer.cache.kv_manager import KVCacheManager, ReservePlan
+from radixinfer.engine.admission import Grant, plan_admission
+from radixinfer.engine.config import EngineConfig, EngineCounters
+from radixinfer.engine.decode_batch import DecodeBatch
+from radixinfer.engine.prefill_plan import STORED, PrefillItem, PrefillPass, PrefillPlan
+from radixinfer.engine.request import Request, Status
+
+
+class Planned(enum.Enum):
+    """What `Scheduler._plan_item` did with a request."""
+
+    ADMITTED = "admitted"  # it is in the pass
+    DEFERRED = "deferred"  # it must wait for the pass's K/V writes: nothing held
+    NO_MEMORY = "no memory"  # KV memory is short: left where it was
+
+
+class Scheduler:
+    """Admission, prefill planning, the decode batch and preemption over the engine's queues.
+
+    ``epoch`` counts changes to the set of running requests (a decode batch holds while it is
+    unchanged); ``departures`` counts requests that stopped running (a launch's tokens all go to
+    running requests while it is unchanged)."""
+
+    def __init__(self, cache: KVCacheManager, config: EngineConfig, counters: EngineCounters):
+        self.cache = cache
+        self.config = config
+        self.counters = counters
+        self.waiting: deque[Request] = deque()
+        self.active: list[Request] = []  # PREFILLING + RUNNING, in admission order
+        self.prefilling: list[Request] = []  # the PREFILLING requests of `active`, in order
+        self.epoch = 0
+        self.departures = 0
+        self.last_decode: DecodeBatch | None = None
+        self._round = itertools.count()
+
+    # ------------------------------------------------------------------ prefill
+    def plan_prefill(self) -> PrefillPlan:
+        """Admit what the policy grants into one pass, after the chunked prompts in progress (they
+        hold blocks and a locked path). Requests that would copy a block this pass is still writing
+        (they extend a prefix another request of the pass computes) are deferred to a second pass
+        (`plan_deferred`, once this one's forward is issued)."""
+        admission = self.config.admission
+        first = PrefillPass()
+        budget = admission.max_tokens
+        for req in self.prefilling:
+            if budget <= 0 or self._plan_item(first, req, budget, False) is not Planned.ADMITTED:
+                break
+            budget -= first.items[-1].end - first.items[-1].start
+        deferred: list[Grant[Request]] = []
+        cap = self.config.max_num_seqs
+        free_slots = admission.max_requests if cap is None else cap - len(self.active)
+        if self.waiting and free_slots > 0 and budget > 0:
+            window = max(admission.lookahead, admission.max_requests)
+            grants = plan_admission(
+                list(itertools.islice(self.waiting, window)), admission, next(self._round),
+                cost_of=self._uncached_cost, cached_of=self._cached_len,
+                max_requests=free_slots, max_tokens=budget,
+            )  # fmt: skip
+            for grant in grants:
+                outcome = self._plan_item(first, grant.item, grant.num_tokens, True, may_defer=True)
+                if outcome is Planned.DEFERRED:
+                    deferred.append(grant)
+                elif outcome is Planned.NO_MEMORY:
+                    break  # the rest waits
+        return PrefillPlan(first, deferred)
+
+    def plan_deferred(self, grants: list[Grant[Request]]) -> PrefillPass:
+        """The second pass of a round, planned after the first pass's forward was issued. A request
+        that would now copy a block the second pass itself writes waits for the next round."""
+        second = PrefillPass()
+        for grant in grants:
+            outcome = self._plan_item(second, grant.item, grant.num_tokens, True, may_defer=True)
+            if outcome is Planned.NO_MEMORY:
+                break
+        return second
+
+    def _uncached_cost(self, req: Request) -> int:
+        return req.num_tokens - self._cached_len(req)
+
+    def _cached_len(self, req: Request) -> int:
+        return self.cache.cached_prefix_len(req.token_array(), req.salt)
+
+    def _plan_item(
+        self,
+        pass_: PrefillPass,
+        req: Request,
+        num_tokens: int,
+        fresh: bool,
+        may_defer: bool = False,
+    ) -> Planned:
+        """Admit (when ``fresh``), reserve and publish up to ``num_tokens`` prompt positions of
+        ``req`` into ``pass_``. Leaves the request where it was unless it returns ``ADMITTED``;
+        ``DEFERRED`` only with ``may_defer``."""
+        tokens = req.token_array()
+        n = len(tokens)
+        cache = self.cache
+        if fresh:
+            seq = cache.admit(tokens, req.salt)
+            end = min(n, seq.num_kv + max(num_tokens, 1))
+            if may_defer and cache.needs_copy_of_unwritten(seq, end):
+                cache.release(seq)
+                return Planned.DEFERRED
+            req.seq = seq
+        seq = req.seq
+        start = seq.num_kv
+        if start >= n:  # the whole prompt is cached
+            leader = None
+            if seq.payload is None:
+                leader = pass_.leaders.get((req.salt, tokens.tobytes()))
+            if seq.payload is not None or leader is not None:  # nothing to compute
+                item = PrefillItem(req, n, n, [], payload=seq.payload, leader=leader)
+            else:  # recompute the last position for fresh logits; its K/V is already stored
+                item = PrefillItem(req, n - 1, n, [STORED])
+        else:
+            end = min(n, start + max(num_tokens, 1))
+            plan = cache.reserve([seq], [end])
+            if plan is None and fresh and not self.active:
+                # Nothing else holds KV, so only the request's own locked hit can be in the way
+                # (ancestors along its path hold older versions of boundary blocks it does not
+                # read): retry as a miss, which fits the pool once everything unlocked is evicted
+                # (`add_request` checked that).
+                cache.release(seq)
+                req.seq = seq = cache.admit(tokens, req.salt, use_cache=False)
+                start = 0  # computes from the start up to the end planned for the hit
+                plan = cache.reserve([seq], [end])
+                assert plan is not None, "a request that fits the empty pool did not fit it"
+            if plan is None:
+                if fresh:
+                    cache.release(seq)
+                    req.seq = None
+                return Planned.NO_MEMORY
+            pass_.copies.extend(plan.copies)
+            cache.publish(seq, tokens[:end], prompt_end=end == n)
+            item = PrefillItem(req, start, end, plan.slots)
+            if end == n:
+                pass_.leaders.setdefault((req.salt, tokens.tobytes()), item)
+        pass_.items.append(item)
+        if fresh:
+            if req.num_cached_tokens is None:  # its first admission
+                self.counters.count_admission(req, item.start if item.computes else n)
+            self.waiting.remove(req)
+            self.active.append(req)
+            self.prefilling.append(req)
+            req.status = Status.PREFILLING
+        return Planned.ADMITTED
+
+    def start_running(self, reqs: list[Request]) -> None:
+        """These requests' prompts are complete: they decode from their first token on."""
+        for req in reqs:
+            req.status = Status.RUNNING
+        self.prefilling = [r for r in self.prefilling if r.status is Status.PREFILLING]
+        self.epoch += 1
+
+    # ------------------------------------------------------------------ decode
+    def decode_batch(self) -> tuple[DecodeBatch | None, bool]:
+        """This step's batch, and whether it is the last step's: running requests with room for one
+        more token, oldest first, at most ``max_batch_size``. Without a pass over the requests while
+        the running set is unchanged and every member has room (the steady state)."""
+        last = self.last_decode
+        if last is not None and last.epoch == self.epoch and last.left.min() > 0:
+            return last, True
+        running = Status.RUNNING
+        reqs = [r for r in self.active if r.status is running and r.num_sampled < r.max_output_len]
+        del reqs[self.config.max_batch_size :]  # the rest wait for a slot
+        if last is not None and reqs == last.reqs:  # the running set changed outside the batch
+            last.epoch = self.epoch
+            return last, True
+        return (DecodeBatch.build(reqs, self.epoch) if reqs else None), False
+
+    def preempt_until_reserved(self) -> tuple[DecodeBatch | None, ReservePlan | None]:
+        """Preempt the newest requests until the decode batch fits (every token read back first):
+        ``(batch, its reserve plan)``, or ``(None, None)`` when nothing is left to decode."""
+        while True:
+            batch, _ = self.decode_batch()
+            if batch is None:
+                return None, None
+            plan = self.cache.reserve_step(batch.lanes)
+            if plan is not None:
+                return batch, plan
+            self.preempt_newest()
+
+    # ------------------------------------------------------------------ leaving
+    def preempt_newest(self) -> None:
+        """Free the newest request's blocks under memory pressure; its computed prefix stays in the
+        tree, so its recompute is a cache hit. It resumes from the front of the queue with its
+        output so far."""
+        req = max(self.active, key=lambda r: r.arrival_index)
+        self.leave(req)
+        self._departed()
+        req.status = Status.WAITING
+        req.prompt_done = 0
+        self.counters.count_preemption(req)
+        self.waiting.appendleft(req)
+
+    def leave(self, req: Request) -> None:
+        """Take a request that holds KV out of ``active`` and release its blocks (the caller then
+        retires or requeues it)."""
+        if req.status is Status.PREFILLING:
+            self.prefilling.remove(req)
+        self.active.remove(req)
+        self.release(req)
+
+    def release(self, req: Request) -> None:
+        """Publish what the request computed (prompt and generated tokens) and drop its blocks."""
+        seq = req.seq
+        if seq is None:
+            return
+        self.cache.release(seq, publish=req.token_array()[: seq.num_kv])
+        req.seq = None
+
+    def retire(self, req: Request, reason: str) -> None:
+        """Mark a request finished (its blocks are released already; a finished running request is
+        dropped from ``active`` by `drop_finished`)."""
+        if req.status is not Status.WAITING:
+            self._departed()
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+
+    def _departed(self) -> None:
+        self.epoch += 1
+        self.departures += 1
+
+    def drop_finished(self) -> None:
+        """Drop finished requests from ``active`` in one pass (a whole batch may finish at once)."""
+        self.active = [r for r in self.active if r.status is not Status.FINISHED]
