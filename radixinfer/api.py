@@ -16,9 +16,9 @@ from transformers import PretrainedConfig
 from radixinfer import checks
 from radixinfer.attention import get_backend
 from radixinfer.cache.kv_manager import KVCacheManager
-from radixinfer.cache.kv_store import KVStore
 from radixinfer.engine.admission import AdmissionConfig
 from radixinfer.engine.engine import EngineConfig, LLMEngine
+from radixinfer.engine.kv_store import KVStore
 from radixinfer.engine.memory import (
     DeviceMemory,
     MemoryPlan,
