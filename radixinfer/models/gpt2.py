@@ -1,8 +1,8 @@
 """GPT-2 over the paged KV cache: learned positions, pre-LayerNorm blocks, GELU MLP, tied output projection.
 
 Module names are the checkpoint's without the ``transformer.`` prefix. The checkpoint stores its
-projections as ``Conv1D`` weights ``[in, out]``; they are transposed once at load into ``nn.Linear``'s
-``[out, in]`` (the read of a rank's shard then takes columns of the stored tensor). Sharded over a
+projections as ``Conv1D`` weights ``[in, out]``; they are transposed once at load into
+``nn.Linear``'s ``[out, in]`` (the read of a rank's shard then takes columns of the stored tensor). Sharded over a
 tensor-parallel group like the Llama family; the learned positions are replicated.
 """
 

@@ -49,8 +49,8 @@ def build_model(
     dtype: torch.dtype,
     tp: TensorParallel | None = None,
 ) -> PagedCausalLM:
-    """Construct the model for ``config`` directly on ``device`` in ``dtype`` (no float32 copy on the
-    CPU); with ``tp``, this rank's shard of it.
+    """Construct the model for ``config`` directly on ``device`` in ``dtype`` (no float32 copy on
+    the CPU); with ``tp``, this rank's shard of it.
 
     Parameter values are placeholders until `load_checkpoint_weights` or `init_random_weights` fills them.
     Raises ValueError for an architecture outside `MODEL_CLASSES`, or a config ``tp`` cannot shard.
@@ -87,8 +87,8 @@ def load_checkpoint_weights(model: PagedCausalLM, path: Path) -> None:
     Each tensor is renamed by ``model.map_checkpoint_weight`` and handed, unread, to the owning
     module's ``weight_loader`` (fused and sharded layers) or `default_weight_loader`, which reads
     what the parameter holds: a tensor-parallel rank reads its shard's rows or columns, nothing
-    else. Raises ValueError on a tensor the model has no parameter for, or when a parameter (or a shard
-    of a fused one) is missing from the checkpoint.
+    else. Raises ValueError on a tensor the model has no parameter for, or when a parameter (or a
+    shard of a fused one) is missing from the checkpoint.
     """
     params = dict(model.named_parameters())
     device = next(iter(params.values())).device
