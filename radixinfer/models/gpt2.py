@@ -2,8 +2,8 @@
 
 Module names are the checkpoint's without the ``transformer.`` prefix. The checkpoint stores its
 projections as ``Conv1D`` weights ``[in, out]``; they are transposed once at load into
-``nn.Linear``'s ``[out, in]`` (the read of a rank's shard then takes columns of the stored tensor). Sharded over a
-tensor-parallel group like the Llama family; the learned positions are replicated.
+``nn.Linear``'s ``[out, in]`` (the read of a rank's shard then takes columns of the stored tensor).
+Sharded over a tensor-parallel group like the Llama family; the learned positions are replicated.
 """
 
 from __future__ import annotations
