@@ -9,7 +9,7 @@ import logging
 import os
 import weakref
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from transformers import PretrainedConfig
@@ -203,6 +203,7 @@ class LLM:
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, freeze_gc=freeze_gc,
             tensor_parallel_size=tensor_parallel_size,
         )  # fmt: skip
+        self._close: Callable[[], None] = lambda: None
         if tensor_parallel_size == 1:
             built = build_runner(spec, torch_device)
             runner = built.runner
@@ -216,7 +217,7 @@ class LLM:
                 group.stop_workers()
                 raise
             runner = TensorParallelRunner(built.runner, group)
-        self._close = weakref.finalize(self, getattr(runner, "close", lambda: None))
+            self._close = weakref.finalize(self, runner.close)
         self.memory_plan: MemoryPlan = built.memory_plan
         logger.info("%s", self.memory_plan.summary())
         loaded = built.loaded

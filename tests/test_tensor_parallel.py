@@ -8,6 +8,7 @@ weights, read slice by slice.
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import time
@@ -27,6 +28,7 @@ import radixinfer.models.loader as loader_module
 from radixinfer import LLM, SamplingParams
 from radixinfer.distributed.driver import TensorParallelError
 from radixinfer.distributed.group import TensorParallel
+from radixinfer.distributed.runner_calls import DecodeTableReceiver, DecodeTableSender
 from radixinfer.models import load_model
 
 VOCAB = 301  # odd: the vocabulary-parallel shards are padded
@@ -213,8 +215,56 @@ def test_close_stops_the_worker_and_a_dead_worker_is_an_error():
         llm.generate([[4, 5, 6]], params)
     llm.close()
 
-    llm = LLM("tiny", num_blocks=32, tensor_parallel_size=2, **ENGINE)
-    (pid,) = llm.engine.runner.worker_pids
-    llm.close()
-    with pytest.raises(ProcessLookupError):
-        os.kill(pid, 0)
+    for end in ("close", "drop"):
+        llm = LLM("tiny", num_blocks=32, tensor_parallel_size=2, **ENGINE)
+        (pid,) = llm.engine.runner.worker_pids
+        if end == "close":
+            llm.close()
+        else:
+            del llm
+            gc.collect()
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_decode_tables_travel_as_changes():
+    sender, receiver = DecodeTableSender(), DecodeTableReceiver()
+    a, b = [1, 2], [3]
+    keys, entries = sender.encode([a, b], None)
+    assert len(entries) == 2 and receiver.decode(keys, entries) == [[1, 2], [3]]
+    held_a, held_b = receiver.decode(keys, {})  # a step without changes sends no entries
+    b.append(4)  # b crossed a block boundary: the engine names its row as changed
+    keys, entries = sender.encode([a, b], [1])
+    assert list(entries.values()) == [[3, 4]]
+    tables = receiver.decode(keys, entries)
+    assert tables == [[1, 2], [3, 4]]
+    assert tables[0] is held_a and tables[1] is held_b  # the same lists, edited in place
+    c = [5]  # a newcomer is sent whole even when no row is named as changed
+    keys, entries = sender.encode([b, c], [])
+    assert list(entries.values()) == [[5]]
+    assert receiver.decode(keys, entries) == [[3, 4], [5]]
+
+
+def test_tensor_parallel_size_flag():
+    from radixinfer.cli import parse_args
+    from radixinfer.engine_args import llm_kwargs
+
+    args = parse_args(["bench", "--model", "tiny", "--tensor-parallel-size", "2"])
+    assert llm_kwargs(args)["tensor_parallel_size"] == 2
+    with pytest.raises(SystemExit):
+        parse_args(["bench", "--model", "tiny", "--tensor-parallel-size", "0"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_two_gpus_match_one(checkpoint):
+    """NCCL, Triton kernels and CUDA graphs (their all-reduces captured) on two GPUs."""
+    engine = {**ENGINE, "device": "cuda"}
+    one = LLM(str(checkpoint), num_blocks=24, **engine)
+    expected = run_workload(one)
+    del one
+    two = LLM(str(checkpoint), num_blocks=24, tensor_parallel_size=2, **engine)
+    try:
+        assert run_workload(two) == expected
+    finally:
+        two.close()

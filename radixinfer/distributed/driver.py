@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from radixinfer.cache.kv_store import KVStore
 from radixinfer.distributed.launch import StartedGroup
 from radixinfer.distributed.runner_calls import (
     DecodeCall,
@@ -28,6 +29,7 @@ from radixinfer.distributed.runner_calls import (
     as_array,
 )
 from radixinfer.engine.model_runner import ModelRunner
+from radixinfer.models.base import PagedCausalLM
 
 
 class TensorParallelError(RuntimeError):
@@ -49,7 +51,7 @@ class TensorParallelRunner:
 
     # what the engine and the front ends read of a runner
     @property
-    def model(self):
+    def model(self) -> PagedCausalLM:
         return self.local.model
 
     @property
@@ -65,7 +67,7 @@ class TensorParallelRunner:
         return self.local.device
 
     @property
-    def kv(self):
+    def kv(self) -> KVStore:
         return self.local.kv
 
     @property

@@ -168,11 +168,13 @@ class TensorParallel:
         return failures
 
     def close(self) -> None:
-        """Leave the group (its process groups are shut down; this object is unusable after)."""
-        for group in (self.device_group, self.control_group):
+        """Leave the group (this object is unusable after). The device group is aborted rather
+        than shut down in order: an NCCL communicator that CUDA graphs captured can hang in an
+        orderly destroy (pytorch/pytorch#115388), and nothing is in flight by now."""
+        for group, end in ((self.device_group, "abort"), (self.control_group, "shutdown")):
             if group is not None:
                 try:
-                    group.shutdown()
-                except RuntimeError:  # a group whose peer is gone may fail to shut down cleanly
+                    getattr(group, end)()
+                except RuntimeError:  # a group whose peer is gone may fail to end cleanly
                     pass
         self.device_group = self.control_group = self.store = None

@@ -94,7 +94,9 @@ def start_group(size: int, device: torch.device, spec: RunnerSpec) -> StartedGro
         _stop(workers, timeout_s=0.0)
         raise
     pids = [w.pid for w in workers]
-    return StartedGroup(tp, local, pids, lambda: _describe(workers), lambda: _stop(workers))
+    return StartedGroup(
+        tp, local, pids, lambda: _describe(workers, settle_s=2.0), lambda: _stop(workers)
+    )
 
 
 def join_as_worker(device: torch.device, spec: RunnerSpec) -> None:
@@ -163,7 +165,12 @@ def _wait_until_ready(store: dist.TCPStore, workers: list[multiprocessing.proces
         time.sleep(0.05)
 
 
-def _describe(workers: list[multiprocessing.process.BaseProcess]) -> str:
+def _describe(workers: list[multiprocessing.process.BaseProcess], settle_s: float = 0.0) -> str:
+    """The workers' states; ``settle_s``: first give a worker whose sockets closed that long to be
+    reaped (its exit code comes a moment after its peers see the connection drop)."""
+    deadline = time.monotonic() + settle_s
+    for worker in workers:
+        worker.join(max(0.0, deadline - time.monotonic()))
     states = [
         f"rank {rank}: " + ("running" if w.exitcode is None else f"exited with code {w.exitcode}")
         for rank, w in enumerate(workers, start=1)
