@@ -151,7 +151,9 @@ def _spawned_worker(rank: int, size: int, port: int, device_name: str, spec: Run
     run_worker(TensorParallel.connect(store, rank, size, device), device, spec)
 
 
-def _wait_until_ready(store: dist.TCPStore, workers: list[multiprocessing.process.BaseProcess]):
+def _wait_until_ready(
+    store: dist.TCPStore, workers: list[multiprocessing.process.BaseProcess]
+) -> None:
     """Wait until every worker has reached the store; RuntimeError as soon as one has died."""
     keys = [f"ready/{rank}" for rank in range(1, len(workers) + 1)]
     deadline = time.monotonic() + CONNECT_TIMEOUT.total_seconds()
