@@ -60,6 +60,7 @@ import radixinfer.engine.sampler as sampler_module
 import radixinfer.engine.step_buffers as step_buffers_module
 from radixinfer.attention import get_backend
 from radixinfer.cache.kv_manager import KVCacheManager
+from radixinfer.distributed.group import TensorParallel
 from radixinfer.engine.admission import AdmissionConfig
 from radixinfer.engine.engine import EngineConfig, LLMEngine
 from radixinfer.engine.kv_store import KVStore
@@ -96,7 +97,7 @@ class StubLM(PagedCausalLM):
             num_key_value_heads=1,
             max_position_embeddings=MAX_CONTEXT,
         )
-        super().__init__(config)
+        super().__init__(config, TensorParallel.single())
         gen = torch.Generator().manual_seed(0)
         self.hidden = torch.randn(max_tokens, 8, generator=gen).to(device)  # [max_tokens, hidden]
         logits = torch.randn(max_rows, vocab_size, generator=gen)

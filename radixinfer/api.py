@@ -4,70 +4,31 @@ from __future__ import annotations
 
 import atexit
 import gc
+import inspect
 import logging
 import os
 import weakref
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from transformers import PretrainedConfig
 
 from radixinfer import checks
-from radixinfer.attention import get_backend
 from radixinfer.cache.kv_manager import KVCacheManager
+from radixinfer.distributed.driver import TensorParallelRunner
+from radixinfer.distributed.launch import join_as_worker, start_group
 from radixinfer.engine.admission import AdmissionConfig
 from radixinfer.engine.engine import EngineConfig, LLMEngine
-from radixinfer.engine.kv_store import KVStore
-from radixinfer.engine.memory import (
-    DeviceMemory,
-    MemoryPlan,
-    check_utilization,
-    module_bytes,
-    plan_cpu_memory,
-    plan_gpu_memory,
-    resolve_max_model_len,
-)
-from radixinfer.engine.model_runner import ModelRunner
-from radixinfer.models import load_model
+from radixinfer.engine.memory import MemoryPlan, check_utilization
+from radixinfer.engine.runner_setup import RunnerSpec, build_runner
+from radixinfer.models import check_shardable
 from radixinfer.outputs import RequestOutput, StreamDelta, deltas_of
 from radixinfer.sampling_params import SEED_LIMIT, SamplingParams
 
 Prompt = str | list[int]
 
 logger = logging.getLogger(__name__)
-
-
-def _plan_memory(
-    runner: ModelRunner,
-    start: DeviceMemory | None,
-    weights_bytes: int,
-    bytes_per_block: int,
-    gpu_memory_utilization: float,
-    num_blocks: int | None,
-) -> MemoryPlan:
-    """On CUDA, profile the runner and split the budget (`plan_gpu_memory`); elsewhere the CPU's
-    plan. ``start``: the device's reading before the model was loaded (None on a CPU)."""
-    common = {
-        "bytes_per_block": bytes_per_block,
-        "block_size": runner.block_size,
-        "max_model_len": runner.max_context_len,
-        "num_blocks": num_blocks,
-    }
-    if start is None:
-        return plan_cpu_memory(weights_bytes=weights_bytes, **common)
-    profiled = runner.profile_memory()
-    profiled_end = DeviceMemory.read(runner.device)
-    return plan_gpu_memory(
-        device=str(runner.device),
-        total_bytes=start.total,
-        free_bytes_at_start=start.free,
-        gpu_memory_utilization=gpu_memory_utilization,
-        weights_bytes=weights_bytes,
-        other_bytes=max(0, profiled_end.used - start.used - weights_bytes),
-        profiled=profiled,
-        **common,
-    )
 
 
 def _params_per_prompt(
@@ -84,6 +45,94 @@ def _params_per_prompt(
     if len(params) != num_prompts:
         raise ValueError(f"params: got {len(params)} SamplingParams for {num_prompts} prompts")
     return list(params)
+
+
+def _engine_options(
+    *,
+    model: str | os.PathLike | PretrainedConfig,
+    device: str,
+    dtype: str | torch.dtype,
+    block_size: int,
+    num_blocks: int | None,
+    max_batch_size: int,
+    enable_prefix_cache: bool,
+    seed: int,
+    prefill_max_batch_size: int | None,
+    prefill_max_tokens: int,
+    prefill_admission_policy: str,
+    prefill_admission_lookahead: int,
+    prefill_force_fifo_every: int,
+    chunked_prefill: bool,
+    decode_first: bool,
+    gpu_memory_utilization: float,
+    max_model_len: int | None,
+    max_num_seqs: int | None,
+    freeze_gc: bool,
+    tensor_parallel_size: int,
+) -> tuple[EngineConfig, RunnerSpec, torch.device]:
+    """`LLM`'s arguments checked (``ValueError`` naming the argument), as the engine's config, the
+    runner's spec (every tensor-parallel rank builds its runner from it) and the device."""
+    torch_device = checks.device(device)
+    for name, value, low in (
+        ("block_size", block_size, 1),
+        ("max_batch_size", max_batch_size, 1),
+        ("prefill_max_tokens", prefill_max_tokens, 1),
+        ("prefill_admission_lookahead", prefill_admission_lookahead, 1),
+        ("prefill_force_fifo_every", prefill_force_fifo_every, 0),
+        ("tensor_parallel_size", tensor_parallel_size, 1),
+    ):
+        checks.integer(name, value, low)
+    for name, value in (
+        ("prefill_max_batch_size", prefill_max_batch_size),
+        ("max_num_seqs", max_num_seqs),
+    ):
+        checks.optional_integer(name, value, 1)
+    for name, value in (
+        ("enable_prefix_cache", enable_prefix_cache),
+        ("chunked_prefill", chunked_prefill),
+        ("decode_first", decode_first),
+        ("freeze_gc", freeze_gc),
+    ):
+        checks.flag(name, value)
+    checks.integer("seed", seed, 0, SEED_LIMIT)
+    checks.optional_integer("num_blocks", num_blocks, 1)
+    admission = AdmissionConfig(
+        policy=prefill_admission_policy,
+        max_requests=max_batch_size if prefill_max_batch_size is None else prefill_max_batch_size,
+        max_tokens=prefill_max_tokens,
+        chunked_prefill=chunked_prefill,
+        lookahead=prefill_admission_lookahead,
+        force_fifo_every=prefill_force_fifo_every,
+    )
+    config = EngineConfig(
+        max_batch_size=max_batch_size,
+        max_num_seqs=max_num_seqs,
+        admission=admission,
+        decode_first=decode_first,
+        seed=seed,
+    )
+    spec = RunnerSpec(
+        model=model,
+        dtype=dtype,
+        seed=seed,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        max_batch_size=max_batch_size,
+        prefill_max_tokens=admission.max_tokens,
+        prefill_max_requests=admission.max_requests,
+        chunked_prefill=chunked_prefill,
+        max_model_len=max_model_len,
+        gpu_memory_utilization=check_utilization(gpu_memory_utilization),
+    )
+    return config, spec, torch_device
+
+
+def run_tensor_parallel_rank(**llm_kwargs) -> None:
+    """Be one of ranks ``1 .. N - 1`` of an engine that torchrun started (see docs/multi-gpu.md):
+    rank 0 runs ``LLM(**llm_kwargs)`` with ``tensor_parallel_size=N``, and every other rank calls
+    this with the same arguments. Returns when rank 0 closes its `LLM`."""
+    _, spec, torch_device = _engine_options(**{**_LLM_DEFAULTS, **llm_kwargs})
+    join_as_worker(torch_device, spec)
 
 
 class LLM:
@@ -104,6 +153,12 @@ class LLM:
     model's context) caps prompt plus output and the workspaces sized by it. A configuration that
     cannot fit raises ``ValueError`` saying what to lower. The plan is logged and kept in
     ``memory_plan``. On a CPU the pool is ``num_blocks`` or 256 MiB of blocks.
+
+    ``tensor_parallel_size=N`` shards every layer over N ranks (docs/multi-gpu.md): on one host
+    the `LLM` starts ranks 1..N-1 itself, as processes on ``cuda:(i + r)`` for ``device="cuda:i"``
+    (gloo ranks on a CPU); under torchrun it is rank 0 of torchrun's ranks. The scheduler and the
+    cache live here, on rank 0, which sends every step to the others; `close` stops them. A
+    rank that fails makes the next step raise ``TensorParallelError`` instead of hanging.
 
     ``freeze_gc=True`` is for long-running front ends (a server, a benchmark): everything alive
     once the engine is built (torch, transformers, the model's modules, the graphs) lives as long
@@ -135,94 +190,38 @@ class LLM:
         max_model_len: int | None = None,
         max_num_seqs: int | None = None,
         freeze_gc: bool = False,
+        tensor_parallel_size: int = 1,
     ) -> None:
-        # Checked here, under the names the caller used (the configs below name their own fields).
-        torch_device = checks.device(device)
-        for name, value, low in (
-            ("block_size", block_size, 1),
-            ("max_batch_size", max_batch_size, 1),
-            ("prefill_max_tokens", prefill_max_tokens, 1),
-            ("prefill_admission_lookahead", prefill_admission_lookahead, 1),
-            ("prefill_force_fifo_every", prefill_force_fifo_every, 0),
-        ):
-            checks.integer(name, value, low)
-        for name, value in (
-            ("prefill_max_batch_size", prefill_max_batch_size),
-            ("max_num_seqs", max_num_seqs),
-        ):
-            checks.optional_integer(name, value, 1)
-        for name, value in (
-            ("enable_prefix_cache", enable_prefix_cache),
-            ("chunked_prefill", chunked_prefill),
-            ("decode_first", decode_first),
-            ("freeze_gc", freeze_gc),
-        ):
-            checks.flag(name, value)
-        checks.integer("seed", seed, 0, SEED_LIMIT)
-        checks.optional_integer("num_blocks", num_blocks, 1)
-        admission = AdmissionConfig(
-            policy=prefill_admission_policy,
-            max_requests=max_batch_size
-            if prefill_max_batch_size is None
-            else prefill_max_batch_size,
-            max_tokens=prefill_max_tokens,
-            chunked_prefill=chunked_prefill,
-            lookahead=prefill_admission_lookahead,
-            force_fifo_every=prefill_force_fifo_every,
-        )
-        config = EngineConfig(
-            max_batch_size=max_batch_size,
-            max_num_seqs=max_num_seqs,
-            admission=admission,
-            decode_first=decode_first,
-            seed=seed,
-        )
-        check_utilization(gpu_memory_utilization)
-        start = None
-        if torch_device.type == "cuda":
-            torch.cuda.empty_cache()  # cached but unused blocks are nobody's: counted as free
-            start = DeviceMemory.read(torch_device)
-        loaded = load_model(model, torch_device, dtype, seed)
-        m = loaded.model
-        context_len = resolve_max_model_len(max_model_len, m.max_context_len)
-        if start is None:
-            weights_bytes = module_bytes(m)
+        config, spec, torch_device = _engine_options(
+            model=model, device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
+            max_batch_size=max_batch_size, enable_prefix_cache=enable_prefix_cache, seed=seed,
+            prefill_max_batch_size=prefill_max_batch_size, prefill_max_tokens=prefill_max_tokens,
+            prefill_admission_policy=prefill_admission_policy,
+            prefill_admission_lookahead=prefill_admission_lookahead,
+            prefill_force_fifo_every=prefill_force_fifo_every, chunked_prefill=chunked_prefill,
+            decode_first=decode_first, gpu_memory_utilization=gpu_memory_utilization,
+            max_model_len=max_model_len, max_num_seqs=max_num_seqs, freeze_gc=freeze_gc,
+            tensor_parallel_size=tensor_parallel_size,
+        )  # fmt: skip
+        self._close: Callable[[], None] = lambda: None
+        if tensor_parallel_size == 1:
+            built = build_runner(spec, torch_device)
+            runner = built.runner
         else:
-            weights_bytes = DeviceMemory.read(torch_device).allocated - start.allocated
-        # the longest pass: a round's budget, or without chunking one prompt of the whole context
-        longest_pass = max(admission.max_tokens, 0 if chunked_prefill else context_len)
-        runner = ModelRunner(
-            m,
-            None,
-            get_backend(str(torch_device)),
-            torch_device,
-            max_batch_size,
-            # plus a recomputed last position per fully cached prompt; plus a continuing chunk
-            prefill_max_tokens=longest_pass + admission.max_requests,
-            prefill_max_seqs=admission.max_requests + 1,
-            max_context_len=context_len,
-            block_size=block_size,
-        )
-        bytes_per_block = KVStore.bytes_per_block(
-            m.num_layers, block_size, m.num_kv_heads, m.head_dim, loaded.dtype
-        )
-        self.memory_plan: MemoryPlan = _plan_memory(
-            runner, start, weights_bytes, bytes_per_block, gpu_memory_utilization, num_blocks
-        )
-        blocks = self.memory_plan.num_blocks
-        runner.bind_kv(
-            KVStore(
-                m.num_layers,
-                blocks,
-                block_size,
-                m.num_kv_heads,
-                m.head_dim,
-                loaded.dtype,
-                torch_device,
-            )
-        )
+            check_shardable(model, tensor_parallel_size)
+            group = start_group(tensor_parallel_size, torch_device, spec)
+            try:
+                built = build_runner(spec, group.device, group.tp)
+            except BaseException:
+                group.tp.close()
+                group.stop_workers()
+                raise
+            runner = TensorParallelRunner(built.runner, group)
+            self._close = weakref.finalize(self, runner.close)
+        self.memory_plan: MemoryPlan = built.memory_plan
         logger.info("%s", self.memory_plan.summary())
-        cache = KVCacheManager(blocks, block_size, enable_prefix_cache)
+        loaded = built.loaded
+        cache = KVCacheManager(self.memory_plan.num_blocks, block_size, enable_prefix_cache)
         self.tokenizer = loaded.tokenizer
         self.engine = LLMEngine(runner, cache, loaded.tokenizer, loaded.eos_token_ids, config)
         self._streams: dict[
@@ -333,8 +332,20 @@ class LLM:
             finish_reason=req.finish_reason,
         )
 
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent; also done when the `LLM` is
+        garbage collected or the interpreter exits). The engine cannot step afterwards."""
+        self._close()
+
     def cache_stats(self) -> dict[str, float | int]:
         return self.engine.cache_stats()
 
     def reset_prefix_cache(self) -> None:
         self.engine.reset_prefix_cache()
+
+
+_LLM_DEFAULTS = {
+    name: p.default
+    for name, p in inspect.signature(LLM.__init__).parameters.items()
+    if p.default is not inspect.Parameter.empty
+}

@@ -3,6 +3,9 @@ dispatches.
 
     radixinfer bench [flags]     streaming benchmark (radixinfer.bench); ``radixinfer bench -h`` for flags
     radixinfer serve [flags]     OpenAI-compatible HTTP server (radixinfer.server)
+
+Under torchrun, rank 0 runs the command and every other rank serves as a tensor-parallel worker of
+its engine (docs/multi-gpu.md).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from radixinfer.bench.args import add_bench_arguments, check_bench_arguments
+from radixinfer.distributed.torchrun import torchrun_rank
 from radixinfer.server.launch import add_serve_arguments, check_serve_arguments
 
 
@@ -38,6 +42,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if torchrun_rank():  # ranks 1..N-1 of a torchrun launch follow rank 0's engine
+        from radixinfer.api import run_tensor_parallel_rank
+        from radixinfer.engine_args import llm_kwargs
+
+        run_tensor_parallel_rank(**llm_kwargs(args))
+        return 0
     if args.command == "bench":
         from radixinfer.bench.runner import main as bench_main
 

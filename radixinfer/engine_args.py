@@ -97,6 +97,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     model.add_argument("--no-prefix-cache", action="store_true", help="disable the prefix cache")
     model.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="shard the model over this many GPUs (processes on a CPU); under torchrun, its "
+        "WORLD_SIZE (docs/multi-gpu.md) [1]",
+    )
+    model.add_argument(
         "--seed",
         type=int,
         default=0,
@@ -118,6 +125,7 @@ def check_engine_arguments(parser: argparse.ArgumentParser, args: argparse.Names
         ("prefill_force_fifo_every", 0),
         ("seed", 0),
         ("max_model_len", 1),
+        ("tensor_parallel_size", 1),
     ):
         value = getattr(args, name)
         if value is not None and value < low:  # None: the flag's default, left to the engine
@@ -154,4 +162,5 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         freeze_gc=True,
+        tensor_parallel_size=args.tensor_parallel_size,
     )

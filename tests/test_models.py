@@ -364,9 +364,11 @@ def test_gpt2_gelu_new_runs_as_one_kernel_with_the_same_values():
     from transformers import GPT2Config
     from transformers.activations import NewGELUActivation
 
+    from radixinfer.distributed.group import TensorParallel
     from radixinfer.models.gpt2 import GPT2MLP
 
-    act = GPT2MLP(GPT2Config(n_embd=8, activation_function="gelu_new")).act
+    config = GPT2Config(n_embd=8, activation_function="gelu_new")
+    act = GPT2MLP(config, TensorParallel.single()).act
     assert not isinstance(act, NewGELUActivation)  # not the seven-op form
     x = torch.linspace(-8, 8, 4001)
     torch.testing.assert_close(act(x), NewGELUActivation()(x), rtol=0, atol=1e-6)

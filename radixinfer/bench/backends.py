@@ -90,6 +90,7 @@ class RadixBackend:
 
     def close(self) -> None:
         self._front.close()
+        self.llm.close()  # stops its tensor-parallel workers, if any
 
 
 def open_radixinfer(

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from radixinfer.distributed.group import TensorParallel
 from radixinfer.models.base import PagedCausalLM
 from radixinfer.models.loader import (
     MODEL_CLASSES,
@@ -32,9 +33,11 @@ __all__ = [
     "PRESET_NAMES",
     "LoadedModel",
     "PagedCausalLM",
+    "check_shardable",
     "checkpoint_dir",
     "load_model",
     "load_tokenizer",
+    "model_config",
     "resolve_dtype",
 ]
 
@@ -74,8 +77,11 @@ def load_model(
     device: str | torch.device,
     dtype: str | torch.dtype = "auto",
     seed: int = 0,
+    tp: TensorParallel | None = None,
 ) -> LoadedModel:
-    """Build ``model`` (a preset name, a local HF checkpoint dir, or a config) on ``device``.
+    """Build ``model`` (a preset name, a local HF checkpoint dir, or a config) on ``device``; with
+    ``tp``, this rank's shard of it (a checkpoint rank reads only its shard's slices; random
+    weights equal the unsharded model's).
 
     Presets and configs get random weights seeded by ``seed`` and the byte tokenizer (their vocabulary must
     hold its 257 ids). A checkpoint without tokenizer files gets the byte tokenizer too. ``dtype``: see
@@ -84,7 +90,7 @@ def load_model(
     device = torch.device(device)
     config, checkpoint = _resolve(model)
     dtype = resolve_dtype(dtype, config, device)
-    net = build_model(config, device, dtype)
+    net = build_model(config, device, dtype, tp)
     if checkpoint is not None:
         load_checkpoint_weights(net, checkpoint)
     else:
@@ -114,6 +120,19 @@ def checkpoint_dir(model: str | os.PathLike) -> Path | None:
             f"model={str(model)!r}: the directory has no config.json, so it is not an HF checkpoint"
         )
     return path
+
+
+def model_config(model: str | os.PathLike | PretrainedConfig) -> PretrainedConfig:
+    """The config `load_model` would build ``model`` from (ValueError as `load_model` gives)."""
+    return _resolve(model)[0]
+
+
+def check_shardable(model: str | os.PathLike | PretrainedConfig, tensor_parallel_size: int) -> None:
+    """``ValueError`` naming ``tensor_parallel_size`` when ``model``'s heads or MLP cannot be split
+    over that many ranks (its shard is built on the meta device: nothing is allocated or read)."""
+    config = model_config(model)
+    tp = TensorParallel(0, tensor_parallel_size)
+    build_model(config, torch.device("meta"), torch.float32, tp)
 
 
 def load_tokenizer(model: str | os.PathLike) -> tuple[Tokenizer, PretrainedConfig]:

@@ -9,6 +9,9 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from radixinfer.attention import ForwardContext
+from radixinfer.distributed.group import TensorParallel
+from radixinfer.models.layers import LoadedTensor
+from radixinfer.models.parallel import AttentionShards, ParallelLMHead, VocabParallelEmbedding
 
 
 def attention_window(config: PretrainedConfig) -> int | None:
@@ -36,20 +39,27 @@ class PagedCausalLM(nn.Module):
 
     Subclasses build their modules with the same names as the transformers checkpoint, except where fused
     (``stacked_params``) or renamed in an override of ``map_checkpoint_weight``.
+
+    Under tensor parallelism (``tp.size`` > 1) the model holds this rank's shard of every layer:
+    ``num_heads`` and ``num_kv_heads`` count this rank's heads (its KV pool holds those), while
+    ``hidden_size`` and ``vocab_size`` are the whole model's (activations are replicated, logits
+    gathered).
     """
 
     # checkpoint module name -> (fused module name, shard id), e.g. "q_proj" -> ("qkv_proj", "q")
     stacked_params: ClassVar[dict[str, tuple[str, str]]] = {}
-    lm_head: nn.Linear  # set by subclasses through `make_lm_head`
+    lm_head: ParallelLMHead  # set by subclasses through `make_lm_head`
 
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, tp: TensorParallel) -> None:
         super().__init__()
         self.config = config
+        self.tp = tp
         self.num_layers: int = config.num_hidden_layers
-        self.num_heads: int = config.num_attention_heads
-        self.num_kv_heads: int = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.hidden_size: int = config.hidden_size
-        self.head_dim: int = getattr(config, "head_dim", None) or self.hidden_size // self.num_heads
+        self.attention_shards = AttentionShards.of(config, tp)
+        self.head_dim: int = self.attention_shards.head_dim
+        self.num_heads: int = self.attention_shards.num_heads
+        self.num_kv_heads: int = self.attention_shards.num_kv_heads
         self.vocab_size: int = config.vocab_size
         # only full attention is implemented: a sliding-window model is exact up to its window, so cap there
         window = attention_window(config)
@@ -69,19 +79,20 @@ class PagedCausalLM(nn.Module):
         dtype, written into ``out`` when given (a CUDA graph's shared output). Not cast to float32
         here: at batch 512 and a 152k vocabulary that cast moves ~0.5 GB per decode step, and greedy
         rows (argmax; the cast is monotonic) never need it; the sampler casts when a row samples."""
-        return torch.mm(hidden, self.lm_head.weight.t(), out=out)  # nn.Linear's GEMM (no bias)
+        return self.lm_head.logits(hidden, out)
 
-    def make_lm_head(self, embedding: nn.Embedding) -> nn.Linear:
+    def make_lm_head(self, embedding: VocabParallelEmbedding) -> ParallelLMHead:
         """The output projection; shares the embedding's weight (no allocation) when the config ties them."""
         if not self.config.tie_word_embeddings:
-            return nn.Linear(self.hidden_size, self.vocab_size, bias=False)
-        lm_head = nn.Linear(self.hidden_size, self.vocab_size, bias=False, device="meta")
+            return ParallelLMHead(self.vocab_size, self.hidden_size, self.tp)
+        with torch.device("meta"):
+            lm_head = ParallelLMHead(self.vocab_size, self.hidden_size, self.tp)
         lm_head.weight = embedding.weight
         return lm_head
 
     def map_checkpoint_weight(
-        self, name: str, tensor: torch.Tensor
-    ) -> tuple[str, torch.Tensor, str | None] | None:
+        self, name: str, tensor: LoadedTensor
+    ) -> tuple[str, LoadedTensor, str | None] | None:
         """Translate one checkpoint tensor into ``(parameter name, tensor, shard id)``; None skips it.
 
         Skipped: rotary ``inv_freq`` buffers some checkpoints carry, and ``lm_head.weight`` of a tied model

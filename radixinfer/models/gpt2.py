@@ -1,7 +1,9 @@
 """GPT-2 over the paged KV cache: learned positions, pre-LayerNorm blocks, GELU MLP, tied output projection.
 
-Module names are the checkpoint's without the ``transformer.`` prefix. The checkpoint stores its projections
-as ``Conv1D`` weights ``[in, out]``; they are transposed once at load into ``nn.Linear``'s ``[out, in]``.
+Module names are the checkpoint's without the ``transformer.`` prefix. The checkpoint stores its
+projections as ``Conv1D`` weights ``[in, out]``; they are transposed once at load into
+``nn.Linear``'s ``[out, in]`` (the read of a rank's shard then takes columns of the stored tensor).
+Sharded over a tensor-parallel group like the Llama family; the learned positions are replicated.
 """
 
 from __future__ import annotations
@@ -12,27 +14,39 @@ from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
 from radixinfer.attention import ForwardContext
+from radixinfer.distributed.group import TensorParallel
 from radixinfer.models.base import PagedCausalLM
+from radixinfer.models.layers import LoadedTensor
+from radixinfer.models.parallel import (
+    AttentionShards,
+    ColumnParallelLinear,
+    OutputShard,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 
 _CONV1D_MODULES = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 
 
 class GPT2Attention(nn.Module):
-    def __init__(self, config: PretrainedConfig, layer_idx: int) -> None:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        layer_idx: int,
+        shards: AttentionShards,
+        tp: TensorParallel,
+    ) -> None:
         super().__init__()
         hidden = config.hidden_size
         self.layer_idx = layer_idx
-        self.num_heads, self.head_dim = (
-            config.num_attention_heads,
-            hidden // config.num_attention_heads,
-        )
+        self.num_heads, self.head_dim = shards.num_heads, shards.head_dim
         self.scale = self.head_dim**-0.5 if config.scale_attn_weights else 1.0
         if config.scale_attn_by_inverse_layer_idx:
             self.scale /= layer_idx + 1
-        self.c_attn = nn.Linear(
-            hidden, 3 * hidden
-        )  # q, k, v concatenated (already fused in the checkpoint)
-        self.c_proj = nn.Linear(hidden, hidden)
+        # q, k, v: one tensor in the checkpoint, this rank's heads of each
+        qkv = {"q": shards.q, "k": shards.q, "v": shards.q}
+        self.c_attn = ColumnParallelLinear(hidden, qkv, bias=True, checkpoint_shards=False)
+        self.c_proj = RowParallelLinear(hidden, hidden, True, tp, "num_attention_heads")
 
     def forward(
         self, x: torch.Tensor, ctx: ForwardContext
@@ -51,11 +65,14 @@ _ONE_KERNEL = {"gelu_new": "gelu_pytorch_tanh"}
 
 
 class GPT2MLP(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, tp: TensorParallel) -> None:
         super().__init__()
         inner = config.n_inner or 4 * config.hidden_size
-        self.c_fc = nn.Linear(config.hidden_size, inner)
-        self.c_proj = nn.Linear(inner, config.hidden_size)
+        shard = {"fc": OutputShard.split(inner, tp, "MLP size (n_inner)")}
+        self.c_fc = ColumnParallelLinear(
+            config.hidden_size, shard, bias=True, checkpoint_shards=False
+        )
+        self.c_proj = RowParallelLinear(inner, config.hidden_size, True, tp, "MLP size (n_inner)")
         self.act = ACT2FN[_ONE_KERNEL.get(config.activation_function, config.activation_function)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
@@ -63,12 +80,18 @@ class GPT2MLP(nn.Module):
 
 
 class GPT2Block(nn.Module):
-    def __init__(self, config: PretrainedConfig, layer_idx: int) -> None:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        layer_idx: int,
+        shards: AttentionShards,
+        tp: TensorParallel,
+    ) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
-        self.attn = GPT2Attention(config, layer_idx)
+        self.attn = GPT2Attention(config, layer_idx, shards, tp)
         self.ln_2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
-        self.mlp = GPT2MLP(config)
+        self.mlp = GPT2MLP(config, tp)
 
     def forward(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         h = h + self.attn(self.ln_1(h), ctx)
@@ -76,11 +99,13 @@ class GPT2Block(nn.Module):
 
 
 class GPT2LMHeadModel(PagedCausalLM):
-    def __init__(self, config: PretrainedConfig) -> None:
-        super().__init__(config)
-        self.wte = nn.Embedding(config.vocab_size, config.hidden_size)
+    def __init__(self, config: PretrainedConfig, tp: TensorParallel) -> None:
+        super().__init__(config, tp)
+        self.wte = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
-        self.h = nn.ModuleList(GPT2Block(config, i) for i in range(config.num_hidden_layers))
+        self.h = nn.ModuleList(
+            GPT2Block(config, i, self.attention_shards, tp) for i in range(config.num_hidden_layers)
+        )
         self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
         self.lm_head = self.make_lm_head(self.wte)
 
@@ -93,8 +118,8 @@ class GPT2LMHeadModel(PagedCausalLM):
         return self.ln_f(h)
 
     def map_checkpoint_weight(
-        self, name: str, tensor: torch.Tensor
-    ) -> tuple[str, torch.Tensor, str | None] | None:
+        self, name: str, tensor: LoadedTensor
+    ) -> tuple[str, LoadedTensor, str | None] | None:
         """Strip ``transformer.``, drop the causal-mask buffers old checkpoints carry, transpose Conv1D weights."""
         name = name.removeprefix("transformer.")
         if name.endswith((".attn.bias", ".attn.masked_bias")):

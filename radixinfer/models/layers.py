@@ -2,7 +2,8 @@
 
 A module may define ``weight_loader(param, loaded, shard_id)`` (and ``shard_ids``, the shards its parameters
 are assembled from); the loader calls it for every checkpoint tensor that maps to one of the module's
-parameters. Modules without one load with `default_weight_loader`.
+parameters, as a `CheckpointTensor` it reads only the needed part of. Modules without one load with
+`default_weight_loader`. The sharded layers of tensor parallelism: `radixinfer.models.parallel`.
 
 The element-wise steps between the matmuls (residual add + RMSNorm, rotary, SwiGLU's gate) are fused ops from
 ``kernels/``, chosen per call by `by_device`: their Triton kernels on CUDA, their PyTorch references elsewhere
@@ -41,50 +42,63 @@ rms_norm = by_device(rms_norm_triton, rms_norm_ref)
 silu_and_mul = by_device(silu_and_mul_triton, silu_and_mul_ref)
 
 
-def default_weight_loader(
-    param: torch.Tensor, loaded: torch.Tensor, shard_id: str | None = None
-) -> None:
-    """Copy a whole, unfused tensor into ``param`` (casting to its dtype and device)."""
-    if shard_id is not None:
-        raise ValueError(f"unexpected shard {shard_id!r} for an unfused parameter")
+class CheckpointTensor:
+    """A tensor of a safetensors checkpoint, read only in the parts a weight loader asks for.
+
+    ``narrow(dim, start, length)`` reads one slice (a rank's rows or columns of a sharded weight,
+    and nothing else); `read_whole` reads it all. ``t()`` swaps the two dimensions of a matrix
+    without reading anything (GPT-2 stores its projections transposed). A plain tensor offers the
+    same ``shape`` / ``narrow`` / ``t``, so loaders take either.
+    """
+
+    def __init__(self, source, transposed: bool = False) -> None:
+        self._source = source  # safetensors' slice handle (``safe_open(...).get_slice(name)``)
+        self._transposed = transposed
+        shape = tuple(source.get_shape())
+        self.shape = torch.Size(shape[::-1] if transposed else shape)
+
+    def t(self) -> CheckpointTensor:
+        if len(self.shape) != 2:
+            raise ValueError(f"t() of a {len(self.shape)}-d checkpoint tensor")
+        return CheckpointTensor(self._source, not self._transposed)
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        dim = dim % len(self.shape)
+        stored_dim = 1 - dim if self._transposed else dim
+        index = [slice(None)] * len(self.shape)
+        index[stored_dim] = slice(start, start + length)
+        part = self._source[tuple(index)]
+        return part.t() if self._transposed else part
+
+    def read(self) -> torch.Tensor:
+        part = self._source[...] if not self.shape else self._source[:]
+        return part.t() if self._transposed else part
+
+
+LoadedTensor = torch.Tensor | CheckpointTensor
+
+
+def read_whole(loaded: LoadedTensor) -> torch.Tensor:
+    """The whole of ``loaded``, as a tensor."""
+    return loaded.read() if isinstance(loaded, CheckpointTensor) else loaded
+
+
+def copy_checked(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    """Copy ``loaded`` into ``param`` (casting to its dtype and device) after checking shapes."""
     if param.shape != loaded.shape:
         raise ValueError(
             f"checkpoint tensor has shape {tuple(loaded.shape)}, parameter {tuple(param.shape)}"
         )
-    param.data.copy_(loaded)
+    param.copy_(loaded)
 
 
-class FusedLinear(nn.Linear):
-    """Several projections of the same input as one matmul (q/k/v, gate/up).
-
-    The output features are the shards concatenated in ``shard_sizes`` order; each checkpoint tensor of a
-    shard (e.g. ``k_proj.weight``, ``k_proj.bias``) is copied into its rows at load time, so fusing happens
-    here and nowhere else.
-    """
-
-    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool) -> None:
-        super().__init__(in_features, sum(shard_sizes.values()), bias=bias)
-        self.shard_sizes = dict(shard_sizes)
-
-    @property
-    def shard_ids(self) -> tuple[str, ...]:
-        return tuple(self.shard_sizes)
-
-    def weight_loader(
-        self, param: torch.Tensor, loaded: torch.Tensor, shard_id: str | None
-    ) -> None:
-        if shard_id not in self.shard_sizes:
-            raise ValueError(f"unknown shard {shard_id!r}; expected one of {self.shard_ids}")
-        offset = 0
-        for name, size in self.shard_sizes.items():
-            if name == shard_id:
-                break
-            offset += size
-        default_weight_loader(param.data.narrow(0, offset, self.shard_sizes[shard_id]), loaded)
-
-    def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """``[..., out_features]`` -> one ``[..., shard_size]`` view per shard, in order."""
-        return out.split(list(self.shard_sizes.values()), dim=-1)
+def default_weight_loader(
+    param: torch.Tensor, loaded: LoadedTensor, shard_id: str | None = None
+) -> None:
+    """Copy a whole, unfused, unsharded tensor into ``param``."""
+    if shard_id is not None:
+        raise ValueError(f"unexpected shard {shard_id!r} for an unfused parameter")
+    copy_checked(param.data, read_whole(loaded))
 
 
 class RMSNorm(nn.Module):

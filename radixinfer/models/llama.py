@@ -8,7 +8,9 @@ They differ only in a few switches, read from the config:
     qwen2        always                -                 -
     qwen3        attention_bias        attention_bias    yes
 
-Everything else is shared: GQA, RoPE, RMSNorm, SwiGLU MLP, optional tied embeddings.
+Everything else is shared: GQA, RoPE, RMSNorm, SwiGLU MLP, optional tied embeddings. Layers are
+sharded over a tensor-parallel group (`radixinfer.models.parallel`): q/k/v and gate/up by columns,
+o_proj and down_proj by rows, the embedding and the output projection by vocabulary.
 """
 
 from __future__ import annotations
@@ -19,31 +21,44 @@ from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
 from radixinfer.attention import ForwardContext
+from radixinfer.distributed.group import TensorParallel
 from radixinfer.models.base import PagedCausalLM
-from radixinfer.models.layers import FusedLinear, RMSNorm, silu_and_mul
+from radixinfer.models.layers import RMSNorm, silu_and_mul
+from radixinfer.models.parallel import (
+    AttentionShards,
+    ColumnParallelLinear,
+    OutputShard,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from radixinfer.models.rotary import RotaryEmbedding, apply_rotary
 
 
 class LlamaAttention(nn.Module):
+    """Attention over this rank's query heads and the KV heads they read (all of them with one
+    rank); ``o_proj`` sums the ranks' outputs."""
+
     def __init__(
-        self, config: PretrainedConfig, layer_idx: int, num_kv_heads: int, head_dim: int
+        self,
+        config: PretrainedConfig,
+        layer_idx: int,
+        shards: AttentionShards,
+        tp: TensorParallel,
     ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            config.num_attention_heads,
-            num_kv_heads,
-            head_dim,
-        )
+        self.num_heads, self.num_kv_heads = shards.num_heads, shards.num_kv_heads
+        self.head_dim = head_dim = shards.head_dim
         self.scale = head_dim**-0.5
         attention_bias = getattr(config, "attention_bias", False)
-        q_size, kv_size = self.num_heads * head_dim, num_kv_heads * head_dim
-        self.qkv_proj = FusedLinear(
+        self.qkv_proj = ColumnParallelLinear(
             config.hidden_size,
-            {"q": q_size, "k": kv_size, "v": kv_size},
+            {"q": shards.q, "k": shards.kv, "v": shards.kv},
             bias=attention_bias or config.model_type == "qwen2",
         )
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=attention_bias)
+        self.o_proj = RowParallelLinear(
+            shards.q.size, config.hidden_size, attention_bias, tp, "num_attention_heads"
+        )
         has_qk_norm = config.model_type == "qwen3"
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps) if has_qk_norm else None
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps) if has_qk_norm else None
@@ -66,12 +81,16 @@ class LlamaMLP(nn.Module):
     """SwiGLU: ``down(act(gate(x)) * up(x))`` with gate and up as one matmul; ``act * up`` is one fused op
     for SiLU (every model of the family), two eager ones for any other activation."""
 
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, tp: TensorParallel) -> None:
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        size = config.intermediate_size
-        self.gate_up_proj = FusedLinear(config.hidden_size, {"gate": size, "up": size}, bias=bias)
-        self.down_proj = nn.Linear(size, config.hidden_size, bias=bias)
+        half = OutputShard.split(config.intermediate_size, tp, "intermediate_size")
+        self.gate_up_proj = ColumnParallelLinear(
+            config.hidden_size, {"gate": half, "up": half}, bias=bias
+        )
+        self.down_proj = RowParallelLinear(
+            config.intermediate_size, config.hidden_size, bias, tp, "intermediate_size"
+        )
         self.act = None if config.hidden_act == "silu" else ACT2FN[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
@@ -84,13 +103,17 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, config: PretrainedConfig, layer_idx: int, num_kv_heads: int, head_dim: int
+        self,
+        config: PretrainedConfig,
+        layer_idx: int,
+        shards: AttentionShards,
+        tp: TensorParallel,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, layer_idx, num_kv_heads, head_dim)
+        self.self_attn = LlamaAttention(config, layer_idx, shards, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, tp)
 
     def forward(
         self,
@@ -114,14 +137,17 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(
-        self, config: PretrainedConfig, num_kv_heads: int, head_dim: int, max_positions: int
+        self,
+        config: PretrainedConfig,
+        shards: AttentionShards,
+        max_positions: int,
+        tp: TensorParallel,
     ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.rotary_emb = RotaryEmbedding(config, head_dim, max_positions)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.rotary_emb = RotaryEmbedding(config, shards.head_dim, max_positions)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, num_kv_heads, head_dim)
-            for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, shards, tp) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -144,9 +170,9 @@ class LlamaForCausalLM(PagedCausalLM):
         "up_proj": ("gate_up_proj", "up"),
     }
 
-    def __init__(self, config: PretrainedConfig) -> None:
-        super().__init__(config)
-        self.model = LlamaModel(config, self.num_kv_heads, self.head_dim, self.max_context_len)
+    def __init__(self, config: PretrainedConfig, tp: TensorParallel) -> None:
+        super().__init__(config, tp)
+        self.model = LlamaModel(config, self.attention_shards, self.max_context_len, tp)
         self.lm_head = self.make_lm_head(self.model.embed_tokens)
 
     def forward(

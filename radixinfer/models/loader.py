@@ -4,7 +4,7 @@ safetensors checkpoint, or seeded random values)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -12,9 +12,10 @@ import torch
 from safetensors import safe_open
 from transformers import PretrainedConfig
 
+from radixinfer.distributed.group import TensorParallel
 from radixinfer.models.base import PagedCausalLM
 from radixinfer.models.gpt2 import GPT2LMHeadModel
-from radixinfer.models.layers import default_weight_loader
+from radixinfer.models.layers import CheckpointTensor, LoadedTensor, default_weight_loader
 from radixinfer.models.llama import LlamaForCausalLM
 
 MODEL_CLASSES: dict[str, type[PagedCausalLM]] = {
@@ -24,6 +25,8 @@ MODEL_CLASSES: dict[str, type[PagedCausalLM]] = {
     "qwen3": LlamaForCausalLM,
     "gpt2": GPT2LMHeadModel,
 }
+
+WeightLoader = Callable[[torch.Tensor, LoadedTensor, str | None], None]
 
 RANDOM_INIT_STD = (
     0.2  # large enough that a random model's greedy output does not collapse to one token
@@ -41,12 +44,16 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def build_model(
-    config: PretrainedConfig, device: torch.device, dtype: torch.dtype
+    config: PretrainedConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    tp: TensorParallel | None = None,
 ) -> PagedCausalLM:
-    """Construct the model for ``config`` directly on ``device`` in ``dtype`` (no float32 copy on the CPU).
+    """Construct the model for ``config`` directly on ``device`` in ``dtype`` (no float32 copy on
+    the CPU); with ``tp``, this rank's shard of it.
 
     Parameter values are placeholders until `load_checkpoint_weights` or `init_random_weights` fills them.
-    Raises ValueError for an architecture outside `MODEL_CLASSES`.
+    Raises ValueError for an architecture outside `MODEL_CLASSES`, or a config ``tp`` cannot shard.
     """
     model_type = getattr(config, "model_type", None)
     if model_type not in MODEL_CLASSES:
@@ -56,7 +63,7 @@ def build_model(
             f"supported model types: {', '.join(sorted(MODEL_CLASSES))}"
         )
     with torch.device(device), _default_dtype(dtype):
-        model = MODEL_CLASSES[model_type](config)
+        model = MODEL_CLASSES[model_type](config, tp or TensorParallel.single())
     return model.eval().requires_grad_(False)
 
 
@@ -77,9 +84,11 @@ def checkpoint_files(path: Path) -> list[Path]:
 def load_checkpoint_weights(model: PagedCausalLM, path: Path) -> None:
     """Fill every parameter of ``model`` from the checkpoint dir ``path``, tensor by tensor.
 
-    Each tensor is renamed by ``model.map_checkpoint_weight`` and handed to the owning module's
-    ``weight_loader`` (fused layers) or `default_weight_loader`. Raises ValueError on a tensor the model has no
-    parameter for, or when a parameter (or a shard of a fused one) is missing from the checkpoint.
+    Each tensor is renamed by ``model.map_checkpoint_weight`` and handed, unread, to the owning
+    module's ``weight_loader`` (fused and sharded layers) or `default_weight_loader`, which reads
+    what the parameter holds: a tensor-parallel rank reads its shard's rows or columns, nothing
+    else. Raises ValueError on a tensor the model has no parameter for, or when a parameter (or a
+    shard of a fused one) is missing from the checkpoint.
     """
     params = dict(model.named_parameters())
     device = next(iter(params.values())).device
@@ -87,7 +96,7 @@ def load_checkpoint_weights(model: PagedCausalLM, path: Path) -> None:
     for file in checkpoint_files(path):
         with safe_open(file, framework="pt", device=str(device)) as f:
             for name in f.keys():
-                mapped = model.map_checkpoint_weight(name, f.get_tensor(name))
+                mapped = model.map_checkpoint_weight(name, CheckpointTensor(f.get_slice(name)))
                 if mapped is None:
                     continue
                 param_name, tensor, shard_id = mapped
@@ -95,11 +104,7 @@ def load_checkpoint_weights(model: PagedCausalLM, path: Path) -> None:
                     raise ValueError(
                         f"checkpoint tensor {name!r} ({file.name}) matches no parameter of the model"
                     )
-                module_name, _, _ = param_name.rpartition(".")
-                loader = getattr(
-                    model.get_submodule(module_name), "weight_loader", default_weight_loader
-                )
-                loader(params[param_name], tensor, shard_id)
+                _weight_loader(model, param_name)(params[param_name], tensor, shard_id)
                 loaded.add((param_name, shard_id))
     expected = {
         (name, shard_id)
@@ -112,15 +117,29 @@ def load_checkpoint_weights(model: PagedCausalLM, path: Path) -> None:
 
 def init_random_weights(model: PagedCausalLM, seed: int) -> None:
     """Seeded random values on the parameters' own device and dtype: matrices ~ N(0, RANDOM_INIT_STD),
-    biases 0, norm weights 1. Same seed, device and dtype -> same weights. A no-op on the meta device."""
+    biases 0, norm weights 1. Same seed, device and dtype -> same weights, whatever the model's
+    tensor-parallel shard: the values are drawn for the unsharded parameters, in order, and each
+    goes through its weight loader as a checkpoint tensor would. A no-op on the meta device."""
     device = next(model.parameters()).device
     if device.type == "meta":
         return
+    with torch.device("meta"):
+        unsharded = type(model)(model.config, TensorParallel.single())
+    params = dict(model.named_parameters())
     generator = torch.Generator(device=device).manual_seed(seed)
-    for name, param in model.named_parameters():
-        if param.dim() >= 2:
-            param.normal_(0.0, RANDOM_INIT_STD, generator=generator)
+    for name, shape in ((n, p.shape) for n, p in unsharded.named_parameters()):
+        param = params[name]
+        values = torch.empty(shape, dtype=param.dtype, device=device)
+        if values.dim() >= 2:
+            values.normal_(0.0, RANDOM_INIT_STD, generator=generator)
         elif name.endswith("bias"):
-            param.zero_()
+            values.zero_()
         else:
-            param.fill_(1.0)
+            values.fill_(1.0)
+        _weight_loader(model, name)(param, values, None)
+
+
+def _weight_loader(model: PagedCausalLM, param_name: str) -> WeightLoader:
+    """The loader of a parameter: its module's ``weight_loader``, else `default_weight_loader`."""
+    module = model.get_submodule(param_name.rpartition(".")[0])
+    return getattr(module, "weight_loader", default_weight_loader)

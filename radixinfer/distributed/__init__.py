@@ -1,0 +1,1 @@
+"""Tensor parallelism over torch.distributed (docs/multi-gpu.md)."""
