@@ -332,6 +332,9 @@ def _gc_threshold(young: int):
         gc.set_threshold(*saved)
 
 
+FIRST_POOL_HEADROOM = 0.01  # of the first variant's share, left for the others' measurements
+
+
 def _release_device_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
@@ -346,7 +349,9 @@ def run_bench(args: argparse.Namespace) -> dict:
     # blocks (an even split of what is free when each opens would shrink later ones). transformers'
     # continuous batching, given its pool size, gets the whole fraction as a ceiling only: it checks
     # that pool against that fraction of what is free when it opens (its share alone, of what the
-    # first left, would refuse the pool).
+    # first left, would refuse the pool). The first plans its pool within `FIRST_POOL_HEADROOM` of
+    # its share: each engine measures its own non-KV memory (the caching allocator rounds it a little
+    # differently each time), so the others must have room for the same pool.
     share = args.gpu_memory_utilization / len(variants)
     num_blocks = args.num_blocks
     with tempfile.TemporaryDirectory(prefix="radixinfer-bench-") as tmp:
@@ -358,6 +363,8 @@ def run_bench(args: argparse.Namespace) -> dict:
             for variant in variants:
                 whole = variant.backend == "hf" and num_blocks is not None
                 fraction = args.gpu_memory_utilization if whole else share
+                if num_blocks is None and len(variants) > 1:
+                    fraction *= 1 - FIRST_POOL_HEADROOM
                 backends.append(open_backend(variant, model, args, fraction, num_blocks))
                 num_blocks = num_blocks or backends[-1].info.get("kv_blocks")
             with _gc_threshold(args.gc_threshold):
