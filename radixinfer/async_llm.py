@@ -1,26 +1,29 @@
 """The asyncio front: `AsyncLLM` serves one `LLM` to any number of concurrent callers.
 
-The engine is single-threaded by contract, so one background thread owns it and makes every engine
-call. Callers only touch three small inboxes (submissions, aborts, calls) under one condition
-variable::
+The engine is single-threaded by contract, so one loop owns it (`radixinfer.engine_core`): on a
+thread of this process (``AsyncLLM(llm)``), or in an engine process of its own
+(``AsyncLLM(EngineProcess(**llm_kwargs))``, what ``radixinfer serve`` runs, so the engine never
+waits for the GIL while the HTTP event loop streams). Both run the same loop over the same
+messages::
 
-    add_request / submit / abort / call  --(inbox, notify)-->  loop thread: add, abort, call, step
-    sinks: an event loop's router, queues <--[events]-------   one list per sink per step, in order
+    add_request / submit / abort / call  --(AddRequest, Abort, Call)-->  engine core: apply, step
+    sinks: an event loop's router, queues <--(one StepOutput a step)---  events, call results
 
-The loop sleeps on the condition while the engine has nothing to do (no polling) and steps it back
-to back while it has. Each step's events go to their sinks as one list per sink: all the streams of
-one asyncio event loop share one sink (`_Router`), so the loop thread wakes the event loop once a
-step with ``call_soon_threadsafe``, not once a token per request, and the event loop fans the list
-out to the streams. A consumer of many requests that is not a coroutine (the benchmark) passes its
-own sink, a ``queue.SimpleQueue``, and receives the lists as they are: a steady decode step's tokens
-of requests that do not detokenize stay one `TokenBatch` there. A delta's ``timestamp`` is taken
-inside the engine step that produced its tokens, so queueing between the loop and a consumer never
-shows up in measured latencies.
+Each step's events go to their sinks as one list per sink: all the streams of one asyncio event
+loop share one sink (`_Router`), so a step wakes the event loop once with ``call_soon_threadsafe``,
+not once a token per request, and the event loop fans the list out to the streams. A stream whose
+consumer is behind takes everything that arrived for it at once (`AsyncStream.next_deltas`): under
+load, per-token costs downstream fall without a fixed interval. A consumer of many requests that is
+not a coroutine (the benchmark) passes its own sink, a ``queue.SimpleQueue``, and receives the
+lists as they are: a steady decode step's tokens of requests that do not detokenize stay one
+`TokenBatch` there. A delta's ``timestamp`` is taken inside the engine step that produced its
+tokens (in ``perf_counter`` seconds, which an engine process on the same machine shares), so
+queueing between the loop and a consumer never shows up in measured latencies.
 
 Failures never leave a consumer waiting: a request the engine rejects gets a `StreamFailure`
-carrying its ``ValueError``; an exception inside the loop fails every open request with an
-`EngineLoopError` and makes later submissions raise it. `AsyncLLM.close` aborts what is still
-running and joins the thread.
+carrying its ``ValueError``; an exception inside the loop, or an engine process that dies, fails
+every open request with an `EngineLoopError` and makes later submissions raise it. `AsyncLLM.close`
+aborts what is still running and stops the loop (and its process).
 """
 
 from __future__ import annotations
@@ -31,13 +34,27 @@ import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Hashable
 from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 import numpy as np
 
 from radixinfer.api import LLM
-from radixinfer.outputs import EngineEvent, StreamDelta, TokenBatch
+from radixinfer.engine.prompts import PromptChecker
+from radixinfer.engine_core import (
+    Abort,
+    AddRequest,
+    Call,
+    Close,
+    CoreFailed,
+    CoreInput,
+    CoreOutput,
+    EngineProcess,
+    ProcessCore,
+    StepOutput,
+    StreamFailure,
+    ThreadCore,
+)
+from radixinfer.outputs import StreamDelta, TokenBatch
 from radixinfer.sampling_params import SamplingParams
 
 T = TypeVar("T")
@@ -55,53 +72,49 @@ class RequestTimeoutError(TimeoutError):
     """A request ran past its timeout and was aborted."""
 
 
-@dataclass(frozen=True)
-class StreamFailure:
-    """Put on a request's sink instead of further deltas when the request cannot go on."""
-
-    request_id: str
-    error: BaseException
-    # Like a delta's flag: nothing follows it. A consumer of many requests checks
-    # ``event.finished`` on every event and tells failures apart only then.
-    finished: ClassVar[bool] = True
-
-
 StreamEvent = StreamDelta | TokenBatch | StreamFailure
 # what a sink receives: one step's events for its requests, in order
 StreamEvents = list[StreamEvent]
 
 
 class Sink(Protocol):
-    """Where the loop thread puts a step's events of the requests submitted with it. ``put`` runs on
-    the loop thread: it must not block (``queue.SimpleQueue.put`` qualifies)."""
+    """Where a step's events of the requests submitted with it go. ``put`` runs on the thread that
+    delivers the engine's outputs: it must not block (``queue.SimpleQueue.put`` qualifies)."""
 
     def put(self, events: StreamEvents) -> None: ...
 
 
-@dataclass
-class _Submission:
-    request_id: str
-    prompt: np.ndarray  # token ids, checked (`LLMEngine.prompt_ids`)
-    params: SamplingParams
-    cache_salt: Hashable
-    sink: Sink
+class _Core(Protocol):
+    """`ThreadCore` or `ProcessCore`: where the loop runs."""
+
+    prompts: PromptChecker
+
+    def send(self, message: CoreInput) -> None: ...
+
+    def join(self) -> None: ...
 
 
 class AsyncLLM:
-    """Serves ``llm`` from a background thread to concurrent callers until `close`.
+    """Serves ``llm`` to concurrent callers until `close`: an `LLM`, stepped on a thread of this
+    process (nothing else may drive it meanwhile, no ``LLM.generate``), or an `EngineProcess`,
+    built and stepped in a process of its own (the constructor returns once it has loaded, and
+    raises what loading raised).
 
     ``max_waiting`` bounds the requests submitted and not yet admitted (no KV held yet): one more
     raises `QueueFullError` at once. ``request_timeout`` (seconds, None: none) is the default of
-    `add_request`'s ``timeout``. Nothing else may drive ``llm`` while this front owns it (no
-    ``LLM.generate``).
+    `add_request`'s ``timeout``.
 
     The coroutine side (`add_request`, `generate`, the awaitable helpers) runs on any asyncio event
     loop; `submit`, `abort` and `call` may be used from any thread. Use as a context manager or call
-    `close`: the loop thread is not a daemon, so a forgotten front keeps the process alive.
+    `close`: an engine thread is not a daemon, so a forgotten front keeps the process alive.
     """
 
     def __init__(
-        self, llm: LLM, *, max_waiting: int | None = None, request_timeout: float | None = None
+        self,
+        llm: LLM | EngineProcess,
+        *,
+        max_waiting: int | None = None,
+        request_timeout: float | None = None,
     ) -> None:
         if max_waiting is not None and (isinstance(max_waiting, bool) or max_waiting < 1):
             raise ValueError(f"max_waiting must be a positive integer or None, got {max_waiting!r}")
@@ -109,23 +122,28 @@ class AsyncLLM:
             raise ValueError(
                 f"request_timeout must be > 0 seconds or None, got {request_timeout!r}"
             )
-        self.llm = llm
-        self.tokenizer = llm.tokenizer
-        self.max_context_len: int = llm.engine.max_context_len
+        if not isinstance(llm, (LLM, EngineProcess)):
+            raise ValueError(f"llm must be an LLM or an EngineProcess, got {type(llm).__name__}")
         self.max_waiting = max_waiting
         self.request_timeout = request_timeout
-        self._engine = llm.engine
-        self._cond = threading.Condition()
-        self._submissions: list[_Submission] = []
-        self._aborts: list[str] = []
-        self._calls: list[tuple[Callable[[LLM], Any], Future]] = []
-        self._sinks: dict[str, Sink] = {}  # open requests (loop thread only)
+        self._lock = threading.Lock()  # what submitting threads and the delivering thread share
+        self._sinks: dict[str, Sink] = {}  # open requests
+        self._calls: dict[int, Future] = {}
         self._routers: dict[asyncio.AbstractEventLoop, _Router] = {}
         self._ids = itertools.count()
+        self._call_ids = itertools.count()
+        self._num_submitted = 0
+        self._num_taken = 0  # of those, taken by the core
+        self._core_waiting = 0  # of those, queued for admission in the engine
         self._closing = False
         self._error: EngineLoopError | None = None
-        self._thread = threading.Thread(target=self._loop, name="radixinfer-engine", daemon=False)
-        self._thread.start()
+        if isinstance(llm, LLM):
+            self._core: _Core = ThreadCore(llm, self._on_output)
+        else:
+            self._core = ProcessCore(llm, self._on_output)
+        self._prompts = self._core.prompts
+        self.tokenizer = self._prompts.tokenizer
+        self.max_context_len: int = self._prompts.max_context_len
 
     # ------------------------------------------------------------------ coroutine side
     def add_request(
@@ -142,14 +160,14 @@ class AsyncLLM:
         pool) are raised by the stream.
 
         The caller must iterate the stream to its end or `AsyncStream.close` it (`generate` does
-        both). A string prompt is encoded here, on the caller's thread (the engine thread only
+        both). A string prompt is encoded here, on the caller's thread (the engine only
         decodes)."""
         loop = asyncio.get_running_loop()
         router = self._routers.get(loop)
         if router is None:  # a new event loop: forget the routers of closed ones
             self._routers = {old: r for old, r in self._routers.items() if not old.is_closed()}
             router = self._routers[loop] = _Router(loop)
-        prompt_ids = self._engine.prompt_ids(prompt)
+        prompt_ids = self._prompts.token_ids(prompt)
         timeout = self.request_timeout if timeout is None else timeout
         request_id = self.submit(prompt_ids, params, cache_salt, router)
         return router.open(self, request_id, prompt_ids, timeout)
@@ -174,12 +192,12 @@ class AsyncLLM:
 
     async def cache_stats(self) -> dict[str, float | int]:
         """``LLM.cache_stats()``, taken between two steps."""
-        return await asyncio.wrap_future(self.call(lambda llm: llm.cache_stats()))
+        return await asyncio.wrap_future(self.call(_cache_stats))
 
     async def reset_prefix_cache(self) -> None:
         """Empty the prefix cache; ``RuntimeError`` while requests hold KV (the engine refuses
         then)."""
-        await asyncio.wrap_future(self.call(lambda llm: llm.reset_prefix_cache()))
+        await asyncio.wrap_future(self.call(_reset_prefix_cache))
 
     async def stats(self) -> dict[str, float | int]:
         """``LLM.cache_stats()`` plus ``running`` (requests holding KV) and ``waiting`` (queued for
@@ -201,53 +219,58 @@ class AsyncLLM:
         Raises ``ValueError`` for a bad prompt, `QueueFullError`, `EngineLoopError` if the loop has
         died and ``RuntimeError`` after `close`; a request the engine rejects later gets a
         `StreamFailure`."""
-        prompt_ids = self._engine.prompt_ids(prompt)
+        prompt_ids = self._prompts.token_ids(prompt)
         if params is not None and not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        with self._cond:
+        with self._lock:
             self._check_open()
             if self.max_waiting is not None and self.num_waiting >= self.max_waiting:
                 raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests)")
             request_id = f"req-{next(self._ids)}"
-            submission = _Submission(
-                request_id, prompt_ids, params or SamplingParams(), cache_salt, sink
+            self._sinks[request_id] = sink  # before the core can answer
+            self._num_submitted += 1
+            self._core.send(
+                AddRequest(request_id, prompt_ids, params or SamplingParams(), cache_salt)
             )
-            self._submissions.append(submission)
-            self._cond.notify()
         return request_id
 
     @property
     def num_waiting(self) -> int:
         """Requests submitted and not yet admitted (exact between steps, else off by what one step
         admits)."""
-        return len(self._submissions) + len(self._engine.waiting)
+        return self._num_submitted - self._num_taken + self._core_waiting
 
     def abort(self, request_id: str) -> None:
         """Stop a request wherever it is; its sink gets a final ``"abort"`` delta. A no-op for a
         request that has already finished."""
-        with self._cond:
-            if self._closing or self._error is not None:
-                return
-            self._aborts.append(request_id)
-            self._cond.notify()
+        with self._lock:
+            if not (self._closing or self._error is not None):
+                self._core.send(Abort(request_id))
 
     def call(self, fn: Callable[[LLM], T]) -> Future[T]:
-        """Run ``fn(llm)`` on the loop thread between two steps; the future holds its result or
-        exception."""
+        """Run ``fn(llm)`` between two steps; the future holds its result or exception. With an
+        engine process, ``fn`` and its result must pickle (a module-level function, plain data):
+        ``fn`` that does not raises here."""
         future: Future[T] = Future()
-        with self._cond:
+        with self._lock:
             self._check_open()
-            self._calls.append((fn, future))
-            self._cond.notify()
+            call_id = next(self._call_ids)
+            self._calls[call_id] = future
+            try:
+                self._core.send(Call(call_id, fn))
+            except Exception:
+                del self._calls[call_id]
+                raise
         return future
 
     def close(self) -> None:
-        """Abort every open request, stop the loop and join it. Idempotent."""
-        with self._cond:
-            self._closing = True
-            self._cond.notify()
-        if self._thread is not threading.current_thread():
-            self._thread.join()
+        """Abort every open request, stop the loop and wait for it (and its process). Idempotent."""
+        with self._lock:
+            if not self._closing:
+                self._closing = True
+                if self._error is None:
+                    self._core.send(Close())
+        self._core.join()
 
     def __enter__(self) -> AsyncLLM:  # noqa: PYI034 - Python 3.10 has no typing.Self
         return self
@@ -256,63 +279,30 @@ class AsyncLLM:
         self.close()
 
     def _check_open(self) -> None:
-        if self._error is not None:
-            raise self._error
         if self._closing:
             raise RuntimeError("AsyncLLM is closed")
+        if self._error is not None:
+            raise self._error
 
-    # ------------------------------------------------------------------ loop thread
-    def _loop(self) -> None:
-        try:
-            while self._serve_once():
-                pass
-        except BaseException as exc:  # noqa: BLE001 - any failure must reach the consumers
-            self._fail_everyone(exc)
+    # ------------------------------------------------------------------ delivering thread
+    def _on_output(self, output: CoreOutput) -> None:
+        """Take one output of the core: on the engine thread, or on an engine process's reader."""
+        if type(output) is StepOutput:
+            with self._lock:
+                self._num_taken, self._core_waiting = output.num_taken, output.num_waiting
+            self._deliver(output.events)
+            for result in output.results:
+                future = self._calls.pop(result.call_id, None)
+                if future is None or future.done():  # cancelled meanwhile
+                    continue
+                if result.error is None:
+                    future.set_result(result.value)
+                else:
+                    future.set_exception(result.error)
+        elif type(output) is CoreFailed:
+            self._fail_everyone(output.error)
 
-    def _serve_once(self) -> bool:
-        """Take the inboxes (sleeping while there is nothing to do), apply them, run one engine
-        step. Returns False once the front is closing and every request has been aborted."""
-        engine = self._engine
-        with self._cond:
-            while not (
-                self._submissions
-                or self._aborts
-                or self._calls
-                or self._closing
-                or engine.has_unfinished()
-            ):
-                self._cond.wait()
-            submissions, self._submissions = self._submissions, []
-            aborts, self._aborts = self._aborts, []
-            calls, self._calls = self._calls, []
-            closing = self._closing
-        # registered first: the loop fails them too if it dies
-        self._sinks.update((sub.request_id, sub.sink) for sub in submissions)
-        failures: list[EngineEvent | StreamFailure] = []
-        for sub in submissions:
-            try:
-                engine.add_request(
-                    sub.prompt, sub.params, sub.cache_salt, request_id=sub.request_id
-                )
-            except ValueError as exc:
-                failures.append(StreamFailure(sub.request_id, exc))
-        for fn, future in calls:
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn(self.llm))
-                except Exception as exc:  # noqa: BLE001 - handed to the caller through the future
-                    future.set_exception(exc)
-        to_abort = list(self._sinks) if closing else aborts
-        aborted = [engine.abort(r) for r in to_abort if r in self._sinks]
-        failures += [delta for delta in aborted if delta is not None]
-        self._deliver(failures)
-        if closing:
-            return False
-        if engine.has_unfinished():
-            self._deliver(engine.step())
-        return True
-
-    def _deliver(self, events: list[EngineEvent | StreamFailure]) -> None:
+    def _deliver(self, events: StreamEvents) -> None:
         """Put ``events`` on their sinks, one list per sink (a `TokenBatch` split by sink); forget
         the requests that finished."""
         batches: dict[Sink, StreamEvents] = {}  # sinks hash by identity
@@ -322,11 +312,7 @@ class AsyncLLM:
                 self._route_batch(event, batches)
                 continue
             request_id = event.request_id
-            sink = sinks[request_id]
-            if event.finished:
-                del sinks[request_id]
-                if request_id in self._engine.requests:
-                    self._engine.pop_finished(request_id)
+            sink = sinks.pop(request_id) if event.finished else sinks[request_id]
             batches.setdefault(sink, []).append(event)
         for sink, sink_events in batches.items():
             sink.put(sink_events)
@@ -347,18 +333,23 @@ class AsyncLLM:
     def _fail_everyone(self, exc: BaseException) -> None:
         error = EngineLoopError(f"the engine loop failed: {exc!r}")
         error.__cause__ = exc
-        with self._cond:
+        with self._lock:
             self._error = error
-            pending = [(s.request_id, s.sink) for s in self._submissions] + list(
-                self._sinks.items()
-            )
-            calls = self._calls
-            self._submissions, self._calls, self._aborts = [], [], []
-        self._sinks.clear()
-        for request_id, sink in pending:
+            sinks, self._sinks = self._sinks, {}
+            calls, self._calls = self._calls, {}
+        for request_id, sink in sinks.items():
             sink.put([StreamFailure(request_id, error)])
-        for _, future in calls:
-            future.set_exception(error)
+        for future in calls.values():
+            if not future.done():
+                future.set_exception(error)
+
+
+def _cache_stats(llm: LLM) -> dict[str, float | int]:
+    return llm.cache_stats()
+
+
+def _reset_prefix_cache(llm: LLM) -> None:
+    llm.reset_prefix_cache()
 
 
 def _stats(llm: LLM) -> dict[str, float | int]:

@@ -13,7 +13,6 @@ token reaches the caller one step after it is sampled.
 
 from __future__ import annotations
 
-import array
 import itertools
 import random
 import time
@@ -28,6 +27,7 @@ import torch
 from radixinfer.cache.kv_manager import DecodeLanes, KVCacheManager, ReservePlan
 from radixinfer.engine.admission import AdmissionConfig, Grant, plan_admission
 from radixinfer.engine.model_runner import ModelRunner
+from radixinfer.engine.prompts import PromptChecker
 from radixinfer.engine.request import Request, Status
 from radixinfer.engine.sampler import SamplingBatch, sample
 from radixinfer.outputs import EngineEvent, StreamDelta, TokenBatch
@@ -177,6 +177,7 @@ class LLMEngine:
         self.config = config
         self.vocab_size = runner.model.vocab_size
         self.max_context_len = runner.max_context_len  # the model's, or max_model_len when lower
+        self.prompts = PromptChecker(tokenizer, self.vocab_size, self.max_context_len)
         self.counters = EngineCounters()
         self.waiting: deque[Request] = deque()
         self.active: list[Request] = []  # PREFILLING + RUNNING, in admission order
@@ -260,64 +261,8 @@ class LLMEngine:
         return request_id
 
     def prompt_ids(self, prompt: str | list[int] | np.ndarray) -> np.ndarray:
-        """The prompt's token ids, checked, as the int64 array a request keeps (`Request.token_array`): converted
-        once here, where checking the ids needs an array anyway. ``array("q", ids)`` converts at C speed and
-        refuses what is not an integer (a float, a string) instead of truncating it. Raises ``ValueError``.
-
-        For token ids it reads nothing that changes, so any thread may call it: `AsyncLLM.submit` converts
-        them on the submitting thread and hands the engine the array (~30 us for 1,000 ids, that the engine
-        loop would otherwise spend before planning a step). A string is encoded with the engine's tokenizer,
-        which only the engine's thread uses."""
-        if isinstance(prompt, str):
-            try:
-                prompt.encode()
-            except UnicodeEncodeError as exc:  # lone surrogates: no tokenizer can encode them
-                raise ValueError(
-                    f"prompt is not valid Unicode text: {exc.reason} at index {exc.start}"
-                ) from None
-            ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)):
-            ids = prompt
-            if ids and isinstance(
-                ids[0], bool
-            ):  # a mask passed as a prompt: bools are ints to Python
-                raise ValueError("prompt: token ids must be integers, got bools")
-        elif isinstance(prompt, np.ndarray):
-            if prompt.ndim != 1 or prompt.dtype.kind not in "iu":
-                raise ValueError(
-                    f"prompt: an array of token ids must be 1-D integers, got {prompt.ndim}-D "
-                    f"{prompt.dtype}"
-                )
-            ids = prompt
-        else:
-            raise ValueError(
-                f"prompt must be a string or a list of token ids, got {type(prompt).__name__}"
-            )
-        if len(ids) == 0:
-            raise ValueError("prompt must not be empty")
-        if len(ids) > self.max_context_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens, longer than the model's context of {self.max_context_len}"
-            )
-        if isinstance(ids, np.ndarray):
-            token_ids = ids
-        else:
-            try:
-                token_ids = np.frombuffer(array.array("q", ids), dtype=np.int64)
-            except TypeError:
-                raise ValueError("prompt: token ids must be integers") from None
-            except OverflowError:
-                raise ValueError(
-                    f"prompt: a token id is outside the vocabulary [0, {self.vocab_size})"
-                ) from None
-        if not (0 <= token_ids.min() and token_ids.max() < self.vocab_size):
-            bad = int(token_ids[(token_ids < 0) | (token_ids >= self.vocab_size)][0])
-            raise ValueError(
-                f"prompt: token id {bad} is outside the vocabulary [0, {self.vocab_size})"
-            )
-        return (
-            ids.astype(np.int64) if token_ids is ids else token_ids
-        )  # the caller's array is copied
+        """The prompt's token ids, checked (`PromptChecker.token_ids`). Raises ``ValueError``."""
+        return self.prompts.token_ids(prompt)
 
     def abort(self, request_id: str) -> StreamDelta | None:
         """Stop a request wherever it is; its blocks are released at once. Returns its final delta."""
