@@ -49,8 +49,7 @@ def canned_stream(chunks: int, tokens_per_chunk: int) -> bytes:
     body.append(b"data: " + json.dumps({**head, "choices": [], "usage": usage}).encode() + b"\n\n")
     body.append(b"data: [DONE]\n\n")
     headers = (
-        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-        b"transfer-encoding: chunked\r\n\r\n"
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
     )
     return headers + b"".join(_chunked(event) for event in body) + b"0\r\n\r\n"
 

@@ -235,6 +235,11 @@ class AsyncLLM:
         return request_id
 
     @property
+    def engine_pid(self) -> int | None:
+        """The engine process's id, or None when the engine runs on a thread of this process."""
+        return getattr(self._core, "pid", None)
+
+    @property
     def num_waiting(self) -> int:
         """Requests submitted and not yet admitted (exact between steps, else off by what one step
         admits)."""

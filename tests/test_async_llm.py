@@ -1,17 +1,19 @@
 """The asyncio front: concurrent streams equal generate's, one event-loop wake per step, shared
 sinks and token batches, cancellation and timeouts abort and free blocks, a bounded waiting queue,
-bad input, loop failures reach every consumer, no busy loop while idle, clean shutdown."""
+bad input, loop failures reach every consumer, no busy loop while idle, clean shutdown; the same
+front over an engine process of its own."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
 import threading
 import time
 
 import pytest
 
-from radixinfer import LLM, AsyncLLM, SamplingParams
+from radixinfer import LLM, AsyncLLM, EngineProcess, SamplingParams
 from radixinfer.async_llm import (
     EngineLoopError,
     QueueFullError,
@@ -247,3 +249,28 @@ def test_close_aborts_open_requests_and_stops_the_thread(llm):
     with pytest.raises(RuntimeError, match="closed"):
         front.submit("late", PARAMS, None, sink)
     front.close()  # idempotent
+
+
+def test_an_engine_process_serves_like_the_thread_and_stops_with_the_front(llm):
+    expected = {p: o.token_ids for p, o in zip(PROMPTS, llm.generate(PROMPTS, PARAMS))}
+
+    async def main(front: AsyncLLM) -> dict[str, list[int]]:
+        streams = await asyncio.gather(*(collect(front, p) for p in PROMPTS))
+        with pytest.raises(ValueError, match="max_tokens"):  # refused by the engine process
+            await collect(front, "too big for the pool", SamplingParams(max_tokens=5000))
+        assert await all_blocks_free(front)
+        return {p: tokens(d) for p, d in zip(PROMPTS, streams)}
+
+    with AsyncLLM(EngineProcess(model="tiny", block_size=4, num_blocks=256)) as front:
+        assert asyncio.run(main(front)) == expected
+        with pytest.raises(Exception, match="pickle"):  # what crosses to the process must pickle
+            front.call(lambda llm: llm.cache_stats())
+        pid = front.engine_pid
+        os.kill(pid, 0)  # alive
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # stopped and reaped by close
+
+
+def test_an_engine_process_that_cannot_start_raises_what_its_llm_raised():
+    with pytest.raises(ValueError, match="block_size"):
+        AsyncLLM(EngineProcess(model="tiny", block_size=0))
