@@ -112,6 +112,10 @@ def serve(args: argparse.Namespace) -> None:
     )
     with front as llm:
         app = build_app(llm, config)
+        # What is alive now (torch, the app) lives as long as the server: out of the collector's
+        # full passes, which would rescan it while streams wait.
+        gc.collect()
+        gc.freeze()
         uvicorn.run(
             app,
             host=args.host,
