@@ -29,6 +29,7 @@ aborts what is still running and stops the loop (and its process).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import threading
 from collections import deque
@@ -343,7 +344,8 @@ class AsyncLLM:
             sinks, self._sinks = self._sinks, {}
             calls, self._calls = self._calls, {}
         for request_id, sink in sinks.items():
-            sink.put([StreamFailure(request_id, error)])
+            with contextlib.suppress(Exception):  # one broken sink must not keep the rest waiting
+                sink.put([StreamFailure(request_id, error)])
         for future in calls.values():
             if not future.done():
                 future.set_exception(error)

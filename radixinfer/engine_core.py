@@ -395,10 +395,13 @@ class ProcessCore:
                 if isinstance(output, CoreFailed):
                     return
         except (EOFError, OSError):
-            pass
-        self._process.join(timeout=5)
-        exitcode = self._process.exitcode
-        self._on_output(CoreFailed(RuntimeError(f"the engine process exited (code {exitcode})")))
+            self._process.join(timeout=5)
+            code = self._process.exitcode
+            error: BaseException = RuntimeError(f"the engine process exited (code {code})")
+        except Exception as exc:  # noqa: BLE001 - an output the front could not take
+            error = exc  # nothing after it can be trusted: stop the engine, fail every caller
+            self._kill()
+        self._on_output(CoreFailed(error))
 
     def _kill(self) -> None:
         if self._process.is_alive():

@@ -274,3 +274,26 @@ def test_an_engine_process_serves_like_the_thread_and_stops_with_the_front(llm):
 def test_an_engine_process_that_cannot_start_raises_what_its_llm_raised():
     with pytest.raises(ValueError, match="block_size"):
         AsyncLLM(EngineProcess(model="tiny", block_size=0))
+
+
+class BrokenSink:
+    def put(self, events) -> None:
+        raise RuntimeError("this sink is broken")
+
+
+@pytest.mark.parametrize("where", ["thread", "process"])
+def test_a_sink_that_raises_fails_every_request_instead_of_leaving_it_waiting(where):
+    kwargs = {"model": "tiny", "block_size": 4, "num_blocks": 256}
+    engine = LLM(**kwargs) if where == "thread" else EngineProcess(**kwargs)
+    good: queue.SimpleQueue = queue.SimpleQueue()
+    with AsyncLLM(engine) as front:
+        front.submit("runs long", LONG, None, good)
+        assert not good.get(timeout=30)[0].finished  # running
+        front.submit("breaks", PARAMS, None, BrokenSink())
+        events = []
+        while not events or not events[-1].finished:
+            events += good.get(timeout=30)
+        assert isinstance(events[-1], StreamFailure)
+        assert isinstance(events[-1].error, EngineLoopError)
+        with pytest.raises(EngineLoopError):
+            front.submit("later", PARAMS, None, good)
