@@ -13,7 +13,10 @@ Each step's events go to their sinks as one list per sink: all the streams of on
 loop share one sink (`_Router`), so a step wakes the event loop once with ``call_soon_threadsafe``,
 not once a token per request, and the event loop fans the list out to the streams. A stream whose
 consumer is behind takes everything that arrived for it at once (`AsyncStream.next_deltas`): under
-load, per-token costs downstream fall without a fixed interval. A consumer of many requests that is
+load, per-token costs downstream fall without a fixed interval. Streams decode their text themselves,
+on the consumer's thread, one decode per take (vLLM's front detokenizes too): the engine runs their
+requests ids-only, so a steady decode step stays one `TokenBatch` and the engine pays nothing per
+token for text. A consumer of many requests that is
 not a coroutine (the benchmark) passes its own sink, a ``queue.SimpleQueue``, and receives the
 lists as they are: a steady decode step's tokens of requests that do not detokenize stay one
 `TokenBatch` there. A delta's ``timestamp`` is taken inside the engine step that produced its
@@ -35,6 +38,7 @@ import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Hashable
 from concurrent.futures import Future
+from dataclasses import replace
 from typing import Protocol, TypeVar
 
 import numpy as np
@@ -57,6 +61,7 @@ from radixinfer.engine_core import (
 )
 from radixinfer.outputs import StreamDelta, TokenBatch
 from radixinfer.sampling_params import SamplingParams
+from radixinfer.tokenizer import IncrementalDetokenizer
 
 T = TypeVar("T")
 
@@ -161,17 +166,21 @@ class AsyncLLM:
         pool) are raised by the stream.
 
         The caller must iterate the stream to its end or `AsyncStream.close` it (`generate` does
-        both). A string prompt is encoded here, on the caller's thread (the engine only
-        decodes)."""
+        both). A string prompt is encoded here, on the caller's thread, and the stream's text is
+        decoded there too, as the consumer takes its tokens: the engine only samples."""
         loop = asyncio.get_running_loop()
         router = self._routers.get(loop)
         if router is None:  # a new event loop: forget the routers of closed ones
             self._routers = {old: r for old, r in self._routers.items() if not old.is_closed()}
             router = self._routers[loop] = _Router(loop)
         prompt_ids = self._prompts.token_ids(prompt)
+        params = _checked_params(params)
+        detokenizer = IncrementalDetokenizer(self.tokenizer) if params.detokenize else None
         timeout = self.request_timeout if timeout is None else timeout
-        request_id = self.submit(prompt_ids, params, cache_salt, router)
-        return router.open(self, request_id, prompt_ids, timeout)
+        # the engine streams ids only (a steady decode step is one TokenBatch); the stream decodes
+        # what its consumer takes, all of it at once
+        request_id = self.submit(prompt_ids, replace(params, detokenize=False), cache_salt, router)
+        return router.open(self, request_id, prompt_ids, timeout, detokenizer)
 
     async def generate(
         self,
@@ -221,8 +230,7 @@ class AsyncLLM:
         died and ``RuntimeError`` after `close`; a request the engine rejects later gets a
         `StreamFailure`."""
         prompt_ids = self._prompts.token_ids(prompt)
-        if params is not None and not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        params = _checked_params(params)
         with self._lock:
             self._check_open()
             if self.max_waiting is not None and self.num_waiting >= self.max_waiting:
@@ -230,9 +238,7 @@ class AsyncLLM:
             request_id = f"req-{next(self._ids)}"
             self._sinks[request_id] = sink  # before the core can answer
             self._num_submitted += 1
-            self._core.send(
-                AddRequest(request_id, prompt_ids, params or SamplingParams(), cache_salt)
-            )
+            self._core.send(AddRequest(request_id, prompt_ids, params, cache_salt))
         return request_id
 
     @property
@@ -351,6 +357,14 @@ class AsyncLLM:
                 future.set_exception(error)
 
 
+def _checked_params(params: SamplingParams | None) -> SamplingParams:
+    if params is None:
+        return SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+    return params
+
+
 def _cache_stats(llm: LLM) -> dict[str, float | int]:
     return llm.cache_stats()
 
@@ -373,9 +387,15 @@ class _Router:
         self.streams: dict[str, AsyncStream] = {}
 
     def open(
-        self, owner: AsyncLLM, request_id: str, prompt_ids: np.ndarray, timeout: float | None
+        self,
+        owner: AsyncLLM,
+        request_id: str,
+        prompt_ids: np.ndarray,
+        timeout: float | None,
+        detokenizer: IncrementalDetokenizer | None,
     ) -> AsyncStream:
-        stream = self.streams[request_id] = AsyncStream(owner, self, request_id, prompt_ids)
+        stream = AsyncStream(owner, self, request_id, prompt_ids, detokenizer)
+        self.streams[request_id] = stream
         if timeout is not None:
             stream._timer = self.loop.call_later(timeout, stream._expire, timeout)
         return stream
@@ -407,7 +427,12 @@ class AsyncStream:
     it."""
 
     def __init__(
-        self, owner: AsyncLLM, router: _Router, request_id: str, prompt_ids: np.ndarray
+        self,
+        owner: AsyncLLM,
+        router: _Router,
+        request_id: str,
+        prompt_ids: np.ndarray,
+        detokenizer: IncrementalDetokenizer | None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_ids
@@ -417,6 +442,7 @@ class AsyncStream:
         self._events: deque[StreamDelta | StreamFailure] = deque()
         self._waiter: asyncio.Future | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self._detokenizer = detokenizer
 
     def __aiter__(self) -> AsyncStream:
         return self
@@ -426,17 +452,18 @@ class AsyncStream:
             if self.finished:
                 raise StopAsyncIteration
             await self._wait()
-        return self._take(self._events.popleft())
+        return self._take([self._events.popleft()])[0]
 
     async def next_deltas(self) -> list[StreamDelta]:
         """Every delta that has arrived since the last call, waiting for at least one (a consumer
-        that fell behind takes several steps' tokens at once); ``[]`` once the stream has ended."""
+        that fell behind takes several steps' tokens at once, and their text, decoded at once, is
+        on the last of them); ``[]`` once the stream has ended."""
         if not self._events:
             if self.finished:
                 return []
             await self._wait()
         events, self._events = self._events, deque()
-        return [self._take(event) for event in events]
+        return self._take(list(events))
 
     def close(self) -> None:
         """Stop listening; abort the request if it has not finished. Idempotent."""
@@ -454,14 +481,24 @@ class AsyncStream:
         finally:
             self._waiter = None
 
-    def _take(self, event: StreamDelta | StreamFailure) -> StreamDelta:
-        if isinstance(event, StreamFailure):
-            self.close()
-            raise event.error
-        if event.finished:
+    def _take(self, events: list[StreamDelta | StreamFailure]) -> list[StreamDelta]:
+        """Hand ``events`` to the consumer: a failure raises its error instead. When the stream
+        detokenizes, the text of all their tokens goes on the last delta."""
+        for event in events:
+            if type(event) is StreamFailure:
+                self.close()
+                raise event.error
+        last = events[-1]
+        if last.finished:
             self.finished = True
             self.close()
-        return event
+        if self._detokenizer is not None:
+            ids = last.token_ids if len(events) == 1 else [t for d in events for t in d.token_ids]
+            text = self._detokenizer.add_many(ids)
+            if last.finished:
+                text += self._detokenizer.flush()
+            events[-1] = replace(last, text=text)
+        return events
 
     def _push(self, event: StreamDelta | StreamFailure) -> None:
         if event.finished:
