@@ -13,15 +13,15 @@ Each step's events go to their sinks as one list per sink: all the streams of on
 loop share one sink (`_Router`), so a step wakes the event loop once with ``call_soon_threadsafe``,
 not once a token per request, and the event loop fans the list out to the streams. A stream whose
 consumer is behind takes everything that arrived for it at once (`AsyncStream.next_deltas`): under
-load, per-token costs downstream fall without a fixed interval. Streams decode their text themselves,
-on the consumer's thread, one decode per take (vLLM's front detokenizes too): the engine runs their
-requests ids-only, so a steady decode step stays one `TokenBatch` and the engine pays nothing per
-token for text. A consumer of many requests that is
-not a coroutine (the benchmark) passes its own sink, a ``queue.SimpleQueue``, and receives the
-lists as they are: a steady decode step's tokens of requests that do not detokenize stay one
-`TokenBatch` there. A delta's ``timestamp`` is taken inside the engine step that produced its
-tokens (in ``perf_counter`` seconds, which an engine process on the same machine shares), so
-queueing between the loop and a consumer never shows up in measured latencies.
+load, per-token costs downstream fall without a fixed interval. Streams decode their text
+themselves, on the consumer's thread, one decode per take (vLLM's front detokenizes too): the
+engine runs their requests ids-only, so a steady decode step stays one `TokenBatch` and the engine
+pays nothing per token for text. A consumer of many requests that is not a coroutine (the
+benchmark) passes its own sink, a ``queue.SimpleQueue``, and receives the lists as they are: a
+steady decode step's tokens of requests that do not detokenize stay one `TokenBatch` there. A
+delta's ``timestamp`` is taken inside the engine step that produced its tokens (in
+``perf_counter`` seconds, which an engine process on the same machine shares), so queueing between
+the loop and a consumer never shows up in measured latencies.
 
 Failures never leave a consumer waiting: a request the engine rejects gets a `StreamFailure`
 carrying its ``ValueError``; an exception inside the loop, or an engine process that dies, fails
