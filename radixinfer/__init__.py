@@ -2,8 +2,9 @@
 
 from radixinfer.api import LLM
 from radixinfer.async_llm import AsyncLLM
+from radixinfer.engine_core import EngineProcess
 from radixinfer.outputs import RequestOutput, StreamDelta
 from radixinfer.sampling_params import SamplingParams
 
-__all__ = ["AsyncLLM", "LLM", "RequestOutput", "SamplingParams", "StreamDelta"]
+__all__ = ["AsyncLLM", "EngineProcess", "LLM", "RequestOutput", "SamplingParams", "StreamDelta"]
 __version__ = "0.1.0"

@@ -1,44 +1,67 @@
 """The asyncio front: `AsyncLLM` serves one `LLM` to any number of concurrent callers.
 
-The engine is single-threaded by contract, so one background thread owns it and makes every engine
-call. Callers only touch three small inboxes (submissions, aborts, calls) under one condition
-variable::
+The engine is single-threaded by contract, so one loop owns it (`radixinfer.engine_core`): on a
+thread of this process (``AsyncLLM(llm)``), or in an engine process of its own
+(``AsyncLLM(EngineProcess(**llm_kwargs))``, what ``radixinfer serve`` runs, so the engine never
+waits for the GIL while the HTTP event loop streams). Both run the same loop over the same
+messages::
 
-    add_request / submit / abort / call  --(inbox, notify)-->  loop thread: add, abort, call, step
-    sinks: an event loop's router, queues <--[events]-------   one list per sink per step, in order
+    add_request / submit / abort / call  --(AddRequest, Abort, Call)-->  engine core: apply, step
+    sinks: an event loop's router, queues <--(one StepOutput a step)---  events, call results
 
-The loop sleeps on the condition while the engine has nothing to do (no polling) and steps it back
-to back while it has. Each step's events go to their sinks as one list per sink: all the streams of
-one asyncio event loop share one sink (`_Router`), so the loop thread wakes the event loop once a
-step with ``call_soon_threadsafe``, not once a token per request, and the event loop fans the list
-out to the streams. A consumer of many requests that is not a coroutine (the benchmark) passes its
-own sink, a ``queue.SimpleQueue``, and receives the lists as they are: a steady decode step's tokens
-of requests that do not detokenize stay one `TokenBatch` there. A delta's ``timestamp`` is taken
-inside the engine step that produced its tokens, so queueing between the loop and a consumer never
-shows up in measured latencies.
+Each step's events go to their sinks as one list per sink: all the streams of one asyncio event
+loop share one sink (`_Router`), so a step wakes the event loop once with ``call_soon_threadsafe``,
+not once a token per request, and the event loop fans the list out to the streams. A stream whose
+consumer is behind takes everything that arrived for it at once (`AsyncStream.next_deltas`): under
+load, per-token costs downstream fall without a fixed interval. Streams decode their text
+themselves, on the consumer's thread, one decode per take (vLLM's front detokenizes too): the
+engine runs their requests ids-only, so a steady decode step stays one `TokenBatch` and the engine
+pays nothing per token for text. A consumer of many requests that is not a coroutine (the
+benchmark) passes its own sink, a ``queue.SimpleQueue``, and receives the lists as they are: a
+steady decode step's tokens of requests that do not detokenize stay one `TokenBatch` there. A
+delta's ``timestamp`` is taken inside the engine step that produced its tokens (in
+``perf_counter`` seconds, which an engine process on the same machine shares), so queueing between
+the loop and a consumer never shows up in measured latencies.
 
 Failures never leave a consumer waiting: a request the engine rejects gets a `StreamFailure`
-carrying its ``ValueError``; an exception inside the loop fails every open request with an
-`EngineLoopError` and makes later submissions raise it. `AsyncLLM.close` aborts what is still
-running and joins the thread.
+carrying its ``ValueError``; an exception inside the loop, or an engine process that dies, fails
+every open request with an `EngineLoopError` and makes later submissions raise it. `AsyncLLM.close`
+aborts what is still running and stops the loop (and its process).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Hashable
 from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol, TypeVar
+from dataclasses import replace
+from typing import Protocol, TypeVar
 
 import numpy as np
 
 from radixinfer.api import LLM
-from radixinfer.outputs import EngineEvent, StreamDelta, TokenBatch
+from radixinfer.engine.prompts import PromptChecker
+from radixinfer.engine_core import (
+    Abort,
+    AddRequest,
+    Call,
+    Close,
+    CoreFailed,
+    CoreInput,
+    CoreOutput,
+    EngineProcess,
+    ProcessCore,
+    StepOutput,
+    StreamFailure,
+    ThreadCore,
+)
+from radixinfer.outputs import StreamDelta, TokenBatch
 from radixinfer.sampling_params import SamplingParams
+from radixinfer.tokenizer import IncrementalDetokenizer
 
 T = TypeVar("T")
 
@@ -55,53 +78,49 @@ class RequestTimeoutError(TimeoutError):
     """A request ran past its timeout and was aborted."""
 
 
-@dataclass(frozen=True)
-class StreamFailure:
-    """Put on a request's sink instead of further deltas when the request cannot go on."""
-
-    request_id: str
-    error: BaseException
-    # Like a delta's flag: nothing follows it. A consumer of many requests checks
-    # ``event.finished`` on every event and tells failures apart only then.
-    finished: ClassVar[bool] = True
-
-
 StreamEvent = StreamDelta | TokenBatch | StreamFailure
 # what a sink receives: one step's events for its requests, in order
 StreamEvents = list[StreamEvent]
 
 
 class Sink(Protocol):
-    """Where the loop thread puts a step's events of the requests submitted with it. ``put`` runs on
-    the loop thread: it must not block (``queue.SimpleQueue.put`` qualifies)."""
+    """Where a step's events of the requests submitted with it go. ``put`` runs on the thread that
+    delivers the engine's outputs: it must not block (``queue.SimpleQueue.put`` qualifies)."""
 
     def put(self, events: StreamEvents) -> None: ...
 
 
-@dataclass
-class _Submission:
-    request_id: str
-    prompt: np.ndarray  # token ids, checked (`LLMEngine.prompt_ids`)
-    params: SamplingParams
-    cache_salt: Hashable
-    sink: Sink
+class _Core(Protocol):
+    """`ThreadCore` or `ProcessCore`: where the loop runs."""
+
+    prompts: PromptChecker
+
+    def send(self, message: CoreInput) -> None: ...
+
+    def join(self) -> None: ...
 
 
 class AsyncLLM:
-    """Serves ``llm`` from a background thread to concurrent callers until `close`.
+    """Serves ``llm`` to concurrent callers until `close`: an `LLM`, stepped on a thread of this
+    process (nothing else may drive it meanwhile, no ``LLM.generate``), or an `EngineProcess`,
+    built and stepped in a process of its own (the constructor returns once it has loaded, and
+    raises what loading raised).
 
     ``max_waiting`` bounds the requests submitted and not yet admitted (no KV held yet): one more
     raises `QueueFullError` at once. ``request_timeout`` (seconds, None: none) is the default of
-    `add_request`'s ``timeout``. Nothing else may drive ``llm`` while this front owns it (no
-    ``LLM.generate``).
+    `add_request`'s ``timeout``.
 
     The coroutine side (`add_request`, `generate`, the awaitable helpers) runs on any asyncio event
     loop; `submit`, `abort` and `call` may be used from any thread. Use as a context manager or call
-    `close`: the loop thread is not a daemon, so a forgotten front keeps the process alive.
+    `close`: an engine thread is not a daemon, so a forgotten front keeps the process alive.
     """
 
     def __init__(
-        self, llm: LLM, *, max_waiting: int | None = None, request_timeout: float | None = None
+        self,
+        llm: LLM | EngineProcess,
+        *,
+        max_waiting: int | None = None,
+        request_timeout: float | None = None,
     ) -> None:
         if max_waiting is not None and (isinstance(max_waiting, bool) or max_waiting < 1):
             raise ValueError(f"max_waiting must be a positive integer or None, got {max_waiting!r}")
@@ -109,23 +128,28 @@ class AsyncLLM:
             raise ValueError(
                 f"request_timeout must be > 0 seconds or None, got {request_timeout!r}"
             )
-        self.llm = llm
-        self.tokenizer = llm.tokenizer
-        self.max_context_len: int = llm.engine.max_context_len
+        if not isinstance(llm, (LLM, EngineProcess)):
+            raise ValueError(f"llm must be an LLM or an EngineProcess, got {type(llm).__name__}")
         self.max_waiting = max_waiting
         self.request_timeout = request_timeout
-        self._engine = llm.engine
-        self._cond = threading.Condition()
-        self._submissions: list[_Submission] = []
-        self._aborts: list[str] = []
-        self._calls: list[tuple[Callable[[LLM], Any], Future]] = []
-        self._sinks: dict[str, Sink] = {}  # open requests (loop thread only)
+        self._lock = threading.Lock()  # what submitting threads and the delivering thread share
+        self._sinks: dict[str, Sink] = {}  # open requests
+        self._calls: dict[int, Future] = {}
         self._routers: dict[asyncio.AbstractEventLoop, _Router] = {}
         self._ids = itertools.count()
+        self._call_ids = itertools.count()
+        self._num_submitted = 0
+        self._num_taken = 0  # of those, taken by the core
+        self._core_waiting = 0  # of those, queued for admission in the engine
         self._closing = False
         self._error: EngineLoopError | None = None
-        self._thread = threading.Thread(target=self._loop, name="radixinfer-engine", daemon=False)
-        self._thread.start()
+        if isinstance(llm, LLM):
+            self._core: _Core = ThreadCore(llm, self._on_output)
+        else:
+            self._core = ProcessCore(llm, self._on_output)
+        self._prompts = self._core.prompts
+        self.tokenizer = self._prompts.tokenizer
+        self.max_context_len: int = self._prompts.max_context_len
 
     # ------------------------------------------------------------------ coroutine side
     def add_request(
@@ -142,17 +166,21 @@ class AsyncLLM:
         pool) are raised by the stream.
 
         The caller must iterate the stream to its end or `AsyncStream.close` it (`generate` does
-        both). A string prompt is encoded here, on the caller's thread (the engine thread only
-        decodes)."""
+        both). A string prompt is encoded here, on the caller's thread, and the stream's text is
+        decoded there too, as the consumer takes its tokens: the engine only samples."""
         loop = asyncio.get_running_loop()
         router = self._routers.get(loop)
         if router is None:  # a new event loop: forget the routers of closed ones
             self._routers = {old: r for old, r in self._routers.items() if not old.is_closed()}
             router = self._routers[loop] = _Router(loop)
-        prompt_ids = self._engine.prompt_ids(prompt)
+        prompt_ids = self._prompts.token_ids(prompt)
+        params = _checked_params(params)
+        detokenizer = IncrementalDetokenizer(self.tokenizer) if params.detokenize else None
         timeout = self.request_timeout if timeout is None else timeout
-        request_id = self.submit(prompt_ids, params, cache_salt, router)
-        return router.open(self, request_id, prompt_ids, timeout)
+        # the engine streams ids only (a steady decode step is one TokenBatch); the stream decodes
+        # what its consumer takes, all of it at once
+        request_id = self.submit(prompt_ids, replace(params, detokenize=False), cache_salt, router)
+        return router.open(self, request_id, prompt_ids, timeout, detokenizer)
 
     async def generate(
         self,
@@ -174,12 +202,12 @@ class AsyncLLM:
 
     async def cache_stats(self) -> dict[str, float | int]:
         """``LLM.cache_stats()``, taken between two steps."""
-        return await asyncio.wrap_future(self.call(lambda llm: llm.cache_stats()))
+        return await asyncio.wrap_future(self.call(_cache_stats))
 
     async def reset_prefix_cache(self) -> None:
         """Empty the prefix cache; ``RuntimeError`` while requests hold KV (the engine refuses
         then)."""
-        await asyncio.wrap_future(self.call(lambda llm: llm.reset_prefix_cache()))
+        await asyncio.wrap_future(self.call(_reset_prefix_cache))
 
     async def stats(self) -> dict[str, float | int]:
         """``LLM.cache_stats()`` plus ``running`` (requests holding KV) and ``waiting`` (queued for
@@ -201,53 +229,60 @@ class AsyncLLM:
         Raises ``ValueError`` for a bad prompt, `QueueFullError`, `EngineLoopError` if the loop has
         died and ``RuntimeError`` after `close`; a request the engine rejects later gets a
         `StreamFailure`."""
-        prompt_ids = self._engine.prompt_ids(prompt)
-        if params is not None and not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        with self._cond:
+        prompt_ids = self._prompts.token_ids(prompt)
+        params = _checked_params(params)
+        with self._lock:
             self._check_open()
             if self.max_waiting is not None and self.num_waiting >= self.max_waiting:
                 raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests)")
             request_id = f"req-{next(self._ids)}"
-            submission = _Submission(
-                request_id, prompt_ids, params or SamplingParams(), cache_salt, sink
-            )
-            self._submissions.append(submission)
-            self._cond.notify()
+            self._sinks[request_id] = sink  # before the core can answer
+            self._num_submitted += 1
+            self._core.send(AddRequest(request_id, prompt_ids, params, cache_salt))
         return request_id
+
+    @property
+    def engine_pid(self) -> int | None:
+        """The engine process's id, or None when the engine runs on a thread of this process."""
+        return getattr(self._core, "pid", None)
 
     @property
     def num_waiting(self) -> int:
         """Requests submitted and not yet admitted (exact between steps, else off by what one step
         admits)."""
-        return len(self._submissions) + len(self._engine.waiting)
+        return self._num_submitted - self._num_taken + self._core_waiting
 
     def abort(self, request_id: str) -> None:
         """Stop a request wherever it is; its sink gets a final ``"abort"`` delta. A no-op for a
         request that has already finished."""
-        with self._cond:
-            if self._closing or self._error is not None:
-                return
-            self._aborts.append(request_id)
-            self._cond.notify()
+        with self._lock:
+            if not (self._closing or self._error is not None):
+                self._core.send(Abort(request_id))
 
     def call(self, fn: Callable[[LLM], T]) -> Future[T]:
-        """Run ``fn(llm)`` on the loop thread between two steps; the future holds its result or
-        exception."""
+        """Run ``fn(llm)`` between two steps; the future holds its result or exception. With an
+        engine process, ``fn`` and its result must pickle (a module-level function, plain data):
+        ``fn`` that does not raises here."""
         future: Future[T] = Future()
-        with self._cond:
+        with self._lock:
             self._check_open()
-            self._calls.append((fn, future))
-            self._cond.notify()
+            call_id = next(self._call_ids)
+            self._calls[call_id] = future
+            try:
+                self._core.send(Call(call_id, fn))
+            except Exception:
+                del self._calls[call_id]
+                raise
         return future
 
     def close(self) -> None:
-        """Abort every open request, stop the loop and join it. Idempotent."""
-        with self._cond:
-            self._closing = True
-            self._cond.notify()
-        if self._thread is not threading.current_thread():
-            self._thread.join()
+        """Abort every open request, stop the loop and wait for it (and its process). Idempotent."""
+        with self._lock:
+            if not self._closing:
+                self._closing = True
+                if self._error is None:
+                    self._core.send(Close())
+        self._core.join()
 
     def __enter__(self) -> AsyncLLM:  # noqa: PYI034 - Python 3.10 has no typing.Self
         return self
@@ -256,63 +291,30 @@ class AsyncLLM:
         self.close()
 
     def _check_open(self) -> None:
-        if self._error is not None:
-            raise self._error
         if self._closing:
             raise RuntimeError("AsyncLLM is closed")
+        if self._error is not None:
+            raise self._error
 
-    # ------------------------------------------------------------------ loop thread
-    def _loop(self) -> None:
-        try:
-            while self._serve_once():
-                pass
-        except BaseException as exc:  # noqa: BLE001 - any failure must reach the consumers
-            self._fail_everyone(exc)
+    # ------------------------------------------------------------------ delivering thread
+    def _on_output(self, output: CoreOutput) -> None:
+        """Take one output of the core: on the engine thread, or on an engine process's reader."""
+        if type(output) is StepOutput:
+            with self._lock:
+                self._num_taken, self._core_waiting = output.num_taken, output.num_waiting
+            self._deliver(output.events)
+            for result in output.results:
+                future = self._calls.pop(result.call_id, None)
+                if future is None or future.done():  # cancelled meanwhile
+                    continue
+                if result.error is None:
+                    future.set_result(result.value)
+                else:
+                    future.set_exception(result.error)
+        elif type(output) is CoreFailed:
+            self._fail_everyone(output.error)
 
-    def _serve_once(self) -> bool:
-        """Take the inboxes (sleeping while there is nothing to do), apply them, run one engine
-        step. Returns False once the front is closing and every request has been aborted."""
-        engine = self._engine
-        with self._cond:
-            while not (
-                self._submissions
-                or self._aborts
-                or self._calls
-                or self._closing
-                or engine.has_unfinished()
-            ):
-                self._cond.wait()
-            submissions, self._submissions = self._submissions, []
-            aborts, self._aborts = self._aborts, []
-            calls, self._calls = self._calls, []
-            closing = self._closing
-        # registered first: the loop fails them too if it dies
-        self._sinks.update((sub.request_id, sub.sink) for sub in submissions)
-        failures: list[EngineEvent | StreamFailure] = []
-        for sub in submissions:
-            try:
-                engine.add_request(
-                    sub.prompt, sub.params, sub.cache_salt, request_id=sub.request_id
-                )
-            except ValueError as exc:
-                failures.append(StreamFailure(sub.request_id, exc))
-        for fn, future in calls:
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn(self.llm))
-                except Exception as exc:  # noqa: BLE001 - handed to the caller through the future
-                    future.set_exception(exc)
-        to_abort = list(self._sinks) if closing else aborts
-        aborted = [engine.abort(r) for r in to_abort if r in self._sinks]
-        failures += [delta for delta in aborted if delta is not None]
-        self._deliver(failures)
-        if closing:
-            return False
-        if engine.has_unfinished():
-            self._deliver(engine.step())
-        return True
-
-    def _deliver(self, events: list[EngineEvent | StreamFailure]) -> None:
+    def _deliver(self, events: StreamEvents) -> None:
         """Put ``events`` on their sinks, one list per sink (a `TokenBatch` split by sink); forget
         the requests that finished."""
         batches: dict[Sink, StreamEvents] = {}  # sinks hash by identity
@@ -322,11 +324,7 @@ class AsyncLLM:
                 self._route_batch(event, batches)
                 continue
             request_id = event.request_id
-            sink = sinks[request_id]
-            if event.finished:
-                del sinks[request_id]
-                if request_id in self._engine.requests:
-                    self._engine.pop_finished(request_id)
+            sink = sinks.pop(request_id) if event.finished else sinks[request_id]
             batches.setdefault(sink, []).append(event)
         for sink, sink_events in batches.items():
             sink.put(sink_events)
@@ -347,18 +345,32 @@ class AsyncLLM:
     def _fail_everyone(self, exc: BaseException) -> None:
         error = EngineLoopError(f"the engine loop failed: {exc!r}")
         error.__cause__ = exc
-        with self._cond:
+        with self._lock:
             self._error = error
-            pending = [(s.request_id, s.sink) for s in self._submissions] + list(
-                self._sinks.items()
-            )
-            calls = self._calls
-            self._submissions, self._calls, self._aborts = [], [], []
-        self._sinks.clear()
-        for request_id, sink in pending:
-            sink.put([StreamFailure(request_id, error)])
-        for _, future in calls:
-            future.set_exception(error)
+            sinks, self._sinks = self._sinks, {}
+            calls, self._calls = self._calls, {}
+        for request_id, sink in sinks.items():
+            with contextlib.suppress(Exception):  # one broken sink must not keep the rest waiting
+                sink.put([StreamFailure(request_id, error)])
+        for future in calls.values():
+            if not future.done():
+                future.set_exception(error)
+
+
+def _checked_params(params: SamplingParams | None) -> SamplingParams:
+    if params is None:
+        return SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+    return params
+
+
+def _cache_stats(llm: LLM) -> dict[str, float | int]:
+    return llm.cache_stats()
+
+
+def _reset_prefix_cache(llm: LLM) -> None:
+    llm.reset_prefix_cache()
 
 
 def _stats(llm: LLM) -> dict[str, float | int]:
@@ -375,9 +387,15 @@ class _Router:
         self.streams: dict[str, AsyncStream] = {}
 
     def open(
-        self, owner: AsyncLLM, request_id: str, prompt_ids: np.ndarray, timeout: float | None
+        self,
+        owner: AsyncLLM,
+        request_id: str,
+        prompt_ids: np.ndarray,
+        timeout: float | None,
+        detokenizer: IncrementalDetokenizer | None,
     ) -> AsyncStream:
-        stream = self.streams[request_id] = AsyncStream(owner, self, request_id, prompt_ids)
+        stream = AsyncStream(owner, self, request_id, prompt_ids, detokenizer)
+        self.streams[request_id] = stream
         if timeout is not None:
             stream._timer = self.loop.call_later(timeout, stream._expire, timeout)
         return stream
@@ -409,7 +427,12 @@ class AsyncStream:
     it."""
 
     def __init__(
-        self, owner: AsyncLLM, router: _Router, request_id: str, prompt_ids: np.ndarray
+        self,
+        owner: AsyncLLM,
+        router: _Router,
+        request_id: str,
+        prompt_ids: np.ndarray,
+        detokenizer: IncrementalDetokenizer | None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_ids
@@ -419,6 +442,7 @@ class AsyncStream:
         self._events: deque[StreamDelta | StreamFailure] = deque()
         self._waiter: asyncio.Future | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self._detokenizer = detokenizer
 
     def __aiter__(self) -> AsyncStream:
         return self
@@ -428,17 +452,18 @@ class AsyncStream:
             if self.finished:
                 raise StopAsyncIteration
             await self._wait()
-        return self._take(self._events.popleft())
+        return self._take([self._events.popleft()])[0]
 
     async def next_deltas(self) -> list[StreamDelta]:
         """Every delta that has arrived since the last call, waiting for at least one (a consumer
-        that fell behind takes several steps' tokens at once); ``[]`` once the stream has ended."""
+        that fell behind takes several steps' tokens at once, and their text, decoded at once, is
+        on the last of them); ``[]`` once the stream has ended."""
         if not self._events:
             if self.finished:
                 return []
             await self._wait()
         events, self._events = self._events, deque()
-        return [self._take(event) for event in events]
+        return self._take(list(events))
 
     def close(self) -> None:
         """Stop listening; abort the request if it has not finished. Idempotent."""
@@ -456,14 +481,24 @@ class AsyncStream:
         finally:
             self._waiter = None
 
-    def _take(self, event: StreamDelta | StreamFailure) -> StreamDelta:
-        if isinstance(event, StreamFailure):
-            self.close()
-            raise event.error
-        if event.finished:
+    def _take(self, events: list[StreamDelta | StreamFailure]) -> list[StreamDelta]:
+        """Hand ``events`` to the consumer: a failure raises its error instead. When the stream
+        detokenizes, the text of all their tokens goes on the last delta."""
+        for event in events:
+            if type(event) is StreamFailure:
+                self.close()
+                raise event.error
+        last = events[-1]
+        if last.finished:
             self.finished = True
             self.close()
-        return event
+        if self._detokenizer is not None:
+            ids = last.token_ids if len(events) == 1 else [t for d in events for t in d.token_ids]
+            text = self._detokenizer.add_many(ids)
+            if last.finished:
+                text += self._detokenizer.flush()
+            events[-1] = replace(last, text=text)
+        return events
 
     def _push(self, event: StreamDelta | StreamFailure) -> None:
         if event.finished:

@@ -132,6 +132,19 @@ class IncrementalDetokenizer:
         if self._tokenizer.is_special(token_id):
             return ""
         self._ids.append(token_id)
+        return self._decode_window()
+
+    def add_many(self, token_ids: Sequence[int]) -> str:
+        """Feed several generated ids at once; returns the text they complete, with one decode
+        instead of one per id (a stream that takes several steps' tokens at once)."""
+        is_special = self._tokenizer.is_special
+        kept = [token_id for token_id in token_ids if not is_special(token_id)]
+        if not kept:
+            return ""
+        self._ids += kept
+        return self._decode_window()
+
+    def _decode_window(self) -> str:
         new_text = self._tokenizer.decode(self._ids)
         if new_text.endswith(_REPLACEMENT_CHAR):
             return ""

@@ -7,12 +7,13 @@ import contextlib
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import uvicorn
+from fastapi import FastAPI
 
-from radixinfer import LLM, AsyncLLM
+from radixinfer import LLM, AsyncLLM, EngineProcess
 from radixinfer.server.app import ServerConfig, build_app
 
 MODEL = "tiny"
@@ -22,25 +23,28 @@ MODEL = "tiny"
 class RunningServer:
     url: str  # http://127.0.0.1:PORT
     engine: AsyncLLM
-    llm: LLM
+    llm: LLM | EngineProcess
 
 
 @contextlib.contextmanager
 def running_server(
-    llm: LLM,
+    llm: LLM | EngineProcess,
     *,
     max_waiting: int | None = None,
     request_timeout: float | None = None,
+    add_routes: Callable[[FastAPI], None] | None = None,
     **config: object,
 ) -> Iterator[RunningServer]:
-    """Serve ``llm`` until the block ends; ``config``: `ServerConfig` fields beside the model
-    name."""
+    """Serve ``llm`` (an engine thread, or an engine process) until the block ends; ``config``:
+    `ServerConfig` fields beside the model name; ``add_routes`` may add a test's own routes."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     with AsyncLLM(llm, max_waiting=max_waiting, request_timeout=request_timeout) as engine:
         app = build_app(engine, ServerConfig(model_name=MODEL, **config))
+        if add_routes is not None:
+            add_routes(app)
         server = uvicorn.Server(
             uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1)
         )

@@ -1,17 +1,19 @@
 """The asyncio front: concurrent streams equal generate's, one event-loop wake per step, shared
 sinks and token batches, cancellation and timeouts abort and free blocks, a bounded waiting queue,
-bad input, loop failures reach every consumer, no busy loop while idle, clean shutdown."""
+bad input, loop failures reach every consumer, no busy loop while idle, clean shutdown; the same
+front over an engine process of its own."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
 import threading
 import time
 
 import pytest
 
-from radixinfer import LLM, AsyncLLM, SamplingParams
+from radixinfer import LLM, AsyncLLM, EngineProcess, SamplingParams
 from radixinfer.async_llm import (
     EngineLoopError,
     QueueFullError,
@@ -79,6 +81,29 @@ def test_concurrent_streams_equal_generate_and_wake_the_event_loop_once_a_step(l
     assert asyncio.run(main()) == expected
     # 5 streams x 6 tokens = 30 deltas; they share steps, and a step wakes the event loop once
     assert wakes <= 6 + len(PROMPTS)
+
+
+def test_a_consumer_that_falls_behind_takes_every_waiting_token_once_with_their_text(llm):
+    """Tokens that wait for a busy consumer come in one `next_deltas`, in order, each once; the
+    stream decodes their text at once (the engine streams ids only), equal to generate's."""
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    expected = llm.generate(["fall behind"], params)[0]
+    llm.reset_prefix_cache()
+
+    async def main(front: AsyncLLM) -> list[list]:
+        stream = front.add_request("fall behind", params)
+        batches = [await stream.next_deltas()]
+        time.sleep(0.3)  # the event loop stands still while the engine goes on
+        while batch := await stream.next_deltas():
+            batches.append(batch)
+        return batches
+
+    with AsyncLLM(llm) as front:
+        batches = asyncio.run(main(front))
+    deltas = [delta for batch in batches for delta in batch]
+    assert tokens(deltas) == expected.token_ids
+    assert "".join(delta.text for delta in deltas) == expected.text
+    assert max(len(batch) for batch in batches) > 1  # the waiting steps came at once
 
 
 def test_one_sink_for_many_requests(llm):
@@ -247,3 +272,51 @@ def test_close_aborts_open_requests_and_stops_the_thread(llm):
     with pytest.raises(RuntimeError, match="closed"):
         front.submit("late", PARAMS, None, sink)
     front.close()  # idempotent
+
+
+def test_an_engine_process_serves_like_the_thread_and_stops_with_the_front(llm):
+    expected = {p: o.token_ids for p, o in zip(PROMPTS, llm.generate(PROMPTS, PARAMS))}
+
+    async def main(front: AsyncLLM) -> dict[str, list[int]]:
+        streams = await asyncio.gather(*(collect(front, p) for p in PROMPTS))
+        with pytest.raises(ValueError, match="max_tokens"):  # refused by the engine process
+            await collect(front, "too big for the pool", SamplingParams(max_tokens=5000))
+        assert await all_blocks_free(front)
+        return {p: tokens(d) for p, d in zip(PROMPTS, streams)}
+
+    with AsyncLLM(EngineProcess(model="tiny", block_size=4, num_blocks=256)) as front:
+        assert asyncio.run(main(front)) == expected
+        with pytest.raises(Exception, match="pickle"):  # what crosses to the process must pickle
+            front.call(lambda llm: llm.cache_stats())
+        pid = front.engine_pid
+        os.kill(pid, 0)  # alive
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # stopped and reaped by close
+
+
+def test_an_engine_process_that_cannot_start_raises_what_its_llm_raised():
+    with pytest.raises(ValueError, match="block_size"):
+        AsyncLLM(EngineProcess(model="tiny", block_size=0))
+
+
+class BrokenSink:
+    def put(self, events) -> None:
+        raise RuntimeError("this sink is broken")
+
+
+@pytest.mark.parametrize("where", ["thread", "process"])
+def test_a_sink_that_raises_fails_every_request_instead_of_leaving_it_waiting(where):
+    kwargs = {"model": "tiny", "block_size": 4, "num_blocks": 256}
+    engine = LLM(**kwargs) if where == "thread" else EngineProcess(**kwargs)
+    good: queue.SimpleQueue = queue.SimpleQueue()
+    with AsyncLLM(engine) as front:
+        front.submit("runs long", LONG, None, good)
+        assert not good.get(timeout=30)[0].finished  # running
+        front.submit("breaks", PARAMS, None, BrokenSink())
+        events = []
+        while not events or not events[-1].finished:
+            events += good.get(timeout=30)
+        assert isinstance(events[-1], StreamFailure)
+        assert isinstance(events[-1].error, EngineLoopError)
+        with pytest.raises(EngineLoopError):
+            front.submit("later", PARAMS, None, good)

@@ -104,6 +104,21 @@ def test_detokenizer_matches_decode_on_arbitrary_ids(bpe, ids):
     assert "".join(stream(bpe, ids)) == bpe.decode(ids)
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    ids=st.lists(st.integers(min_value=0, max_value=50300), max_size=30),
+    cuts=st.lists(st.integers(min_value=0, max_value=30), max_size=6),
+)
+def test_detokenizer_fed_in_groups_matches_decode(bpe, ids, cuts):
+    """``add_many`` over any grouping of the ids (a stream taking several steps' tokens at once)
+    gives the same text as decoding them all."""
+    bounds = [0, *sorted(min(c, len(ids)) for c in cuts), len(ids)]
+    for tok, tok_ids in ((ByteTokenizer(), [i % 300 for i in ids]), (bpe, ids)):
+        detok = IncrementalDetokenizer(tok)
+        text = [detok.add_many(tok_ids[a:b]) for a, b in zip(bounds, bounds[1:])]
+        assert "".join(text) + detok.flush() == tok.decode(tok_ids)
+
+
 @pytest.mark.parametrize("name", ["byte", "bpe"])
 def test_detokenizer_decodes_a_small_window(name, bpe):
     """O(1) per token: a long stream, with ids the tokenizer drops mixed in, never decodes more than a few ids."""

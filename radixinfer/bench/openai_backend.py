@@ -9,9 +9,13 @@ token a chunk, an estimate for a chunk that merges several). The server's own pr
 are not reported (``cache_stats`` is None); ``--cold-cache`` empties it through ``POST
 /reset_prefix_cache``.
 
-Requests run as coroutines of one client event loop on its own thread. Deltas reach the run loop in
-lists: one list per pass of the client loop, not one queue put per chunk, so the run loop wakes once
-per burst.
+Requests run as coroutines of one client event loop on its own thread, each on a connection of its
+own read by `radixinfer.bench.sse_client` (a lean SSE reader: the bench must read faster than the
+server under test writes, or it measures itself; ``benchmarks/sse_client_rate.py`` measures it).
+Deltas reach the run loop in lists: one list per pass of the client loop, not one queue put per
+chunk, so the run loop wakes once per burst. A chunk's tokens are counted from its ``token_ids``
+(one chunk may carry several when the server coalesces), never by re-tokenizing its text when
+the server sends them.
 """
 
 from __future__ import annotations
@@ -22,15 +26,17 @@ import json
 import os
 import queue
 import threading
-import time
 from typing import Any
 
 import httpx
 
 from radixinfer.async_llm import StreamEvents, StreamFailure
+from radixinfer.bench.sse_client import post_events
 from radixinfer.models import load_tokenizer
 from radixinfer.outputs import StreamDelta
 from radixinfer.sampling_params import SamplingParams
+
+DONE = b"[DONE]"  # the payload that ends a stream
 
 
 class OpenAIBackend:
@@ -62,11 +68,6 @@ class OpenAIBackend:
             target=self._loop.run_forever, name="openai-client", daemon=True
         )
         self._thread.start()
-        self._client = self._on_loop(self._open_client()).result()
-
-    async def _open_client(self) -> httpx.AsyncClient:
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-        return httpx.AsyncClient(headers=self._headers, limits=limits, timeout=None)
 
     def _on_loop(self, coroutine: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
@@ -89,7 +90,6 @@ class OpenAIBackend:
         httpx.post(url, headers=self._headers, timeout=60).raise_for_status()
 
     def close(self) -> None:
-        self._on_loop(self._client.aclose()).result()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()
@@ -136,37 +136,42 @@ class OpenAIBackend:
         if params.seed is not None:
             body["seed"] = params.seed
         ending: StreamDelta | None = None
-        async with self._client.stream(
-            "POST", f"{self._base_url}/completions", json=body
-        ) as response:
-            if response.status_code != 200:
-                text = (await response.aread()).decode(errors="replace")
-                raise RuntimeError(f"HTTP {response.status_code}: {text[:500]}")
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == "[DONE]":
-                    break
-                now = time.perf_counter()
-                chunk = json.loads(payload)
-                if "error" in chunk:
-                    raise RuntimeError(f"the server failed the request: {chunk['error']}")
-                if usage := chunk.get("usage"):
-                    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-                    if ending is not None:
-                        ending.num_cached_tokens = cached
-                for choice in chunk.get("choices", ()):
-                    text = choice.get("text") or ""
-                    ids = choice.get("token_ids")
-                    if ids is None:
-                        ids = self.tokenizer.encode(text) if text else []
-                    reason = choice.get("finish_reason")
-                    delta = StreamDelta(request_id, ids, text, reason is not None, reason, 0, now)
-                    if reason is not None:
-                        ending = delta  # sent once the usage (cached tokens) has come
-                    elif ids:
-                        self._emit(sink, delta)
+
+        def on_data(payload: bytes, now: float) -> None:
+            nonlocal ending
+            if payload == DONE:
+                return
+            delta = self._delta(request_id, json.loads(payload), now, ending)
+            if delta is None:
+                return
+            if delta.finished:
+                ending = delta  # sent once the usage (cached tokens) has come
+            else:
+                self._emit(sink, delta)
+
+        url = f"{self._base_url}/completions"
+        await post_events(url, json.dumps(body).encode(), self._headers, on_data)
         if ending is None:
             raise RuntimeError("the stream ended without a finish reason")
         self._emit(sink, ending)
+
+    def _delta(
+        self, request_id: str, chunk: dict, now: float, ending: StreamDelta | None
+    ) -> StreamDelta | None:
+        """The delta of one chunk (None: it has no tokens); a usage chunk sets ``ending``'s cached
+        tokens."""
+        if "error" in chunk:
+            raise RuntimeError(f"the server failed the request: {chunk['error']}")
+        if (usage := chunk.get("usage")) and ending is not None:
+            details = usage.get("prompt_tokens_details") or {}
+            ending.num_cached_tokens = details.get("cached_tokens") or 0
+        delta = None
+        for choice in chunk.get("choices", ()):
+            text = choice.get("text") or ""
+            ids = choice.get("token_ids")
+            if ids is None:
+                ids = self.tokenizer.encode(text) if text else []
+            reason = choice.get("finish_reason")
+            if ids or reason is not None:
+                delta = StreamDelta(request_id, ids, text, reason is not None, reason, 0, now)
+        return delta

@@ -26,6 +26,7 @@ from radixinfer.engine.model_runner import ModelRunner
 from radixinfer.engine.output import OutputProcessor
 from radixinfer.engine.pipeline import Launch, TokenPipeline
 from radixinfer.engine.prefill_plan import PrefillPass
+from radixinfer.engine.prompts import PromptChecker
 from radixinfer.engine.request import Request, Status
 from radixinfer.engine.sampler import sample_requests
 from radixinfer.engine.scheduler import Scheduler
@@ -98,6 +99,12 @@ class LLMEngine:
         """The prompt's token ids, checked, as an int64 array (`RequestIntake.prompt_ids`; any
         thread may call it for token ids)."""
         return self.intake.prompt_ids(prompt)
+
+    @property
+    def prompts(self) -> PromptChecker:
+        """The engine's prompt checker (`PromptChecker`): a front checks prompts with it, on any
+        thread or in another process."""
+        return self.intake.prompts
 
     def abort(self, request_id: str) -> StreamDelta | None:
         """Stop a request wherever it is; its blocks are released at once. Returns its final

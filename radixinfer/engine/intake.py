@@ -3,7 +3,6 @@ raises ``ValueError`` naming the caller's field, before anything is allocated.""
 
 from __future__ import annotations
 
-import array
 import itertools
 import random
 import time
@@ -11,6 +10,7 @@ from collections.abc import Container
 
 import numpy as np
 
+from radixinfer.engine.prompts import PromptChecker
 from radixinfer.engine.request import Request
 from radixinfer.sampling_params import SamplingParams
 from radixinfer.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -39,6 +39,8 @@ class RequestIntake:
         self.num_blocks = num_blocks
         self._arrivals = itertools.count()
         self._seeds = random.Random(seed)  # per-request sampling seeds when params.seed is None
+        # what checking a prompt needs; it pickles, so a front in another process checks there
+        self.prompts = PromptChecker(tokenizer, vocab_size, max_context_len)
 
     def request(
         self,
@@ -95,57 +97,5 @@ class RequestIntake:
         )
 
     def prompt_ids(self, prompt: str | list[int] | np.ndarray) -> np.ndarray:
-        """The prompt's token ids, checked, as the int64 array a request keeps
-        (`Request.token_array`): converted once here, where checking the ids needs an array anyway.
-        ``array("q", ids)`` converts at C speed and refuses what is not an integer (a float, a
-        string) instead of truncating it. Raises ``ValueError``.
-
-        For token ids it reads nothing that changes, so any thread may call it (a server converts
-        them on the submitting thread, sparing the engine loop ~30 us per 1,000 ids). A string is
-        encoded with the engine's tokenizer, which only the engine's thread uses."""
-        if isinstance(prompt, str):
-            try:
-                prompt.encode()
-            except UnicodeEncodeError as exc:  # lone surrogates: no tokenizer can encode them
-                raise ValueError(
-                    f"prompt is not valid Unicode text: {exc.reason} at index {exc.start}"
-                ) from None
-            ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)):
-            ids = prompt
-            if ids and isinstance(ids[0], bool):  # a mask passed as a prompt: bools are ints
-                raise ValueError("prompt: token ids must be integers, got bools")
-        elif isinstance(prompt, np.ndarray):
-            if prompt.ndim != 1 or prompt.dtype.kind not in "iu":
-                raise ValueError(
-                    f"prompt: an array of token ids must be 1-D integers, got {prompt.ndim}-D "
-                    f"{prompt.dtype}"
-                )
-            ids = prompt
-        else:
-            got = type(prompt).__name__
-            raise ValueError(f"prompt must be a string or a list of token ids, got {got}")
-        if len(ids) == 0:
-            raise ValueError("prompt must not be empty")
-        if len(ids) > self.max_context_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens, longer than the model's context of "
-                f"{self.max_context_len}"
-            )
-        vocab = self.vocab_size
-        if isinstance(ids, np.ndarray):
-            token_ids = ids
-        else:
-            try:
-                token_ids = np.frombuffer(array.array("q", ids), dtype=np.int64)
-            except TypeError:
-                raise ValueError("prompt: token ids must be integers") from None
-            except OverflowError:
-                raise ValueError(
-                    f"prompt: a token id is outside the vocabulary [0, {vocab})"
-                ) from None
-        if not (0 <= token_ids.min() and token_ids.max() < vocab):
-            bad = int(token_ids[(token_ids < 0) | (token_ids >= vocab)][0])
-            raise ValueError(f"prompt: token id {bad} is outside the vocabulary [0, {vocab})")
-        # the caller's array is copied
-        return ids.astype(np.int64) if token_ids is ids else token_ids
+        """The prompt's token ids, checked (`PromptChecker.token_ids`). Raises ``ValueError``."""
+        return self.prompts.token_ids(prompt)

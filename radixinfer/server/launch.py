@@ -1,4 +1,5 @@
-"""The flags of ``radixinfer serve`` and the process that serves: an `LLM`, its `AsyncLLM`, uvicorn.
+"""The flags of ``radixinfer serve`` and what it runs: an engine process, the `AsyncLLM` over it,
+uvicorn.
 
 Imports FastAPI and uvicorn only when serving, so the other subcommands run without them.
 """
@@ -7,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import sys
 
 from radixinfer.engine_args import add_engine_arguments, check_engine_arguments, llm_kwargs
 
@@ -57,24 +57,17 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         metavar="N",
-        help="tokens per streamed chunk (the last may hold fewer): fewer chunks cost the server "
-        "less per token, at the price of coarser streaming [1]",
-    )
-    http.add_argument(
-        "--switch-interval-ms",
-        type=float,
-        default=None,
-        metavar="MS",
-        help="how long the engine thread may wait for the GIL while the HTTP thread holds it "
-        "(sys.setswitchinterval) [Python's: 5]",
+        help="the fewest tokens a streamed chunk holds (the last may hold fewer); a stream whose "
+        "client is behind gets everything waiting for it in one chunk anyway [1]",
     )
     http.add_argument(
         "--gc-threshold",
         type=int,
         default=50_000,
         metavar="N",
-        help="the garbage collector's young-generation threshold (streaming allocates a delta per "
-        "token; Python's default of 700 collects every step of a wide batch; 0 leaves it) [50000]",
+        help="the garbage collector's young-generation threshold, in the HTTP process and the "
+        "engine process (streaming allocates a delta per token; Python's default of 700 collects "
+        "every step of a wide batch; 0 leaves it) [50000]",
     )
 
     add_engine_arguments(parser)
@@ -88,8 +81,6 @@ def check_serve_arguments(parser: argparse.ArgumentParser, args: argparse.Namesp
         parser.error("--max-waiting, --max-body-bytes and --stream-interval must be >= 1")
     if args.request_timeout is not None and not args.request_timeout > 0:
         parser.error("--request-timeout must be > 0")
-    if args.switch_interval_ms is not None and not args.switch_interval_ms > 0:
-        parser.error("--switch-interval-ms must be > 0")
     if args.gc_threshold < 0:
         parser.error("--gc-threshold must be >= 0")
     if args.api_key is not None and not args.api_key:
@@ -98,14 +89,13 @@ def check_serve_arguments(parser: argparse.ArgumentParser, args: argparse.Namesp
 
 
 def serve(args: argparse.Namespace) -> None:
-    """Load the model and serve it until interrupted."""
+    """Start the engine process, then serve HTTP until interrupted; stopping stops the engine."""
     import uvicorn
 
-    from radixinfer.api import LLM
     from radixinfer.async_llm import AsyncLLM
+    from radixinfer.engine_core import EngineProcess
     from radixinfer.server.app import ServerConfig, build_app
 
-    llm = LLM(**llm_kwargs(args))
     config = ServerConfig(
         model_name=args.served_model_name or args.model,
         api_key=args.api_key,
@@ -113,13 +103,19 @@ def serve(args: argparse.Namespace) -> None:
         max_body_bytes=args.max_body_bytes,
         stream_interval=args.stream_interval,
     )
-    if args.gc_threshold:
+    if args.gc_threshold:  # before the engine process starts: it copies the thresholds
         gc.set_threshold(args.gc_threshold, *gc.get_threshold()[1:])
-    if args.switch_interval_ms is not None:
-        sys.setswitchinterval(args.switch_interval_ms / 1e3)
-    front = AsyncLLM(llm, max_waiting=args.max_waiting, request_timeout=args.request_timeout)
-    with front as engine:
-        app = build_app(engine, config)
+    front = AsyncLLM(
+        EngineProcess(**llm_kwargs(args)),
+        max_waiting=args.max_waiting,
+        request_timeout=args.request_timeout,
+    )
+    with front as llm:
+        app = build_app(llm, config)
+        # What is alive now (torch, the app) lives as long as the server: out of the collector's
+        # full passes, which would rescan it while streams wait.
+        gc.collect()
+        gc.freeze()
         uvicorn.run(
             app,
             host=args.host,
