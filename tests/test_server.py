@@ -20,7 +20,7 @@ import pytest
 
 from radixinfer import LLM, SamplingParams
 from radixinfer.cli import parse_args
-from radixinfer.server.chat import chat_prompt_ids
+from radixinfer.chat import chat_prompt_ids
 from tests.http_server import MODEL, running_server
 
 REPO = Path(__file__).resolve().parents[1]

@@ -109,7 +109,8 @@ class Scheduler:
         n = len(tokens)
         cache = self.cache
         if fresh:
-            seq = cache.admit(tokens, req.salt)
+            # prompt logprobs need the logits of every prompt position: no cached positions
+            seq = cache.admit(tokens, req.salt, use_cache=not req.needs_prompt_logprobs())
             end = min(n, seq.num_kv + max(num_tokens, 1))
             if may_defer and cache.needs_copy_of_unwritten(seq, end):
                 cache.release(seq)
@@ -164,6 +165,20 @@ class Scheduler:
             req.status = Status.RUNNING
         self.prefilling = [r for r in self.prefilling if r.status is Status.PREFILLING]
         self.epoch += 1
+
+    def fork(self, first: Request) -> list[Request]:
+        """``first``'s prompt is complete: its group's samples waiting for it share its KV
+        (`KVCacheManager.fork`) and join ``active`` after it, their prompt complete. Their prompt
+        was computed (or read from the cache) once, for ``first``: they count none of it again.
+        Returns them, in sample order (none for a request of one sample)."""
+        samples = [r for r in first.group if r.status is Status.FORKING]
+        for req in samples:
+            req.seq = self.cache.fork(first.seq)
+            req.prompt_done = first.prompt_done
+            req.num_cached_tokens = first.num_cached_tokens
+            req.num_computed_prompt_tokens = first.num_computed_prompt_tokens
+            self.active.append(req)
+        return samples
 
     # ------------------------------------------------------------------ decode
     def decode_batch(self) -> tuple[DecodeBatch | None, bool]:
@@ -225,7 +240,7 @@ class Scheduler:
     def retire(self, req: Request, reason: str) -> None:
         """Mark a request finished (its blocks are released already; a finished running request is
         dropped from ``active`` by `drop_finished`)."""
-        if req.status is not Status.WAITING:
+        if req.status is Status.PREFILLING or req.status is Status.RUNNING:
             self._departed()
         req.status = Status.FINISHED
         req.finish_reason = reason

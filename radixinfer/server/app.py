@@ -38,7 +38,7 @@ from radixinfer.async_llm import (
 )
 from radixinfer.outputs import StreamDelta
 from radixinfer.server.body_limit import BodyLimit
-from radixinfer.server.chat import chat_prompt_ids
+from radixinfer.chat import chat_prompt_ids
 from radixinfer.server.metrics import ServerMetrics
 from radixinfer.server.protocol import (
     ChatCompletionRequest,
