@@ -18,6 +18,7 @@ from radixinfer import checks
 from radixinfer.attention import get_backend
 from radixinfer.cache.kv_manager import KVCacheManager
 from radixinfer.cache.kv_store import KVStore
+from radixinfer.chat import chat_prompt_ids, check_messages
 from radixinfer.engine.admission import AdmissionConfig
 from radixinfer.engine.engine import EngineConfig, LLMEngine
 from radixinfer.engine.memory import (
@@ -30,9 +31,8 @@ from radixinfer.engine.memory import (
     resolve_max_model_len,
 )
 from radixinfer.engine.model_runner import ModelRunner
-from radixinfer.models import load_model
-from radixinfer.chat import chat_prompt_ids, check_messages
 from radixinfer.engine.output import request_output
+from radixinfer.models import load_model
 from radixinfer.outputs import RequestOutput, StreamDelta, deltas_of
 from radixinfer.sampling_params import SEED_LIMIT, SamplingParams
 

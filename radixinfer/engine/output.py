@@ -9,10 +9,10 @@ import time
 
 import numpy as np
 
+from radixinfer.engine.logprobs import unpack
 from radixinfer.engine.pipeline import Launch
 from radixinfer.engine.request import Request, Status
 from radixinfer.engine.scheduler import Scheduler
-from radixinfer.engine.logprobs import unpack
 from radixinfer.outputs import (
     CompletionOutput,
     EngineEvent,

@@ -36,14 +36,16 @@ from radixinfer.async_llm import (
     QueueFullError,
     RequestTimeoutError,
 )
-from radixinfer.outputs import StreamDelta
-from radixinfer.server.body_limit import BodyLimit
 from radixinfer.chat import chat_prompt_ids
+from radixinfer.outputs import PositionLogprobs, StreamDelta
+from radixinfer.server.body_limit import BodyLimit
 from radixinfer.server.metrics import ServerMetrics
 from radixinfer.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     SamplingRequest,
+    chat_logprobs,
+    completion_logprobs,
     sampling_params,
 )
 
@@ -72,38 +74,65 @@ class _ClientGone(Exception):
 
 
 @dataclass
+class _Choice:
+    """One completion (``index``) of a request being answered: what it produced so far, or what one
+    batch of deltas added to it."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def extend(self, part: _Choice) -> None:
+        self.text += part.text
+        self.token_ids += part.token_ids
+        self.logprobs += part.logprobs
+        if part.finish_reason is not None:
+            self.finish_reason, self.stop_reason = part.finish_reason, part.stop_reason
+
+
+@dataclass
 class _Run:
-    """One request being answered: its stream, and what it produced so far."""
+    """One request being answered: its stream, and what each of its completions produced so far.
+    ``finish_reason`` is set once the whole request has ended (every completion)."""
 
     stream: AsyncStream
     arrival: float
-    token_ids: list[int] = field(default_factory=list)
+    choices: dict[int, _Choice] = field(default_factory=dict)
     token_times: list[float] = field(default_factory=list)
-    text: list[str] = field(default_factory=list)
     finish_reason: str | None = None
     cached_tokens: int = 0
 
-    def take(self, deltas: list[StreamDelta]) -> tuple[str, list[int]]:
-        """Add ``deltas``; returns their text and token ids."""
-        text, ids = [], []
+    def take(self, deltas: list[StreamDelta]) -> list[_Choice]:
+        """Add ``deltas``; returns what they added to each completion they touch."""
+        parts: dict[int, _Choice] = {}
         for delta in deltas:
-            text.append(delta.text)
-            ids += delta.token_ids
+            part = parts.get(delta.index)
+            if part is None:
+                part = parts[delta.index] = _Choice(delta.index)
+            part.extend(
+                _Choice(
+                    delta.index, delta.text, delta.token_ids, delta.logprobs or [],
+                    delta.finish_reason, delta.stop_reason,
+                )
+            )  # fmt: skip
             self.token_times += [delta.timestamp] * len(delta.token_ids)
             self.cached_tokens = delta.num_cached_tokens
             if delta.finished:
                 self.finish_reason = delta.finish_reason
-        self.token_ids += ids
-        joined = "".join(text)
-        self.text.append(joined)
-        return joined, ids
+        for index, part in parts.items():
+            self.choices.setdefault(index, _Choice(index)).extend(part)
+        return list(parts.values())
 
     def usage(self) -> dict[str, Any]:
         prompt_tokens = len(self.stream.prompt_token_ids)
+        completion_tokens = sum(len(c.token_ids) for c in self.choices.values())
         return {
             "prompt_tokens": prompt_tokens,
-            "completion_tokens": len(self.token_ids),
-            "total_tokens": prompt_tokens + len(self.token_ids),
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": max(self.cached_tokens, 0)},
         }
 
@@ -236,9 +265,13 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
                     if not (more := await run.stream.next_deltas()):
                         break
                     deltas += more
-                text, ids = run.take(deltas)
-                if text or run.finish_reason is not None or (body.return_token_ids and ids):
-                    yield _sse(chunks.delta(text, ids, run.finish_reason))
+                for part in run.take(deltas):
+                    if (
+                        part.text
+                        or part.finish_reason
+                        or (body.return_token_ids and part.token_ids)
+                    ):
+                        yield _sse(chunks.delta(part, run.choices[part.index]))
                 deltas = await run.stream.next_deltas() if run.finish_reason is None else []
             if body.include_usage:
                 yield _sse(chunks.usage(run.usage()))
@@ -313,7 +346,7 @@ def _sse(payload: dict) -> str:
 
 
 class _CompletionChunks:
-    """The JSON shapes of ``/v1/completions``."""
+    """The JSON shapes of ``/v1/completions``: one choice per completion, by its index."""
 
     def __init__(self, model: str, body: SamplingRequest) -> None:
         self.head = {
@@ -323,24 +356,38 @@ class _CompletionChunks:
             "model": model,
         }
         self.with_ids = body.return_token_ids
+        self.num_logprobs = body.num_logprobs
 
     def opening(self) -> dict | None:
         return None
 
-    def delta(self, text: str, ids: list[int], finish_reason: str | None) -> dict:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        if self.with_ids:
-            choice["token_ids"] = ids
-        return {**self.head, "choices": [choice]}
+    def delta(self, part: _Choice, whole: _Choice) -> dict:
+        """The chunk of what ``part`` added to the completion that is now ``whole``."""
+        return {**self.head, "choices": [self._choice(part, len(whole.text) - len(part.text))]}
 
     def usage(self, usage: dict) -> dict:
         return {**self.head, "choices": [], "usage": usage}
 
     def whole(self, run: _Run) -> dict:
-        return {
-            **self.delta("".join(run.text), run.token_ids, run.finish_reason),
-            "usage": run.usage(),
-        }
+        choices = [self._choice(run.choices[i], 0) for i in sorted(run.choices)]
+        return {**self.head, "choices": choices, "usage": run.usage()}
+
+    def _choice(self, part: _Choice, text_offset: int) -> dict:
+        logprobs = None
+        if self.num_logprobs is not None:
+            logprobs = completion_logprobs(
+                part.token_ids, part.logprobs, self.num_logprobs, text_offset
+            )
+        return self._fields(part, {"text": part.text, "logprobs": logprobs})
+
+    def _fields(self, part: _Choice, content: dict) -> dict:
+        choice = {
+            "index": part.index, **content,
+            "finish_reason": part.finish_reason, "stop_reason": part.stop_reason,
+        }  # fmt: skip
+        if self.with_ids:
+            choice["token_ids"] = part.token_ids
+        return choice
 
 
 class _ChatChunks(_CompletionChunks):
@@ -350,20 +397,31 @@ class _ChatChunks(_CompletionChunks):
         super().__init__(model, body)
         self.head["id"] = f"chatcmpl-{uuid.uuid4().hex}"
         self.head["object"] = "chat.completion.chunk"
+        self.num_choices = body.n
 
     def opening(self) -> dict:
-        return self._choice({"delta": {"role": "assistant", "content": ""}}, [], None)
+        choices = [
+            self._fields(
+                _Choice(i), {"delta": {"role": "assistant", "content": ""}, "logprobs": None}
+            )
+            for i in range(self.num_choices)
+        ]
+        return {**self.head, "choices": choices}
 
-    def delta(self, text: str, ids: list[int], finish_reason: str | None) -> dict:
-        return self._choice({"delta": {"content": text}}, ids, finish_reason)
+    def delta(self, part: _Choice, whole: _Choice) -> dict:
+        return {**self.head, "choices": [self._chat_choice(part, "delta")]}
 
     def whole(self, run: _Run) -> dict:
-        message = {"message": {"role": "assistant", "content": "".join(run.text)}}
-        body = self._choice(message, run.token_ids, run.finish_reason)
-        return {**body, "object": "chat.completion", "usage": run.usage()}
+        choices = [self._chat_choice(run.choices[i], "message") for i in sorted(run.choices)]
+        return {**self.head, "object": "chat.completion", "choices": choices, "usage": run.usage()}
 
-    def _choice(self, content: dict, ids: list[int], finish_reason: str | None) -> dict:
-        choice = {"index": 0, **content, "logprobs": None, "finish_reason": finish_reason}
-        if self.with_ids:
-            choice["token_ids"] = ids
-        return {**self.head, "choices": [choice]}
+    def _chat_choice(self, part: _Choice, key: str) -> dict:
+        message = (
+            {"content": part.text}
+            if key == "delta"
+            else {"role": "assistant", "content": part.text}
+        )
+        logprobs = None
+        if self.num_logprobs is not None:
+            logprobs = chat_logprobs(part.token_ids, part.logprobs, self.num_logprobs)
+        return self._fields(part, {key: message, "logprobs": logprobs})
