@@ -19,10 +19,9 @@ import asyncio
 import hmac
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import TypeVar
 
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
@@ -37,15 +36,14 @@ from radixinfer.async_llm import (
     RequestTimeoutError,
 )
 from radixinfer.chat import chat_prompt_ids
-from radixinfer.outputs import PositionLogprobs, StreamDelta
+from radixinfer.outputs import StreamDelta
+from radixinfer.server.answers import ChatChunks, CompletionChunks, Run
 from radixinfer.server.body_limit import BodyLimit
 from radixinfer.server.metrics import ServerMetrics
 from radixinfer.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     SamplingRequest,
-    chat_logprobs,
-    completion_logprobs,
     sampling_params,
 )
 
@@ -71,70 +69,6 @@ class ServerConfig:
 
 class _ClientGone(Exception):
     """The client disconnected before its answer was ready."""
-
-
-@dataclass
-class _Choice:
-    """One completion (``index``) of a request being answered: what it produced so far, or what one
-    batch of deltas added to it."""
-
-    index: int
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[PositionLogprobs] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-    def extend(self, part: _Choice) -> None:
-        self.text += part.text
-        self.token_ids += part.token_ids
-        self.logprobs += part.logprobs
-        if part.finish_reason is not None:
-            self.finish_reason, self.stop_reason = part.finish_reason, part.stop_reason
-
-
-@dataclass
-class _Run:
-    """One request being answered: its stream, and what each of its completions produced so far.
-    ``finish_reason`` is set once the whole request has ended (every completion)."""
-
-    stream: AsyncStream
-    arrival: float
-    choices: dict[int, _Choice] = field(default_factory=dict)
-    token_times: list[float] = field(default_factory=list)
-    finish_reason: str | None = None
-    cached_tokens: int = 0
-
-    def take(self, deltas: list[StreamDelta]) -> list[_Choice]:
-        """Add ``deltas``; returns what they added to each completion they touch."""
-        parts: dict[int, _Choice] = {}
-        for delta in deltas:
-            part = parts.get(delta.index)
-            if part is None:
-                part = parts[delta.index] = _Choice(delta.index)
-            part.extend(
-                _Choice(
-                    delta.index, delta.text, delta.token_ids, delta.logprobs or [],
-                    delta.finish_reason, delta.stop_reason,
-                )
-            )  # fmt: skip
-            self.token_times += [delta.timestamp] * len(delta.token_ids)
-            self.cached_tokens = delta.num_cached_tokens
-            if delta.finished:
-                self.finish_reason = delta.finish_reason
-        for index, part in parts.items():
-            self.choices.setdefault(index, _Choice(index)).extend(part)
-        return list(parts.values())
-
-    def usage(self) -> dict[str, Any]:
-        prompt_tokens = len(self.stream.prompt_token_ids)
-        completion_tokens = sum(len(c.token_ids) for c in self.choices.values())
-        return {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": max(self.cached_tokens, 0)},
-        }
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
@@ -210,7 +144,7 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
 
     def start(
         request: Request, body: SamplingRequest, prompt: str | list[int], default_max_tokens: int
-    ) -> _Run:
+    ) -> Run:
         if body.model is not None and body.model != config.model_name:
             raise HTTPException(
                 404, f"model: {body.model!r} does not exist; this server runs {config.model_name!r}"
@@ -219,10 +153,10 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
         salt = body.cache_salt
         if config.cache_salt_header is not None:
             salt = request.headers.get(config.cache_salt_header)
-        return _Run(llm.add_request(prompt, params, salt), time.perf_counter())
+        return Run(llm.add_request(prompt, params, salt), time.perf_counter())
 
     async def answer(
-        request: Request, body: SamplingRequest, run: _Run, chunks: _CompletionChunks
+        request: Request, body: SamplingRequest, run: Run, chunks: CompletionChunks
     ) -> Response:
         """Wait for the first tokens (so errors the engine finds become statuses), then stream or
         collect. A request the engine rejects is not counted in the metrics; one served, timed out
@@ -247,14 +181,14 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
             if not handed_over:
                 _finish(run)
 
-    def _finish(run: _Run) -> None:
+    def _finish(run: Run) -> None:
         run.stream.close()
         if run.finish_reason is not None:
             prompt_tokens = len(run.stream.prompt_token_ids)
             metrics.record(run.finish_reason, prompt_tokens, run.token_times, run.arrival)
 
     async def _events(
-        body: SamplingRequest, run: _Run, first: list[StreamDelta], chunks: _CompletionChunks
+        body: SamplingRequest, run: Run, first: list[StreamDelta], chunks: CompletionChunks
     ) -> AsyncIterator[str]:
         try:
             if (opening := chunks.opening()) is not None:
@@ -289,14 +223,14 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(request: Request, body: CompletionRequest) -> Response:
         run = start(request, body, body.single_prompt(), COMPLETION_DEFAULT_MAX_TOKENS)
-        return await answer(request, body, run, _CompletionChunks(config.model_name, body))
+        return await answer(request, body, run, CompletionChunks(config.model_name, body))
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         prompt = chat_prompt_ids(llm.tokenizer, messages)
         run = start(request, body, prompt, llm.max_context_len)
-        return await answer(request, body, run, _ChatChunks(config.model_name, body))
+        return await answer(request, body, run, ChatChunks(config.model_name, body))
 
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models() -> dict:
@@ -343,85 +277,3 @@ async def _rest(stream: AsyncStream) -> list[StreamDelta]:
 
 def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
-
-
-class _CompletionChunks:
-    """The JSON shapes of ``/v1/completions``: one choice per completion, by its index."""
-
-    def __init__(self, model: str, body: SamplingRequest) -> None:
-        self.head = {
-            "id": f"cmpl-{uuid.uuid4().hex}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": model,
-        }
-        self.with_ids = body.return_token_ids
-        self.num_logprobs = body.num_logprobs
-
-    def opening(self) -> dict | None:
-        return None
-
-    def delta(self, part: _Choice, whole: _Choice) -> dict:
-        """The chunk of what ``part`` added to the completion that is now ``whole``."""
-        return {**self.head, "choices": [self._choice(part, len(whole.text) - len(part.text))]}
-
-    def usage(self, usage: dict) -> dict:
-        return {**self.head, "choices": [], "usage": usage}
-
-    def whole(self, run: _Run) -> dict:
-        choices = [self._choice(run.choices[i], 0) for i in sorted(run.choices)]
-        return {**self.head, "choices": choices, "usage": run.usage()}
-
-    def _choice(self, part: _Choice, text_offset: int) -> dict:
-        logprobs = None
-        if self.num_logprobs is not None:
-            logprobs = completion_logprobs(
-                part.token_ids, part.logprobs, self.num_logprobs, text_offset
-            )
-        return self._fields(part, {"text": part.text, "logprobs": logprobs})
-
-    def _fields(self, part: _Choice, content: dict) -> dict:
-        choice = {
-            "index": part.index, **content,
-            "finish_reason": part.finish_reason, "stop_reason": part.stop_reason,
-        }  # fmt: skip
-        if self.with_ids:
-            choice["token_ids"] = part.token_ids
-        return choice
-
-
-class _ChatChunks(_CompletionChunks):
-    """The JSON shapes of ``/v1/chat/completions``."""
-
-    def __init__(self, model: str, body: SamplingRequest) -> None:
-        super().__init__(model, body)
-        self.head["id"] = f"chatcmpl-{uuid.uuid4().hex}"
-        self.head["object"] = "chat.completion.chunk"
-        self.num_choices = body.n
-
-    def opening(self) -> dict:
-        choices = [
-            self._fields(
-                _Choice(i), {"delta": {"role": "assistant", "content": ""}, "logprobs": None}
-            )
-            for i in range(self.num_choices)
-        ]
-        return {**self.head, "choices": choices}
-
-    def delta(self, part: _Choice, whole: _Choice) -> dict:
-        return {**self.head, "choices": [self._chat_choice(part, "delta")]}
-
-    def whole(self, run: _Run) -> dict:
-        choices = [self._chat_choice(run.choices[i], "message") for i in sorted(run.choices)]
-        return {**self.head, "object": "chat.completion", "choices": choices, "usage": run.usage()}
-
-    def _chat_choice(self, part: _Choice, key: str) -> dict:
-        message = (
-            {"content": part.text}
-            if key == "delta"
-            else {"role": "assistant", "content": part.text}
-        )
-        logprobs = None
-        if self.num_logprobs is not None:
-            logprobs = chat_logprobs(part.token_ids, part.logprobs, self.num_logprobs)
-        return self._fields(part, {key: message, "logprobs": logprobs})
