@@ -2,8 +2,16 @@
 
 from radixinfer.api import LLM
 from radixinfer.async_llm import AsyncLLM
-from radixinfer.outputs import RequestOutput, StreamDelta
+from radixinfer.outputs import CompletionOutput, Logprob, RequestOutput, StreamDelta
 from radixinfer.sampling_params import SamplingParams
 
-__all__ = ["AsyncLLM", "LLM", "RequestOutput", "SamplingParams", "StreamDelta"]
+__all__ = [
+    "AsyncLLM",
+    "CompletionOutput",
+    "LLM",
+    "Logprob",
+    "RequestOutput",
+    "SamplingParams",
+    "StreamDelta",
+]
 __version__ = "0.1.0"

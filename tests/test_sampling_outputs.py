@@ -3,12 +3,13 @@ log-probabilities, in vLLM's result shapes (`RequestOutput.outputs`)."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import pytest
 import torch
 
-from radixinfer import LLM, SamplingParams
+from radixinfer import LLM, AsyncLLM, SamplingParams
 from tests.engine_helpers import hf_model, save_tiny_checkpoint
 
 PROMPT_300 = [random.Random(3).randrange(256) for _ in range(300)]
@@ -89,6 +90,20 @@ def test_a_stream_of_n_samples_carries_each_samples_index(llm):
         mine = [d for d in deltas if d.index == c.index]
         assert [t for d in mine for t in d.token_ids] == c.token_ids
         assert "".join(d.text for d in mine) == c.text
+    assert_leak_free(llm)
+
+
+def test_the_async_front_streams_each_samples_index(llm):
+    async def collect() -> list:
+        params = sampled(4, n=2, max_tokens=5)
+        return [delta async for delta in front.generate(PROMPT_300[:30], params)]
+
+    with AsyncLLM(llm) as front:
+        deltas = asyncio.run(collect())
+    assert deltas[-1].finished and sum(d.finished for d in deltas) == 1
+    by_index = {i: [t for d in deltas if d.index == i for t in d.token_ids] for i in (0, 1)}
+    whole = llm.generate([PROMPT_300[:30]], sampled(4, n=2, max_tokens=5))[0]
+    assert [by_index[0], by_index[1]] == [c.token_ids for c in whole.outputs]
     assert_leak_free(llm)
 
 
