@@ -136,16 +136,8 @@ class KVCacheManager:
         return offset > self._written_fill.get(seq.table[-1], self.block_size)
 
     def fork(self, seq: SeqKV) -> SeqKV:
-        """A second live sequence over ``seq``'s positions (another sample of the same prompt): it
-        holds every block of ``seq`` (one more reference each) and locks the same node. Nothing is
-        copied now; the shared boundary block is copied on its first write by the rule of
-        `BlockPool.must_copy` (the first sequence to write its next slot claims it, later ones
-        copy)::
-
-            seq:   [a b c d | e f . .]   B (fill 2, refcount 2 + the tree's)
-            fork:  [a b c d | e f . .]   same blocks; decoding "x" after seq wrote "y" there:
-                   [a b c d | e f x .]   B' = copy(B), then write "x" at offset 2 of B'
-        """
+        """Another sample of ``seq``'s prompt: its blocks (one more reference each) and lock. Nothing
+        is copied now; their shared boundary block follows `BlockPool.must_copy` on write."""
         if seq.node is not None:
             self.tree.lock(seq.node)
         self.pool.incref(seq.table)

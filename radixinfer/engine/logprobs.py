@@ -87,8 +87,8 @@ def collect_prompt_logprobs(
 ) -> None:
     """Append to each item's request the prompt logprobs of the positions the pass computed for it:
     position ``p``'s logits score prompt token ``p + 1``. Items must come from the pass whose
-    ``hidden [num_tokens, hidden]`` this is (their ``row`` set). Reads back at once (a sync): only
-    requests that asked pay it."""
+    ``hidden [num_tokens, hidden]`` this is (their ``row`` set); ``token_text`` names the tokens of
+    requests that detokenize. Reads back at once (a sync): only requests that asked pay it."""
     for it in items:
         req = it.req
         done = req.prompt_logprobs
@@ -102,5 +102,6 @@ def collect_prompt_logprobs(
         k = req.params.prompt_logprobs
         targets = torch.as_tensor(prompt[first + 1 : last + 1], device=logp.device)
         packed = score(logp, targets, [k]).tolist()
+        text = token_text if req.detokenizer is not None else None
         for row, target in zip(packed, prompt[first + 1 : last + 1].tolist()):
-            done.append(unpack(row, target, k, token_text))
+            done.append(unpack(row, target, k, text))
