@@ -80,6 +80,20 @@ def test_n_samples_survive_preemption_and_abort():
     assert_leak_free(llm)
 
 
+def test_max_num_seqs_counts_every_sample():
+    llm = LLM("tiny", block_size=16, num_blocks=128, max_num_seqs=4)
+    engine = llm.engine
+    ids = [engine.add_request(PROMPT_300[:20], sampled(s, n=3, max_tokens=4)) for s in (1, 2)]
+    ids.append(engine.add_request(PROMPT_300[:20], sampled(3, n=6, max_tokens=4)))  # more than 4
+    most = 0
+    while engine.has_unfinished():
+        engine.step()
+        most = max(most, len(engine.active))
+    assert all(len(engine.pop_finished(i).group) in (3, 6) for i in ids)
+    assert most == 6  # three, then three, then the six alone
+    assert_leak_free(llm)
+
+
 def test_a_stream_of_n_samples_carries_each_samples_index(llm):
     deltas = list(llm.stream(PROMPT_300[:50], sampled(3, n=3, max_tokens=6)))
     assert deltas[-1].finished and sum(d.finished for d in deltas) == 1

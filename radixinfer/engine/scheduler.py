@@ -62,7 +62,9 @@ class Scheduler:
             budget -= first.items[-1].end - first.items[-1].start
         deferred: list[Grant[Request]] = []
         cap = self.config.max_num_seqs
-        free_slots = admission.max_requests if cap is None else cap - len(self.active)
+        # sequences held, counting the samples that prefilling requests will fork
+        held = len(self.active) + sum(_seqs(r) - 1 for r in self.prefilling)
+        free_slots = admission.max_requests if cap is None else cap - held
         if self.waiting and free_slots > 0 and budget > 0:
             window = max(admission.lookahead, admission.max_requests)
             grants = plan_admission(
@@ -71,11 +73,15 @@ class Scheduler:
                 max_requests=free_slots, max_tokens=budget,
             )  # fmt: skip
             for grant in grants:
+                need = _seqs(grant.item)
+                if cap is not None and held and held + need > cap:
+                    break  # its samples would pass the cap: it waits (alone, it may pass it)
                 outcome = self._plan_item(first, grant.item, grant.num_tokens, True, may_defer=True)
+                if outcome is Planned.NO_MEMORY:
+                    break  # the rest waits
+                held += need
                 if outcome is Planned.DEFERRED:
                     deferred.append(grant)
-                elif outcome is Planned.NO_MEMORY:
-                    break  # the rest waits
         return PrefillPlan(first, deferred)
 
     def plan_deferred(self, grants: list[Grant[Request]]) -> PrefillPass:
@@ -252,3 +258,8 @@ class Scheduler:
     def drop_finished(self) -> None:
         """Drop finished requests from ``active`` in one pass (a whole batch may finish at once)."""
         self.active = [r for r in self.active if r.status is not Status.FINISHED]
+
+
+def _seqs(req: Request) -> int:
+    """The sequences a request holds once running: itself, and the samples waiting to fork it."""
+    return 1 + sum(r.status is Status.FORKING for r in req.group)
