@@ -32,7 +32,7 @@ from radixinfer.engine.logprobs import (
 )
 from radixinfer.engine.model_runner import ModelRunner
 from radixinfer.engine.output import OutputProcessor
-from radixinfer.engine.pipeline import Launch, TokenPipeline
+from radixinfer.engine.pipeline import Launch, TokenPipeline, device_index
 from radixinfer.engine.prefill_plan import PrefillPass
 from radixinfer.engine.request import Request, Status
 from radixinfer.engine.sampler import sample_requests
@@ -209,7 +209,7 @@ class LLMEngine:
         self.scheduler.start_running(reqs)  # decodes from its first token, on the device for now
         logits = self.runner.logits(last_hidden)
         if len(rows) > len(finishing):
-            logits = logits[rows]
+            logits = logits.index_select(0, device_index(rows, logits.device))
         self._sample_and_launch(reqs, logits, logprob_rows(reqs))
 
     def _sample_and_launch(
@@ -221,10 +221,10 @@ class LLMEngine:
     ) -> torch.Tensor:
         """Sample a token per row of ``logits`` and launch them, with the raw logprobs of
         ``scored_rows`` when some ask (taken before the sampler may change ``logits``)."""
-        logp = raw_logprobs(logits, scored_rows) if scored_rows else None
+        raw = raw_logprobs(logits, scored_rows) if scored_rows else None
         greedy = None if batch is None else batch.greedy
         tokens = sample_requests(reqs, logits, greedy)
-        scores = None if logp is None else score_sampled(logp, scored_rows, reqs, tokens)
+        scores = None if raw is None else score_sampled(raw, reqs, tokens)
         departures = None if batch is None else self.scheduler.departures
         self.pipeline.launch(reqs, tokens, batch, departures, scores)
         return tokens

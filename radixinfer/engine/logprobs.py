@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from radixinfer.engine.pipeline import device_index
 from radixinfer.outputs import Logprob, PositionLogprobs
 
 if TYPE_CHECKING:
@@ -37,10 +38,21 @@ def logprob_rows(reqs: Sequence[Request]) -> list[int]:
     return [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
 
 
-def raw_logprobs(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """``[len(rows), vocab]`` float32 log-softmax of those rows of ``logits`` (a new tensor: the
-    sampler may change ``logits`` afterwards)."""
-    return torch.log_softmax(logits[rows].float(), dim=-1)
+class RawLogprobs(NamedTuple):
+    """The log-softmax ``logp [len(rows), vocab]`` float32 of rows ``rows`` of a step's logits, and
+    ``index``, those rows as a device index."""
+
+    rows: list[int]
+    index: torch.Tensor
+    logp: torch.Tensor
+
+
+def raw_logprobs(logits: torch.Tensor, rows: list[int]) -> RawLogprobs:
+    """The log-softmax of those rows of ``logits`` (a new tensor: the sampler may change ``logits``
+    afterwards)."""
+    index = device_index(rows, logits.device)
+    logp = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
+    return RawLogprobs(rows, index, logp)
 
 
 def score(logp: torch.Tensor, chosen: torch.Tensor, ks: list[int]) -> torch.Tensor:
@@ -56,13 +68,10 @@ def score(logp: torch.Tensor, chosen: torch.Tensor, ks: list[int]) -> torch.Tens
     return torch.cat(parts, dim=1)
 
 
-def score_sampled(
-    logp: torch.Tensor, rows: list[int], reqs: Sequence[Request], tokens: torch.Tensor
-) -> ScoredRows:
-    """`score` the sampled ``tokens [len(reqs)]`` of ``rows`` (``logp`` from `raw_logprobs`)."""
-    ks = [reqs[i].params.logprobs for i in rows]
-    index = torch.tensor(rows, device=tokens.device)
-    return ScoredRows(rows, ks, score(logp, tokens[index], ks))
+def score_sampled(raw: RawLogprobs, reqs: Sequence[Request], tokens: torch.Tensor) -> ScoredRows:
+    """`score` the sampled ``tokens [len(reqs)]`` of the rows of ``raw``."""
+    ks = [reqs[i].params.logprobs for i in raw.rows]
+    return ScoredRows(raw.rows, ks, score(raw.logp, tokens.index_select(0, raw.index), ks))
 
 
 def unpack(row: list[float], chosen: int, k: int, token_text: TokenText) -> PositionLogprobs:

@@ -76,6 +76,15 @@ class Launch:
         return self.host_scores.tolist()
 
 
+def device_index(rows: list[int], device: torch.device) -> torch.Tensor:
+    """``rows`` as an int64 index tensor on ``device``, copied from pinned memory without blocking
+    the host (a plain copy from a list would wait for the forward just launched)."""
+    index = torch.tensor(rows, dtype=torch.int64)
+    if device.type == "cuda":
+        index = index.pin_memory().to(device, non_blocking=True)
+    return index
+
+
 def _to_pinned(tensor: torch.Tensor) -> torch.Tensor:
     """A pinned host copy of a device tensor, on its way without blocking."""
     host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
