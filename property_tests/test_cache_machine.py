@@ -3,12 +3,12 @@ of docs/invariants.md after every step.
 
 The machine admits requests (match + lock, then `reserve` of the prompt), grows several live
 sequences by one token in ONE batched `reserve` call (a decode step) or one sequence by a few (a
-prompt chunk), publishes prompts (with ``prompt_end`` and a payload) and any prefix of a sequence's
-tokens, finishes (publish + release), aborts (release only), evicts, and resets the tree when
-nothing is live. Requests carry one of three cache salts; tokens come from ``{0, 1, 2}`` so prefixes
-collide constantly. When `reserve` returns None, an admission is dropped and a decode step preempts
-the newest request (publishing its computed prefix: docs/request-lifecycle.md, Finish, abort,
-preempt) and retries, as the engine does.
+prompt chunk), forks a live sequence (another sample of its prompt), publishes prompts (with
+``prompt_end`` and a payload) and any prefix of a sequence's tokens, finishes (publish + release),
+aborts (release only), evicts, and resets the tree when nothing is live. Requests carry one of three
+cache salts; tokens come from ``{0, 1, 2}`` so prefixes collide constantly. When `reserve` returns
+None, an admission is dropped and a decode step preempts the newest request (publishing its computed
+prefix: docs/request-lifecycle.md, Finish, abort, preempt) and retries, as the engine does.
 
 Each plan is applied to the fake KV store at once, copies first, then writes, and followed by
 `mark_written` (one forward per step; `test_in_round_machine` covers several plans per forward);
@@ -82,6 +82,17 @@ class CacheMachine(CacheDriver):
         what the sequence published before, which moves its lock up the tree)."""
         req = self._pick(pick)
         self._publish(req, min(cut, len(req.tokens)))
+
+    @precondition(lambda self: self.live)
+    @rule(pick=PICK)
+    def fork(self, pick: int) -> None:
+        """Another sample of a live sequence (a request of n > 1 completions): it shares every block
+        and the lock; the next write of each into their shared boundary block obeys copy-on-write."""
+        req = self._pick(pick)
+        twin = Req(
+            next(self.rids), self.mgr.fork(req.seq), req.salt, list(req.tokens), req.locked_len
+        )
+        self.live[twin.rid] = twin
 
     @precondition(lambda self: self.live)
     @rule(pick=PICK)

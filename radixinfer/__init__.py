@@ -3,8 +3,17 @@
 from radixinfer.api import LLM
 from radixinfer.async_llm import AsyncLLM
 from radixinfer.engine_core import EngineProcess
-from radixinfer.outputs import RequestOutput, StreamDelta
+from radixinfer.outputs import CompletionOutput, Logprob, RequestOutput, StreamDelta
 from radixinfer.sampling_params import SamplingParams
 
-__all__ = ["AsyncLLM", "EngineProcess", "LLM", "RequestOutput", "SamplingParams", "StreamDelta"]
+__all__ = [
+    "AsyncLLM",
+    "CompletionOutput",
+    "EngineProcess",
+    "LLM",
+    "Logprob",
+    "RequestOutput",
+    "SamplingParams",
+    "StreamDelta",
+]
 __version__ = "0.1.0"

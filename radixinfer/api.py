@@ -1,4 +1,5 @@
-"""The public API (docs/api.md): `LLM` with `generate`, `stream`, `cache_stats` and `reset_prefix_cache`."""
+"""The public API (docs/api.md): `LLM` with `generate`, `chat`, `stream`, `cache_stats` and
+`reset_prefix_cache`."""
 
 from __future__ import annotations
 
@@ -16,34 +17,55 @@ from transformers import PretrainedConfig
 
 from radixinfer import checks
 from radixinfer.cache.kv_manager import KVCacheManager
+from radixinfer.chat import chat_prompt_ids, check_messages
 from radixinfer.distributed.driver import TensorParallelRunner
 from radixinfer.distributed.launch import join_as_worker, start_group
 from radixinfer.engine.admission import AdmissionConfig
 from radixinfer.engine.engine import EngineConfig, LLMEngine
 from radixinfer.engine.memory import MemoryPlan, check_utilization
+from radixinfer.engine.output import request_output
 from radixinfer.engine.runner_setup import RunnerSpec, build_runner
 from radixinfer.models import check_shardable
 from radixinfer.outputs import RequestOutput, StreamDelta, deltas_of
 from radixinfer.sampling_params import SEED_LIMIT, SamplingParams
 
-Prompt = str | list[int]
+Prompt = str | list[int] | dict  # text, token ids, or {"prompt": text} / {"prompt_token_ids": ids}
 
 logger = logging.getLogger(__name__)
+
+
+def _prompt_of(prompt: Prompt) -> str | list[int]:
+    """The text or token ids of a prompt given in any of `Prompt`'s forms (vLLM's dicts included);
+    ``ValueError`` naming ``prompt`` for a dict of neither kind (the engine checks the rest)."""
+    if not isinstance(prompt, dict):
+        return prompt
+    if set(prompt) == {"prompt_token_ids"}:
+        return prompt["prompt_token_ids"]
+    if set(prompt) == {"prompt"} and isinstance(prompt["prompt"], str):
+        return prompt["prompt"]
+    raise ValueError(
+        "prompt: a dict prompt must be {'prompt': str} or {'prompt_token_ids': [ids]}, got keys "
+        f"{sorted(map(str, prompt))}"
+    )
 
 
 def _params_per_prompt(
     params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
 ) -> list[SamplingParams]:
     """One `SamplingParams` per prompt: ``params`` (or the defaults) for each, or the items of a list of
-    as many. Raises ``ValueError`` naming ``params`` for anything else (the engine checks the items)."""
+    as many. Raises ``ValueError`` naming ``sampling_params`` for anything else (the engine checks
+    the items)."""
     if params is None or isinstance(params, SamplingParams):
         return [SamplingParams() if params is None else params] * num_prompts
     if not isinstance(params, (list, tuple)):
         raise ValueError(
-            f"params must be a SamplingParams or a list of them, got {type(params).__name__}"
+            "sampling_params must be a SamplingParams or a list of them, got "
+            f"{type(params).__name__}"
         )
     if len(params) != num_prompts:
-        raise ValueError(f"params: got {len(params)} SamplingParams for {num_prompts} prompts")
+        raise ValueError(
+            f"sampling_params: got {len(params)} SamplingParams for {num_prompts} prompts"
+        )
     return list(params)
 
 
@@ -133,6 +155,13 @@ def run_tensor_parallel_rank(**llm_kwargs) -> None:
     this with the same arguments. Returns when rank 0 closes its `LLM`."""
     _, spec, torch_device = _engine_options(**{**_LLM_DEFAULTS, **llm_kwargs})
     join_as_worker(torch_device, spec)
+
+
+def _prompt_text(prompt: Prompt) -> str | None:
+    """The prompt's text, when it was given as text."""
+    if isinstance(prompt, dict):
+        prompt = prompt.get("prompt")
+    return prompt if isinstance(prompt, str) else None
 
 
 class LLM:
@@ -239,7 +268,7 @@ class LLM:
         ids: list[str] = []
         try:
             for prompt, p in zip(prompts, params, strict=True):
-                ids.append(self.engine.add_request(prompt, p, cache_salt))
+                ids.append(self.engine.add_request(_prompt_of(prompt), p, cache_salt))
         except ValueError:
             self._abort_all(ids)
             raise
@@ -248,15 +277,23 @@ class LLM:
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         cache_salt: str | None = None,
+        *,
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion (batched) and return one output per prompt, in input order.
 
-        If anything interrupts the call (an exception, ``KeyboardInterrupt``), its requests are aborted and
-        their KV blocks freed before it propagates. Streams open on this `LLM` keep receiving their tokens
-        while ``generate`` drives the engine."""
-        if isinstance(prompts, str) or (
+        A prompt is text, token ids, ``{"prompt": text}`` or ``{"prompt_token_ids": ids}``;
+        ``sampling_params`` is one `SamplingParams` for all or a list of one per prompt (``params``
+        is its former name). If anything interrupts the call (an exception, ``KeyboardInterrupt``),
+        its requests are aborted and their KV blocks freed before it propagates. Streams open on
+        this `LLM` keep receiving their tokens while ``generate`` drives the engine."""
+        if params is not None:
+            if sampling_params is not None:
+                raise ValueError("params: give sampling_params or params (its old name), not both")
+            sampling_params = params
+        if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]
@@ -264,20 +301,45 @@ class LLM:
             raise ValueError(
                 f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}"
             )
-        ids = self._add_all(prompts, _params_per_prompt(params, len(prompts)), cache_salt)
-        requests = self.engine.requests
+        per_prompt = _params_per_prompt(sampling_params, len(prompts))
+        ids = self._add_all(prompts, per_prompt, cache_salt)
+        engine = self.engine
         try:
-            while any(requests[i].finish_reason is None for i in ids):
+            while not all(engine.is_finished(i) for i in ids):
                 self._step()
         except BaseException:
             self._abort_all(ids)
             raise
-        return [self._output(self.engine.pop_finished(i)) for i in ids]
+        return [
+            request_output(engine.pop_finished(i), _prompt_text(prompt))
+            for i, prompt in zip(ids, prompts)
+        ]
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | Sequence[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """Answer one conversation (a list of ``{"role", "content"}`` messages) or a list of them:
+        each rendered by the tokenizer's chat template with the assistant's turn opened (the
+        built-in template of `radixinfer.chat` when the tokenizer has none, as the ``tiny``
+        preset's), then generated as `generate` does."""
+        conversations = (
+            [messages] if messages and isinstance(messages[0], dict) else list(messages or [None])
+        )
+        prompts = [
+            chat_prompt_ids(self.tokenizer, check_messages(conversation))
+            for conversation in conversations
+        ]
+        return self.generate(prompts, sampling_params, cache_salt)
 
     def stream(
         self, prompt: Prompt, params: SamplingParams | None = None, cache_salt: str | None = None
     ) -> Iterator[StreamDelta]:
         """Yield this prompt's new tokens as they are produced; the last delta has ``finished`` set.
+        With ``n`` > 1 the samples' deltas interleave, each carrying its ``index``; each sample's
+        last delta has its ``finish_reason``, and ``finished`` comes once all have ended.
 
         The request is checked and queued at the call (bad input raises ``ValueError`` here, not at the first
         ``next``). Any number of streams may be open at once and interleaved with each other and with
@@ -320,17 +382,6 @@ class LLM:
             if request_id in self.engine.requests:
                 self.engine.abort(request_id)
                 self.engine.pop_finished(request_id)
-
-    @staticmethod
-    def _output(req) -> RequestOutput:
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt_token_ids=req.prompt_ids.tolist(),
-            token_ids=req.output_ids,
-            text=req.text,
-            num_cached_tokens=req.num_cached_tokens or 0,
-            finish_reason=req.finish_reason,
-        )
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent; also done when the `LLM` is

@@ -175,11 +175,22 @@ class AsyncLLM:
             router = self._routers[loop] = _Router(loop)
         prompt_ids = self._prompts.token_ids(prompt)
         params = _checked_params(params)
-        detokenizer = IncrementalDetokenizer(self.tokenizer) if params.detokenize else None
         timeout = self.request_timeout if timeout is None else timeout
-        # the engine streams ids only (a steady decode step is one TokenBatch); the stream decodes
-        # what its consumer takes, all of it at once
-        request_id = self.submit(prompt_ids, replace(params, detokenize=False), cache_salt, router)
+        # The engine streams ids only (a steady decode step is one TokenBatch) and the stream decodes
+        # what its consumer takes, all of it at once; except where the engine needs the text itself
+        # (stop strings, logprobs' decoded tokens) or one id streams several samples (n > 1): there
+        # the engine decodes.
+        front_decodes = (
+            params.detokenize
+            and params.n == 1
+            and not params.stop
+            and params.logprobs is None
+            and params.prompt_logprobs is None
+        )
+        detokenizer = IncrementalDetokenizer(self.tokenizer) if front_decodes else None
+        if front_decodes:
+            params = replace(params, detokenize=False)
+        request_id = self.submit(prompt_ids, params, cache_salt, router)
         return router.open(self, request_id, prompt_ids, timeout, detokenizer)
 
     async def generate(

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from radixinfer.checks import flag, integer, real, wrong_type
+from radixinfer.checks import flag, integer, optional_integer, real, wrong_type
 
 SEED_LIMIT = 2**64  # seeds are unsigned 64-bit integers
 TOP_K_LIMIT = 2**31  # a top-k this large keeps every token of any vocabulary
+N_LIMIT = 2**10  # completions per prompt
 
 
 @dataclass(frozen=True)
@@ -19,10 +20,21 @@ class SamplingParams:
     elsewhere) does not pay the per-token incremental detokenization that otherwise runs on the engine's
     thread (vLLM's option of the same name).
 
+    ``n`` completions share one prefill: the prompt's KV is computed once and forked into ``n``
+    sequences; sample ``i`` draws from seed ``seed + i``. ``stop``: strings (one or a list) that end
+    a completion when its detokenized text contains one, found across token boundaries; the string is
+    left out of the text unless ``include_stop_str_in_output`` (needs ``detokenize``).
+    ``logprobs=k``: each generated token's log-probability and the ``k`` most likely alternatives,
+    from the model's raw logits (before temperature and filters: vLLM's default ``raw_logprobs``);
+    ``prompt_logprobs=k`` the same for every prompt token after the first (such a request computes
+    its whole prompt: cached positions have no logits).
+
     Holds after construction: every field has its annotated type (numpy integers and floats become
-    Python ones, ``top_k == -1`` becomes 0, ``stop_token_ids`` a tuple). Raises ``ValueError`` naming the
-    field on any invalid value. Stop token ids past the model's vocabulary are refused when the request
-    is added (`LLMEngine.add_request`), where the vocabulary is known.
+    Python ones, ``top_k == -1`` becomes 0, ``stop_token_ids`` and ``stop`` tuples, an empty
+    ``stop`` None). Raises ``ValueError`` naming the field on any invalid value. Stop token ids
+    past the model's vocabulary are refused when the request is added (`LLMEngine.add_request`),
+    where the vocabulary is known; so are ``logprobs`` and ``prompt_logprobs`` larger than the
+    vocabulary.
     """
 
     max_tokens: int = 16
@@ -33,6 +45,11 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] | None = field(default=None)
     detokenize: bool = True
+    n: int = 1
+    stop: tuple[str, ...] | None = None
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         checked = {
@@ -44,7 +61,16 @@ class SamplingParams:
             "ignore_eos": flag("ignore_eos", self.ignore_eos),
             "stop_token_ids": self._checked_stop_token_ids(),
             "detokenize": flag("detokenize", self.detokenize),
+            "n": integer("n", self.n, 1, N_LIMIT),
+            "stop": self._checked_stop(),
+            "include_stop_str_in_output": flag(
+                "include_stop_str_in_output", self.include_stop_str_in_output
+            ),
+            "logprobs": optional_integer("logprobs", self.logprobs, 0),
+            "prompt_logprobs": optional_integer("prompt_logprobs", self.prompt_logprobs, 0),
         }
+        if checked["stop"] and not checked["detokenize"]:
+            raise ValueError("stop: stop strings need detokenize=True (they match the text)")
         if checked["temperature"] < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < checked["top_p"] <= 1.0:
@@ -59,6 +85,18 @@ class SamplingParams:
         if not isinstance(ids, (list, tuple)):
             raise wrong_type("stop_token_ids", "a list of token ids", ids)
         return tuple(integer(f"stop_token_ids[{i}]", token_id, 0) for i, token_id in enumerate(ids))
+
+    def _checked_stop(self) -> tuple[str, ...] | None:
+        stop = self.stop
+        if stop is None:
+            return None
+        strings = (stop,) if isinstance(stop, str) else stop
+        if not isinstance(strings, (list, tuple)):
+            raise wrong_type("stop", "a string or a list of strings", stop)
+        for i, string in enumerate(strings):
+            if not isinstance(string, str) or not string:
+                raise wrong_type(f"stop[{i}]", "a non-empty string", string)
+        return tuple(strings) or None
 
     @property
     def greedy(self) -> bool:

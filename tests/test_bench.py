@@ -243,6 +243,8 @@ def test_variants_are_the_product_of_the_comparisons():
         ["--dataset", "nope"],
         ["--num-requests", "0"],
         ["--range-ratio", "2"],
+        ["--n", "0"],
+        ["--n", "2", "--compare-backends"],
     ],
 )
 def test_bad_flag_combinations_exit_with_usage(flags):

@@ -79,6 +79,14 @@ def test_shared_prefix_hits_with_the_cache_and_never_without(tmp_path):
     assert result["comparisons"][0]["other"] == "radixinfer cache=off fifo"
 
 
+def test_n_completions_per_request_compute_each_prompt_once(tmp_path):
+    flags = ["--num-requests", "4", "--input-len", "24", "--output-len", "3", "--ignore-eos"]
+    result = bench(tmp_path, *flags, "--n", "4", "--no-prefix-cache")
+    metrics = result["runs"][0]["metrics"]
+    assert metrics["requests"] == 4 and metrics["completion_tokens"] == 4 * 4 * 3
+    assert metrics["computed_prompt_tokens"] == metrics["prompt_tokens"]  # once per request
+
+
 def test_hf_backend_runs_beside_radixinfer(tmp_path):
     result = bench(
         tmp_path,

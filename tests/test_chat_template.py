@@ -7,7 +7,7 @@ from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
-from radixinfer.server.chat import builtin_chat_text, chat_prompt_ids
+from radixinfer.chat import builtin_chat_text, chat_prompt_ids
 from radixinfer.tokenizer import ByteTokenizer, HFTokenizer
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]

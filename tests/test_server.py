@@ -1,6 +1,7 @@
 """``radixinfer serve`` over HTTP, with the official ``openai`` client and raw httpx: streamed and
 whole answers equal `LLM.generate`'s greedy output, chat through the template, cached tokens per
-tenant, metrics, the API key, unsupported fields, the admin reset."""
+tenant, metrics, the API key, unsupported fields, the admin reset (``n``, ``stop`` and logprobs:
+tests/test_server_sampling.py)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ import openai
 import pytest
 
 from radixinfer import LLM, SamplingParams
+from radixinfer.chat import chat_prompt_ids
 from radixinfer.cli import parse_args
-from radixinfer.server.chat import chat_prompt_ids
 from tests.http_server import MODEL, running_server
 
 REPO = Path(__file__).resolve().parents[1]
@@ -213,9 +214,6 @@ def test_models_and_a_wrong_model_name(client):
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("n", 2),
-        ("stop", ["x"]),
-        ("logprobs", 1),
         ("echo", True),
         ("presence_penalty", 0.5),
         ("frequency_penalty", -1.0),

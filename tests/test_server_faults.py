@@ -199,7 +199,12 @@ BODIES = {
     "stop_token_ids negative": b'{"prompt": "x", "stop_token_ids": [-1]}',
     "stop_token_ids past int64": b'{"prompt": "x", "stop_token_ids": [100000000000000000000000]}',
     "cache_salt a number": b'{"prompt": "x", "cache_salt": 5}',
-    "n two": b'{"prompt": "x", "n": 2}',
+    "n zero": b'{"prompt": "x", "n": 0}',
+    "n past the limit": b'{"prompt": "x", "n": 5000}',
+    "stop a number": b'{"prompt": "x", "stop": 5}',
+    "stop an empty string": b'{"prompt": "x", "stop": [""]}',
+    "logprobs negative": b'{"prompt": "x", "logprobs": -1}',
+    "logprobs past the vocabulary": b'{"prompt": "x", "logprobs": 100000}',
     "10 MB": json.dumps({"prompt": "x" * (10 * 2**20)}).encode(),
 }
 CHAT_BODIES = {
@@ -210,6 +215,9 @@ CHAT_BODIES = {
     "content a number": b'{"messages": [{"role": "user", "content": 5}]}',
     "max_completion_tokens zero": b'{"messages": [{"role": "user", "content": "x"}], '
     b'"max_completion_tokens": 0}',
+    "top_logprobs without logprobs": b'{"messages": [{"role": "user", "content": "x"}], '
+    b'"top_logprobs": 2}',
+    "logprobs a number": b'{"messages": [{"role": "user", "content": "x"}], "logprobs": 2}',
 }
 
 

@@ -68,6 +68,21 @@ def assert_serving_and_leak_free(llm: LLM) -> None:
         ({"stop_token_ids": [1, -3]}, "stop_token_ids"),
         ({"stop_token_ids": (1, 2.0)}, "stop_token_ids"),
         ({"detokenize": 0}, "detokenize"),
+        ({"n": 0}, "n"),
+        ({"n": 2.0}, "n"),
+        ({"n": True}, "n"),
+        ({"n": 2**10}, "n"),
+        ({"stop": 5}, "stop"),
+        ({"stop": [""]}, "stop"),
+        ({"stop": ["a", 3]}, "stop"),
+        ({"stop": {"a"}}, "stop"),
+        ({"stop": "a", "detokenize": False}, "stop"),
+        ({"include_stop_str_in_output": 1}, "include_stop_str_in_output"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"logprobs": True}, "logprobs"),
+        ({"logprobs": 1.0}, "logprobs"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),
+        ({"prompt_logprobs": "2"}, "prompt_logprobs"),
     ],
 )
 def test_sampling_params_refuse_bad_values_naming_the_field(kwargs, field):
@@ -88,6 +103,8 @@ def test_sampling_params_normalise_what_they_accept():
     assert p.top_k == 0  # vLLM's -1: no top-k filter, as 0
     assert p.seed == 2**64 - 1 and p.stop_token_ids == (7, 9)
     assert all(type(t) is int for t in p.stop_token_ids)
+    assert SamplingParams(stop="x").stop == ("x",) and SamplingParams(stop=[]).stop is None
+    assert SamplingParams(n=np.int64(3)).n == 3
 
 
 # ------------------------------------------------------------------------------------ seeds
@@ -119,10 +136,10 @@ def test_cache_salt_must_be_a_non_empty_string(llm, salt):
 @pytest.mark.parametrize(
     ("prompts", "params", "message"),
     [
-        (["a"], {"max_tokens": 2}, "^params must be a SamplingParams or a list of them, got dict"),
-        (["a"], "greedy", "^params must be a SamplingParams or a list of them, got str"),
+        (["a"], {"max_tokens": 2}, "^sampling_params must be a SamplingParams or a list .* dict"),
+        (["a"], "greedy", "^sampling_params must be a SamplingParams or a list .* got str"),
         (["a", "b"], [GREEDY, {"max_tokens": 2}], "^params must be a SamplingParams, got dict"),
-        (["a", "b"], [GREEDY], "^params: got 1 SamplingParams for 2 prompts"),
+        (["a", "b"], [GREEDY], "^sampling_params: got 1 SamplingParams for 2 prompts"),
         (["fine", "bad \udc80 surrogate"], GREEDY, "^prompt is not valid Unicode text"),
         (["fine", "\ud83d"], GREEDY, "^prompt is not valid Unicode text"),
         (
@@ -130,11 +147,34 @@ def test_cache_salt_must_be_a_non_empty_string(llm, salt):
             SamplingParams(stop_token_ids=[257]),
             r"^stop_token_ids: 257 is outside the vocabulary",
         ),
+        (["fine"], SamplingParams(logprobs=258), "^logprobs: 258 is more than the vocabulary"),
+        (["fine"], SamplingParams(prompt_logprobs=300), "^prompt_logprobs: 300 is more than"),
+        ([{"prompt_ids": [1, 2]}], GREEDY, "^prompt: a dict prompt must be"),
+        ([{"prompt": [1, 2]}], GREEDY, "^prompt: a dict prompt must be"),
+        ([{"prompt_token_ids": [1, 999]}], GREEDY, "^prompt: token id 999 is outside"),
     ],
 )
 def test_bad_requests_are_refused_at_submission_and_leak_nothing(llm, prompts, params, message):
     with pytest.raises(ValueError, match=message):
         llm.generate(prompts, params)
+    assert_serving_and_leak_free(llm)
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [[], "hi", [{"role": "user"}], [{"role": "user", "content": 3}], [["user", "hi"]], [[]]],
+)
+def test_chat_refuses_messages_that_are_not_role_and_content(llm, messages):
+    with pytest.raises(ValueError, match=r"^messages\b"):
+        llm.chat(messages, GREEDY)
+    assert_serving_and_leak_free(llm)
+
+
+def test_generate_takes_sampling_params_under_one_name_only(llm):
+    with pytest.raises(ValueError, match="^params: give sampling_params or params"):
+        llm.generate(["a"], GREEDY, params=GREEDY)
+    by_old_name = llm.generate(["a"], params=GREEDY)[0]
+    assert by_old_name.token_ids == llm.generate(["a"], GREEDY)[0].token_ids
     assert_serving_and_leak_free(llm)
 
 

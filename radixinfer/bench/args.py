@@ -111,6 +111,14 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="always generate --max-new-tokens (random weights never emit EOS on purpose)",
     )
     load.add_argument(
+        "--n",
+        type=int,
+        default=1,
+        help="completions per request, sampled off one prefill (SamplingParams.n; radixinfer "
+        "backend): tokens, TTFT and end-to-end count all of them, TPOT and ITL take their tokens "
+        "as one stream [1]",
+    )
+    load.add_argument(
         "--truncate-prompts",
         action="store_true",
         help="left-truncate prompts longer than the model context instead of failing",
@@ -211,6 +219,10 @@ def check_bench_arguments(parser: argparse.ArgumentParser, args: argparse.Namesp
     ):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.n < 1:
+        parser.error("--n must be >= 1")
+    if args.n > 1 and (args.backend != "radixinfer" or args.compare_backends):
+        parser.error("--n > 1 runs on the radixinfer backend only")
     if not 0.0 <= args.range_ratio <= 1.0:
         parser.error("--range-ratio must be in [0, 1]")
     try:

@@ -107,7 +107,7 @@ def request_for(
     prompt = fit_to_context(prompt, max_context_len, args.truncate_prompts)
     max_tokens = min(session.max_tokens, max(1, max_context_len - len(prompt)))
     return prompt, SamplingParams(
-        max_tokens=max_tokens, ignore_eos=args.ignore_eos, detokenize=False
+        max_tokens=max_tokens, ignore_eos=args.ignore_eos, detokenize=False, n=args.n
     )
 
 

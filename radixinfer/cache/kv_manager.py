@@ -135,6 +135,14 @@ class KVCacheManager:
             return False
         return offset > self._written_fill.get(seq.table[-1], self.block_size)
 
+    def fork(self, seq: SeqKV) -> SeqKV:
+        """Another sample of ``seq``'s prompt: its blocks (one more reference each) and lock. Nothing
+        is copied now; their shared boundary block follows `BlockPool.must_copy` on write."""
+        if seq.node is not None:
+            self.tree.lock(seq.node)
+        self.pool.incref(seq.table)
+        return SeqKV(seq.salt, list(seq.table), seq.num_kv, seq.num_cached, seq.payload, seq.node)
+
     # ------------------------------------------------------------------ growth
     def reserve(
         self, seqs: Sequence[SeqKV], new_lens: Sequence[int] | None = None

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from radixinfer.cache.kv_manager import DecodeLanes
+from radixinfer.engine.logprobs import logprob_rows
 from radixinfer.engine.request import Request
 
 
@@ -32,7 +33,8 @@ class DecodeBatch:
     epoch: int
     left: np.ndarray  # [n] tokens each member may still sample
     greedy: bool  # every member samples greedily
-    ids_only: bool  # no member detokenizes
+    ids_only: bool  # every member: no detokenization, no logprobs, one sample (`TokenBatch` rows)
+    logprob_rows: list[int]  # members that ask for logprobs
     stop_ids: np.ndarray  # every member's stop token ids, pooled
     request_ids: list[str]
     num_cached_tokens: list[int]
@@ -51,7 +53,11 @@ class DecodeBatch:
             epoch,
             left=np.fromiter((r.max_output_len - r.num_sampled for r in reqs), np.int64, count=n),
             greedy=not any(r.params.temperature for r in reqs),
-            ids_only=all(r.detokenizer is None for r in reqs),
+            ids_only=all(
+                r.detokenizer is None and r.params.logprobs is None and len(r.group) == 1
+                for r in reqs
+            ),
+            logprob_rows=logprob_rows(reqs),
             stop_ids=np.fromiter(stop_ids, dtype=np.int64, count=len(stop_ids)),
             request_ids=[r.request_id for r in reqs],
             num_cached_tokens=[r.num_cached_tokens for r in reqs],

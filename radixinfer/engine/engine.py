@@ -18,13 +18,21 @@ from __future__ import annotations
 from collections import deque
 
 import numpy as np
+import torch
 
 from radixinfer.cache.kv_manager import KVCacheManager
 from radixinfer.engine.config import EngineConfig, EngineCounters
+from radixinfer.engine.decode_batch import DecodeBatch
 from radixinfer.engine.intake import RequestIntake
+from radixinfer.engine.logprobs import (
+    collect_prompt_logprobs,
+    logprob_rows,
+    raw_logprobs,
+    score_sampled,
+)
 from radixinfer.engine.model_runner import ModelRunner
 from radixinfer.engine.output import OutputProcessor
-from radixinfer.engine.pipeline import Launch, TokenPipeline
+from radixinfer.engine.pipeline import Launch, TokenPipeline, device_index
 from radixinfer.engine.prefill_plan import PrefillPass
 from radixinfer.engine.prompts import PromptChecker
 from radixinfer.engine.request import Request, Status
@@ -65,7 +73,7 @@ class LLMEngine:
         )  # fmt: skip
         self.scheduler = Scheduler(cache, config, self.counters)
         self.pipeline = TokenPipeline()
-        self.output = OutputProcessor(self.scheduler)
+        self.output = OutputProcessor(self.scheduler, tokenizer)
 
     @property
     def waiting(self) -> deque[Request]:
@@ -107,26 +115,36 @@ class LLMEngine:
         return self.intake.prompts
 
     def abort(self, request_id: str) -> StreamDelta | None:
-        """Stop a request wherever it is; its blocks are released at once. Returns its final
-        delta."""
-        req = self.requests.get(request_id)
-        if req is None or req.status is Status.FINISHED:
+        """Stop a request (every sample of it) wherever it is; its blocks are released at once.
+        Returns its final delta (``finished`` set), or None when it had finished already."""
+        first = self.requests.get(request_id)
+        if first is None or first.group_finished():
             return None
-        if req.status is Status.WAITING:
-            self.scheduler.waiting.remove(req)
-        else:
-            self.counters.count_abort(req)
-            self.scheduler.leave(req)
-        return self.output.finish(req, "abort", [])
+        last = None
+        for req in first.group:
+            if req.status is Status.FINISHED:
+                continue
+            if req.status is Status.WAITING:
+                self.scheduler.waiting.remove(req)
+            elif req.status is not Status.FORKING:
+                self.counters.count_abort(req)
+                self.scheduler.leave(req)
+            last = self.output.finish(req, "abort", [])
+        return last
+
+    def is_finished(self, request_id: str) -> bool:
+        """Whether every sample of the request has finished (its output is ready to pop)."""
+        return self.requests[request_id].group_finished()
 
     def has_unfinished(self) -> bool:
         scheduler = self.scheduler
         return bool(scheduler.waiting or scheduler.active or self.pipeline.has_unread())
 
     def pop_finished(self, request_id: str) -> Request:
-        """Forget a finished request (the caller has read its output)."""
+        """Forget a finished request (the caller has read its output): its first sample, whose
+        ``group`` holds every sample."""
         req = self.requests.pop(request_id)
-        assert req.status is Status.FINISHED
+        assert req.group_finished()
         return req
 
     # ------------------------------------------------------------------ the step
@@ -176,6 +194,9 @@ class LLMEngine:
             self.cache.mark_written()
             self.counters.prefill_forwards += 1
             self.counters.count_computed(computed)
+            scored = [it for it in computed if it.req.needs_prompt_logprobs()]
+            if scored:
+                collect_prompt_logprobs(scored, hidden, self.runner.logits, self.output.token_text)
         finishing = [it for it in items if it.end == it.req.num_tokens]
         for it in items:
             it.req.prompt_done = it.end
@@ -187,8 +208,33 @@ class LLMEngine:
                 if it.payload is None and it.leader is None:
                     self.cache.attach_payload(it.req.seq, last_hidden[i])
         reqs = [it.req for it in finishing]
+        rows = list(range(len(reqs)))  # each request's row of `last_hidden`
+        for row, req in enumerate(reqs[:]):
+            samples = self.scheduler.fork(req)  # the further samples of an n > 1 request
+            reqs += samples
+            rows += [row] * len(samples)
         self.scheduler.start_running(reqs)  # decodes from its first token, on the device for now
-        self.pipeline.launch(reqs, sample_requests(reqs, self.runner.logits(last_hidden)))
+        logits = self.runner.logits(last_hidden)
+        if len(rows) > len(finishing):
+            logits = logits.index_select(0, device_index(rows, logits.device))
+        self._sample_and_launch(reqs, logits, logprob_rows(reqs))
+
+    def _sample_and_launch(
+        self,
+        reqs: list[Request],
+        logits: torch.Tensor,
+        scored_rows: list[int],
+        batch: DecodeBatch | None = None,
+    ) -> torch.Tensor:
+        """Sample a token per row of ``logits`` and launch them, with the raw logprobs of
+        ``scored_rows`` when some ask (taken before the sampler may change ``logits``)."""
+        raw = raw_logprobs(logits, scored_rows) if scored_rows else None
+        greedy = None if batch is None else batch.greedy
+        tokens = sample_requests(reqs, logits, greedy)
+        scores = None if raw is None else score_sampled(raw, reqs, tokens)
+        departures = None if batch is None else self.scheduler.departures
+        self.pipeline.launch(reqs, tokens, batch, departures, scores)
+        return tokens
 
     def _decode(self, previous: list[Launch], events: list[EngineEvent]) -> bool:
         """Launch this step's decode, then read back ``previous`` (the launches of the step before)
@@ -220,8 +266,7 @@ class LLMEngine:
             )  # fmt: skip
             self.cache.mark_written()
             self.counters.decode_forwards += 1
-            batch.tokens = sample_requests(batch.reqs, logits, batch.greedy)
-            self.pipeline.launch(batch.reqs, batch.tokens, batch, scheduler.departures)
+            batch.tokens = self._sample_and_launch(batch.reqs, logits, batch.logprob_rows, batch)
             batch.left -= 1
         self.output.read_back(previous, events)
         return batch is not None

@@ -11,8 +11,9 @@ from collections.abc import Container
 import numpy as np
 
 from radixinfer.engine.prompts import PromptChecker
-from radixinfer.engine.request import Request
-from radixinfer.sampling_params import SamplingParams
+from radixinfer.engine.request import Request, Status
+from radixinfer.engine.stop_strings import StopStrings
+from radixinfer.sampling_params import SEED_LIMIT, SamplingParams
 from radixinfer.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -51,7 +52,8 @@ class RequestIntake:
         taken: Container[str],
     ) -> Request:
         """A new `Request`, checked. ``cache_salt``: None, or a non-empty string (vLLM's rule);
-        ``request_id``: None (numbered by arrival) or a string not in ``taken``."""
+        ``request_id``: None (numbered by arrival) or a string not in ``taken``. A request of ``n``
+        > 1 samples is its first sample, whose ``group`` holds the others (`Request`)."""
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             got = "an empty string" if isinstance(cache_salt, str) else type(cache_salt).__name__
             raise ValueError(f"cache_salt must be a non-empty string or None, got {got}")
@@ -65,6 +67,10 @@ class RequestIntake:
         if params.stop_token_ids and max(params.stop_token_ids) >= vocab:
             bad = max(params.stop_token_ids)
             raise ValueError(f"stop_token_ids: {bad} is outside the vocabulary [0, {vocab})")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > vocab:
+                raise ValueError(f"{name}: {k} is more than the vocabulary's {vocab} tokens")
         prompt_len = len(prompt_array)
         total = min(prompt_len + params.max_tokens, self.max_context_len)
         blocks = -(-total // self.block_size) + 1  # +1: a copy-on-write of the boundary block
@@ -82,19 +88,32 @@ class RequestIntake:
         stop_ids = frozenset(params.stop_token_ids or ())
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
-        detokenizer = IncrementalDetokenizer(self.tokenizer) if params.detokenize else None
-        return Request(
-            request_id=request_id,
-            prompt_ids=prompt_array,
-            params=params,
-            salt=cache_salt,
-            seed=seed,
-            arrival_index=arrival,
-            detokenizer=detokenizer,
-            arrival_time=time.perf_counter(),
-            stop_ids=stop_ids,
-            max_output_len=min(params.max_tokens, self.max_context_len - prompt_len),
+        stop_strings = (
+            StopStrings(params.stop, params.include_stop_str_in_output) if params.stop else None
         )
+        now = time.perf_counter()
+        group: list[Request] = []
+        for index in range(params.n):
+            sample = Request(
+                request_id=request_id,
+                prompt_ids=prompt_array,
+                params=params,
+                salt=cache_salt,
+                seed=(seed + index) % SEED_LIMIT,  # each sample its own stream
+                arrival_index=arrival,
+                detokenizer=IncrementalDetokenizer(self.tokenizer) if params.detokenize else None,
+                arrival_time=now,
+                stop_ids=stop_ids,
+                max_output_len=min(params.max_tokens, self.max_context_len - prompt_len),
+                status=Status.FORKING if index else Status.WAITING,
+                index=index,
+                group=group,
+                stop_strings=stop_strings,
+                logprobs=None if params.logprobs is None else [],
+                prompt_logprobs=None if params.prompt_logprobs is None or index else [None],
+            )
+            group.append(sample)
+        return group[0]
 
     def prompt_ids(self, prompt: str | list[int] | np.ndarray) -> np.ndarray:
         """The prompt's token ids, checked (`PromptChecker.token_ids`). Raises ``ValueError``."""

@@ -21,6 +21,7 @@ import torch
 
 if TYPE_CHECKING:
     from radixinfer.engine.decode_batch import DecodeBatch
+    from radixinfer.engine.logprobs import ScoredRows
     from radixinfer.engine.request import Request
 
 # `ModelRunner.decode`'s ``carried_rows`` entry for a sequence whose input token is in ``input_ids``
@@ -36,7 +37,10 @@ class Launch:
     A decode launch knows its ``batch``, the engine's departure count when it launched, and the rows
     whose token is their last by length (``last_rows``). If no request stopped running since, its
     read-back decides per request only for those rows and the stop tokens: every other row goes out
-    in one `TokenBatch`. A prefill launch has neither (``batch`` and ``departures`` None)."""
+    in one `TokenBatch`. A prefill launch has neither (``batch`` and ``departures`` None).
+
+    ``scores``: the logprobs of the rows whose requests ask (`radixinfer.engine.logprobs`), copied
+    to the host with the tokens."""
 
     def __init__(
         self,
@@ -44,15 +48,19 @@ class Launch:
         tokens: torch.Tensor,
         batch: DecodeBatch | None = None,
         departures: int | None = None,
+        scores: ScoredRows | None = None,
     ) -> None:
         self.reqs, self.tokens = reqs, tokens
         self.batch, self.departures = batch, departures
         self.last_rows = np.flatnonzero(batch.left == 1) if batch is not None else _NO_ROWS
         self.read_back = False
+        self.scores = scores
         self.host, self.done = tokens, None
+        self.host_scores = None if scores is None else scores.packed
         if tokens.device.type == "cuda":
-            self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self.host.copy_(tokens, non_blocking=True)
+            self.host = _to_pinned(tokens)
+            if scores is not None:
+                self.host_scores = _to_pinned(scores.packed)
             self.done = torch.cuda.Event()
             self.done.record()
 
@@ -62,6 +70,26 @@ class Launch:
             self.done.synchronize()
         self.read_back = True
         return self.host.tolist()
+
+    def read_scores(self) -> list[list[float]]:
+        """The packed logprob rows of ``scores`` on the host (after `read`)."""
+        return self.host_scores.tolist()
+
+
+def device_index(rows: list[int], device: torch.device) -> torch.Tensor:
+    """``rows`` as an int64 index tensor on ``device``, copied from pinned memory without blocking
+    the host (a plain copy from a list would wait for the forward just launched)."""
+    index = torch.tensor(rows, dtype=torch.int64)
+    if device.type == "cuda":
+        index = index.pin_memory().to(device, non_blocking=True)
+    return index
+
+
+def _to_pinned(tensor: torch.Tensor) -> torch.Tensor:
+    """A pinned host copy of a device tensor, on its way without blocking."""
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    return host
 
 
 class TokenPipeline:
@@ -91,10 +119,11 @@ class TokenPipeline:
         tokens: torch.Tensor,
         batch: DecodeBatch | None = None,
         departures: int | None = None,
+        scores: ScoredRows | None = None,
     ) -> Launch:
         """Record that ``tokens`` (sampled on the device, one per request) will be read back next
         step; each request has sampled one more token."""
-        launch = Launch(reqs, tokens, batch, departures)
+        launch = Launch(reqs, tokens, batch, departures, scores)
         for req in reqs:
             req.num_sampled += 1
         self.current.append(launch)

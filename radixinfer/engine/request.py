@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from radixinfer.cache.kv_manager import SeqKV
+from radixinfer.engine.stop_strings import StopStrings
+from radixinfer.outputs import PositionLogprobs
 from radixinfer.sampling_params import SamplingParams
 from radixinfer.tokenizer import IncrementalDetokenizer
 
@@ -17,6 +19,7 @@ class Status(enum.Enum):
     WAITING = "waiting"  # not admitted, or preempted (holds no blocks)
     PREFILLING = "prefilling"  # admitted, prompt partly computed (chunked prefill)
     RUNNING = "running"  # first token sampled, decoding
+    FORKING = "forking"  # a further sample of an n > 1 request: waits for its first sample's prompt
     FINISHED = "finished"
 
 
@@ -26,6 +29,14 @@ class Request:
 
     ``prompt_done`` counts prompt positions computed or found cached so far; the prompt is complete when it
     equals ``len(prompt_ids)``.
+
+    A request of ``n`` > 1 completions is a ``group`` of ``n`` requests (sample ``index`` 0 to
+    n - 1, one list shared by all, sample 0 first): sample 0 is queued and prefills; the others wait in
+    ``FORKING`` until its prompt is complete, then share its KV (`Scheduler.fork`) and decode on
+    their own. The engine knows a request by sample 0; the group has finished when every sample has.
+
+    ``text`` is the completion's text so far (a stop string cut off), ``sent`` how much of it has
+    been streamed.
 
     The prompt is kept as an int64 array, never as a list: the garbage collector walks every element of a live
     list on each full collection, and 512 prompts of 1,152 ids as lists made each such pause ~7 ms longer.
@@ -54,12 +65,32 @@ class Request:
     num_sampled: int = 0
     max_output_len: int = 0  # max_tokens, capped so prompt + output fit the model's context
     text: str = ""
+    sent: int = 0
+    index: int = 0
+    group: list[Request] = None  # type: ignore[assignment]  # set in __post_init__ when not given
+    stop_strings: StopStrings | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[PositionLogprobs] | None = None  # per output token, when params.logprobs is set
+    # None for the first prompt token, then one per prompt token computed so far
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
     # `token_array`'s cache and the output length it was built at
     _array: np.ndarray = field(init=False, repr=False)
     _array_outputs: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         self._array = self.prompt_ids
+        if self.group is None:  # a request of one sample
+            self.group = [self]
+
+    def group_finished(self) -> bool:
+        """Whether every sample of the request's group has finished."""
+        return all(r.status is Status.FINISHED for r in self.group)
+
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether prompt logprobs are asked for and not all computed yet (so the prompt is
+        computed, not read from the cache)."""
+        done = self.prompt_logprobs
+        return done is not None and len(done) < len(self.prompt_ids)
 
     @property
     def num_tokens(self) -> int:

@@ -62,7 +62,9 @@ class Scheduler:
             budget -= first.items[-1].end - first.items[-1].start
         deferred: list[Grant[Request]] = []
         cap = self.config.max_num_seqs
-        free_slots = admission.max_requests if cap is None else cap - len(self.active)
+        # sequences held, counting the samples that prefilling requests will fork
+        held = len(self.active) + sum(_seqs(r) - 1 for r in self.prefilling)
+        free_slots = admission.max_requests if cap is None else cap - held
         if self.waiting and free_slots > 0 and budget > 0:
             window = max(admission.lookahead, admission.max_requests)
             grants = plan_admission(
@@ -71,11 +73,15 @@ class Scheduler:
                 max_requests=free_slots, max_tokens=budget,
             )  # fmt: skip
             for grant in grants:
+                need = _seqs(grant.item)
+                if cap is not None and held and held + need > cap:
+                    break  # its samples would pass the cap: it waits (alone, it may pass it)
                 outcome = self._plan_item(first, grant.item, grant.num_tokens, True, may_defer=True)
+                if outcome is Planned.NO_MEMORY:
+                    break  # the rest waits
+                held += need
                 if outcome is Planned.DEFERRED:
                     deferred.append(grant)
-                elif outcome is Planned.NO_MEMORY:
-                    break  # the rest waits
         return PrefillPlan(first, deferred)
 
     def plan_deferred(self, grants: list[Grant[Request]]) -> PrefillPass:
@@ -109,7 +115,8 @@ class Scheduler:
         n = len(tokens)
         cache = self.cache
         if fresh:
-            seq = cache.admit(tokens, req.salt)
+            # prompt logprobs need the logits of every prompt position: no cached positions
+            seq = cache.admit(tokens, req.salt, use_cache=not req.needs_prompt_logprobs())
             end = min(n, seq.num_kv + max(num_tokens, 1))
             if may_defer and cache.needs_copy_of_unwritten(seq, end):
                 cache.release(seq)
@@ -164,6 +171,20 @@ class Scheduler:
             req.status = Status.RUNNING
         self.prefilling = [r for r in self.prefilling if r.status is Status.PREFILLING]
         self.epoch += 1
+
+    def fork(self, first: Request) -> list[Request]:
+        """``first``'s prompt is complete: its group's samples waiting for it share its KV
+        (`KVCacheManager.fork`) and join ``active`` after it, their prompt complete. Their prompt
+        was computed (or read from the cache) once, for ``first``: they count none of it again.
+        Returns them, in sample order (none for a request of one sample)."""
+        samples = [r for r in first.group if r.status is Status.FORKING]
+        for req in samples:
+            req.seq = self.cache.fork(first.seq)
+            req.prompt_done = first.prompt_done
+            req.num_cached_tokens = first.num_cached_tokens
+            req.num_computed_prompt_tokens = first.num_computed_prompt_tokens
+            self.active.append(req)
+        return samples
 
     # ------------------------------------------------------------------ decode
     def decode_batch(self) -> tuple[DecodeBatch | None, bool]:
@@ -225,7 +246,7 @@ class Scheduler:
     def retire(self, req: Request, reason: str) -> None:
         """Mark a request finished (its blocks are released already; a finished running request is
         dropped from ``active`` by `drop_finished`)."""
-        if req.status is not Status.WAITING:
+        if req.status is Status.PREFILLING or req.status is Status.RUNNING:
             self._departed()
         req.status = Status.FINISHED
         req.finish_reason = reason
@@ -237,3 +258,8 @@ class Scheduler:
     def drop_finished(self) -> None:
         """Drop finished requests from ``active`` in one pass (a whole batch may finish at once)."""
         self.active = [r for r in self.active if r.status is not Status.FINISHED]
+
+
+def _seqs(req: Request) -> int:
+    """The sequences a request holds once running: itself, and the samples waiting to fork it."""
+    return 1 + sum(r.status is Status.FORKING for r in req.group)

@@ -19,10 +19,9 @@ import asyncio
 import hmac
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import TypeVar
 
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
@@ -36,9 +35,10 @@ from radixinfer.async_llm import (
     QueueFullError,
     RequestTimeoutError,
 )
+from radixinfer.chat import chat_prompt_ids
 from radixinfer.outputs import StreamDelta
+from radixinfer.server.answers import ChatChunks, CompletionChunks, Run
 from radixinfer.server.body_limit import BodyLimit
-from radixinfer.server.chat import chat_prompt_ids
 from radixinfer.server.metrics import ServerMetrics
 from radixinfer.server.protocol import (
     ChatCompletionRequest,
@@ -69,43 +69,6 @@ class ServerConfig:
 
 class _ClientGone(Exception):
     """The client disconnected before its answer was ready."""
-
-
-@dataclass
-class _Run:
-    """One request being answered: its stream, and what it produced so far."""
-
-    stream: AsyncStream
-    arrival: float
-    token_ids: list[int] = field(default_factory=list)
-    token_times: list[float] = field(default_factory=list)
-    text: list[str] = field(default_factory=list)
-    finish_reason: str | None = None
-    cached_tokens: int = 0
-
-    def take(self, deltas: list[StreamDelta]) -> tuple[str, list[int]]:
-        """Add ``deltas``; returns their text and token ids."""
-        text, ids = [], []
-        for delta in deltas:
-            text.append(delta.text)
-            ids += delta.token_ids
-            self.token_times += [delta.timestamp] * len(delta.token_ids)
-            self.cached_tokens = delta.num_cached_tokens
-            if delta.finished:
-                self.finish_reason = delta.finish_reason
-        self.token_ids += ids
-        joined = "".join(text)
-        self.text.append(joined)
-        return joined, ids
-
-    def usage(self) -> dict[str, Any]:
-        prompt_tokens = len(self.stream.prompt_token_ids)
-        return {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": len(self.token_ids),
-            "total_tokens": prompt_tokens + len(self.token_ids),
-            "prompt_tokens_details": {"cached_tokens": max(self.cached_tokens, 0)},
-        }
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
@@ -181,7 +144,7 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
 
     def start(
         request: Request, body: SamplingRequest, prompt: str | list[int], default_max_tokens: int
-    ) -> _Run:
+    ) -> Run:
         if body.model is not None and body.model != config.model_name:
             raise HTTPException(
                 404, f"model: {body.model!r} does not exist; this server runs {config.model_name!r}"
@@ -190,10 +153,10 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
         salt = body.cache_salt
         if config.cache_salt_header is not None:
             salt = request.headers.get(config.cache_salt_header)
-        return _Run(llm.add_request(prompt, params, salt), time.perf_counter())
+        return Run(llm.add_request(prompt, params, salt), time.perf_counter())
 
     async def answer(
-        request: Request, body: SamplingRequest, run: _Run, chunks: _CompletionChunks
+        request: Request, body: SamplingRequest, run: Run, chunks: CompletionChunks
     ) -> Response:
         """Wait for the first tokens (so errors the engine finds become statuses), then stream or
         collect. A request the engine rejects is not counted in the metrics; one served, timed out
@@ -218,14 +181,14 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
             if not handed_over:
                 _finish(run)
 
-    def _finish(run: _Run) -> None:
+    def _finish(run: Run) -> None:
         run.stream.close()
         if run.finish_reason is not None:
             prompt_tokens = len(run.stream.prompt_token_ids)
             metrics.record(run.finish_reason, prompt_tokens, run.token_times, run.arrival)
 
     async def _events(
-        body: SamplingRequest, run: _Run, first: list[StreamDelta], chunks: _CompletionChunks
+        body: SamplingRequest, run: Run, first: list[StreamDelta], chunks: CompletionChunks
     ) -> AsyncIterator[str]:
         try:
             if (opening := chunks.opening()) is not None:
@@ -236,9 +199,13 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
                     if not (more := await run.stream.next_deltas()):
                         break
                     deltas += more
-                text, ids = run.take(deltas)
-                if text or run.finish_reason is not None or (body.return_token_ids and ids):
-                    yield _sse(chunks.delta(text, ids, run.finish_reason))
+                for part in run.take(deltas):
+                    if (
+                        part.text
+                        or part.finish_reason
+                        or (body.return_token_ids and part.token_ids)
+                    ):
+                        yield _sse(chunks.delta(part, run.choices[part.index]))
                 deltas = await run.stream.next_deltas() if run.finish_reason is None else []
             if body.include_usage:
                 yield _sse(chunks.usage(run.usage()))
@@ -256,14 +223,14 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(request: Request, body: CompletionRequest) -> Response:
         run = start(request, body, body.single_prompt(), COMPLETION_DEFAULT_MAX_TOKENS)
-        return await answer(request, body, run, _CompletionChunks(config.model_name, body))
+        return await answer(request, body, run, CompletionChunks(config.model_name, body))
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         prompt = chat_prompt_ids(llm.tokenizer, messages)
         run = start(request, body, prompt, llm.max_context_len)
-        return await answer(request, body, run, _ChatChunks(config.model_name, body))
+        return await answer(request, body, run, ChatChunks(config.model_name, body))
 
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models() -> dict:
@@ -310,60 +277,3 @@ async def _rest(stream: AsyncStream) -> list[StreamDelta]:
 
 def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
-
-
-class _CompletionChunks:
-    """The JSON shapes of ``/v1/completions``."""
-
-    def __init__(self, model: str, body: SamplingRequest) -> None:
-        self.head = {
-            "id": f"cmpl-{uuid.uuid4().hex}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": model,
-        }
-        self.with_ids = body.return_token_ids
-
-    def opening(self) -> dict | None:
-        return None
-
-    def delta(self, text: str, ids: list[int], finish_reason: str | None) -> dict:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        if self.with_ids:
-            choice["token_ids"] = ids
-        return {**self.head, "choices": [choice]}
-
-    def usage(self, usage: dict) -> dict:
-        return {**self.head, "choices": [], "usage": usage}
-
-    def whole(self, run: _Run) -> dict:
-        return {
-            **self.delta("".join(run.text), run.token_ids, run.finish_reason),
-            "usage": run.usage(),
-        }
-
-
-class _ChatChunks(_CompletionChunks):
-    """The JSON shapes of ``/v1/chat/completions``."""
-
-    def __init__(self, model: str, body: SamplingRequest) -> None:
-        super().__init__(model, body)
-        self.head["id"] = f"chatcmpl-{uuid.uuid4().hex}"
-        self.head["object"] = "chat.completion.chunk"
-
-    def opening(self) -> dict:
-        return self._choice({"delta": {"role": "assistant", "content": ""}}, [], None)
-
-    def delta(self, text: str, ids: list[int], finish_reason: str | None) -> dict:
-        return self._choice({"delta": {"content": text}}, ids, finish_reason)
-
-    def whole(self, run: _Run) -> dict:
-        message = {"message": {"role": "assistant", "content": "".join(run.text)}}
-        body = self._choice(message, run.token_ids, run.finish_reason)
-        return {**body, "object": "chat.completion", "usage": run.usage()}
-
-    def _choice(self, content: dict, ids: list[int], finish_reason: str | None) -> dict:
-        choice = {"index": 0, **content, "logprobs": None, "finish_reason": finish_reason}
-        if self.with_ids:
-            choice["token_ids"] = ids
-        return {**self.head, "choices": [choice]}

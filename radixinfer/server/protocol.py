@@ -1,13 +1,15 @@
 """The OpenAI request bodies the server accepts, and how one becomes a `SamplingParams`.
 
 Bodies are validated strictly (a string where a number belongs is a 422, not a coercion). Fields the
-engine cannot honour yet but that would change the result (``n`` > 1, ``stop``, ``logprobs``,
-penalties, ...) are refused with a 400 naming the field instead of being ignored: `UNSUPPORTED`
+engine cannot honour yet but that would change the result (``echo``, ``best_of``, penalties,
+...) are refused with a 400 naming the field instead of being ignored: `UNSUPPORTED`
 lists each with the value that leaves the result unchanged. Fields that change nothing (``user``)
 and fields unknown to OpenAI's API are ignored, as OpenAI-compatible servers do. ``ignore_eos``,
 ``stop_token_ids`` and ``top_k`` are accepted as vLLM accepts them; ``cache_salt`` names the tenant
 whose cache a request may share, ``return_token_ids`` (vLLM's extra) adds each choice's token ids to
-the response.
+the response. ``n``, ``stop`` (with vLLM's ``include_stop_str_in_output``) and log-probabilities
+(completions: ``logprobs`` = how many alternatives; chat: ``logprobs`` true and ``top_logprobs``)
+map onto `SamplingParams`; `completion_logprobs` and `chat_logprobs` shape the answer's.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from radixinfer.outputs import Logprob, PositionLogprobs
 from radixinfer.sampling_params import SamplingParams
 
 _INT64 = 2**63 - 1  # ints beyond any engine limit are refused by the schema, not carried further
@@ -31,11 +34,7 @@ def _absent_or(*neutral: Any) -> Callable[[Any], bool]:
 
 # field -> whether a value leaves the result as the engine computes it today (None = not given)
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "n": _absent_or(1),
     "best_of": _absent_or(1),
-    "stop": lambda value: value is None or value == "" or value == [],
-    "logprobs": _absent_or(False),
-    "top_logprobs": _absent_or(0),
     "echo": _absent_or(False),
     "suffix": _absent_or(""),
     "presence_penalty": _absent_or(0, 0.0),
@@ -75,11 +74,10 @@ class SamplingRequest(BaseModel):
     cache_salt: str | None = None
     return_token_ids: bool = False
     user: str | None = None
-    n: Any = None
+    n: int = Field(default=1, ge=1, le=_INT64)
+    stop: str | list[str] | None = None
+    include_stop_str_in_output: bool = False
     best_of: Any = None
-    stop: Any = None
-    logprobs: Any = None
-    top_logprobs: Any = None
     echo: Any = None
     suffix: Any = None
     presence_penalty: Any = None
@@ -99,6 +97,11 @@ class SamplingRequest(BaseModel):
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=_INT64)  # alternatives per token
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt of the body; ``ValueError`` for a batch (one prompt per request)."""
@@ -132,6 +135,14 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=-_INT64, le=_INT64)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=_INT64)
+
+    @property
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs set to true")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def sampling_params(request: SamplingRequest, default_max_tokens: int) -> SamplingParams:
@@ -153,4 +164,53 @@ def sampling_params(request: SamplingRequest, default_max_tokens: int) -> Sampli
         seed=request.seed,
         ignore_eos=request.ignore_eos,
         stop_token_ids=request.stop_token_ids,
+        n=request.n,
+        stop=request.stop,
+        include_stop_str_in_output=request.include_stop_str_in_output,
+        logprobs=request.num_logprobs,
     )
+
+
+def _top(position: PositionLogprobs, k: int) -> list[tuple[int, Logprob]]:
+    """The ``k`` most likely tokens of a position, best first."""
+    ranked = sorted(position.items(), key=lambda item: item[1].rank)
+    return [item for item in ranked if item[1].rank <= k][:k]
+
+
+def completion_logprobs(
+    token_ids: list[int], positions: list[PositionLogprobs], k: int, text_offset: int
+) -> dict[str, list]:
+    """A completion choice's ``logprobs`` (OpenAI's legacy shape) for tokens after ``text_offset``
+    characters of the choice's text."""
+    tokens, values, tops, offsets = [], [], [], []
+    for token_id, position in zip(token_ids, positions):
+        chosen = position[token_id]
+        text = chosen.decoded_token or ""
+        tokens.append(text)
+        values.append(chosen.logprob)
+        tops.append({(e.decoded_token or ""): e.logprob for _, e in _top(position, k)})
+        offsets.append(text_offset)
+        text_offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": values,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(
+    token_ids: list[int], positions: list[PositionLogprobs], k: int
+) -> dict[str, list]:
+    """A chat choice's ``logprobs``: ``{"content": [...]}``, one entry per token."""
+
+    def entry(logprob: Logprob) -> dict[str, Any]:
+        text = logprob.decoded_token or ""
+        return {"token": text, "logprob": logprob.logprob, "bytes": list(text.encode())}
+
+    content = []
+    for token_id, position in zip(token_ids, positions):
+        item = entry(position[token_id])
+        item["top_logprobs"] = [entry(e) for _, e in _top(position, k)]
+        content.append(item)
+    return {"content": content}

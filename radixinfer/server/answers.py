@@ -1,0 +1,161 @@
+"""A request the server is answering: what each of its completions produced so far (`Run`,
+`Choice`), and the JSON shapes of the answer (`CompletionChunks`, `ChatChunks`): one choice per
+completion, by its index, with its ``finish_reason`` and ``stop_reason``; logprobs in OpenAI's
+shapes when asked for."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixinfer.async_llm import AsyncStream
+from radixinfer.outputs import PositionLogprobs, StreamDelta
+from radixinfer.server.protocol import SamplingRequest, chat_logprobs, completion_logprobs
+
+
+@dataclass
+class Choice:
+    """One completion (``index``) of a request being answered: what it produced so far, or what one
+    batch of deltas added to it."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def extend(self, part: Choice) -> None:
+        self.text += part.text
+        self.token_ids += part.token_ids
+        self.logprobs += part.logprobs
+        if part.finish_reason is not None:
+            self.finish_reason, self.stop_reason = part.finish_reason, part.stop_reason
+
+
+@dataclass
+class Run:
+    """One request being answered: its stream, and what each of its completions produced so far.
+    ``finish_reason`` is set once the whole request has ended (every completion)."""
+
+    stream: AsyncStream
+    arrival: float
+    choices: dict[int, Choice] = field(default_factory=dict)
+    token_times: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    cached_tokens: int = 0
+
+    def take(self, deltas: list[StreamDelta]) -> list[Choice]:
+        """Add ``deltas``; returns what they added to each completion they touch."""
+        parts: dict[int, Choice] = {}
+        for delta in deltas:
+            part = parts.get(delta.index)
+            if part is None:
+                part = parts[delta.index] = Choice(delta.index)
+            part.extend(
+                Choice(
+                    delta.index, delta.text, delta.token_ids, delta.logprobs or [],
+                    delta.finish_reason, delta.stop_reason,
+                )
+            )  # fmt: skip
+            self.token_times += [delta.timestamp] * len(delta.token_ids)
+            self.cached_tokens = delta.num_cached_tokens
+            if delta.finished:
+                self.finish_reason = delta.finish_reason
+        for index, part in parts.items():
+            self.choices.setdefault(index, Choice(index)).extend(part)
+        return list(parts.values())
+
+    def usage(self) -> dict[str, Any]:
+        prompt_tokens = len(self.stream.prompt_token_ids)
+        completion_tokens = sum(len(c.token_ids) for c in self.choices.values())
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": max(self.cached_tokens, 0)},
+        }
+
+
+class CompletionChunks:
+    """The JSON shapes of ``/v1/completions``: one choice per completion, by its index."""
+
+    def __init__(self, model: str, body: SamplingRequest) -> None:
+        self.head = {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": model,
+        }
+        self.with_ids = body.return_token_ids
+        self.num_logprobs = body.num_logprobs
+
+    def opening(self) -> dict | None:
+        return None
+
+    def delta(self, part: Choice, whole: Choice) -> dict:
+        """The chunk of what ``part`` added to the completion that is now ``whole``."""
+        return {**self.head, "choices": [self._choice(part, len(whole.text) - len(part.text))]}
+
+    def usage(self, usage: dict) -> dict:
+        return {**self.head, "choices": [], "usage": usage}
+
+    def whole(self, run: Run) -> dict:
+        choices = [self._choice(run.choices[i], 0) for i in sorted(run.choices)]
+        return {**self.head, "choices": choices, "usage": run.usage()}
+
+    def _choice(self, part: Choice, text_offset: int) -> dict:
+        logprobs = None
+        if self.num_logprobs is not None:
+            logprobs = completion_logprobs(
+                part.token_ids, part.logprobs, self.num_logprobs, text_offset
+            )
+        return self._fields(part, {"text": part.text, "logprobs": logprobs})
+
+    def _fields(self, part: Choice, content: dict) -> dict:
+        choice = {
+            "index": part.index, **content,
+            "finish_reason": part.finish_reason, "stop_reason": part.stop_reason,
+        }  # fmt: skip
+        if self.with_ids:
+            choice["token_ids"] = part.token_ids
+        return choice
+
+
+class ChatChunks(CompletionChunks):
+    """The JSON shapes of ``/v1/chat/completions``."""
+
+    def __init__(self, model: str, body: SamplingRequest) -> None:
+        super().__init__(model, body)
+        self.head["id"] = f"chatcmpl-{uuid.uuid4().hex}"
+        self.head["object"] = "chat.completion.chunk"
+        self.num_choices = body.n
+
+    def opening(self) -> dict:
+        choices = [
+            self._fields(
+                Choice(i), {"delta": {"role": "assistant", "content": ""}, "logprobs": None}
+            )
+            for i in range(self.num_choices)
+        ]
+        return {**self.head, "choices": choices}
+
+    def delta(self, part: Choice, whole: Choice) -> dict:
+        return {**self.head, "choices": [self._chat_choice(part, "delta")]}
+
+    def whole(self, run: Run) -> dict:
+        choices = [self._chat_choice(run.choices[i], "message") for i in sorted(run.choices)]
+        return {**self.head, "object": "chat.completion", "choices": choices, "usage": run.usage()}
+
+    def _chat_choice(self, part: Choice, key: str) -> dict:
+        message = (
+            {"content": part.text}
+            if key == "delta"
+            else {"role": "assistant", "content": part.text}
+        )
+        logprobs = None
+        if self.num_logprobs is not None:
+            logprobs = chat_logprobs(part.token_ids, part.logprobs, self.num_logprobs)
+        return self._fields(part, {key: message, "logprobs": logprobs})
