@@ -68,6 +68,23 @@ def assert_serving_and_leak_free(llm: LLM) -> None:
         ({"stop_token_ids": [1, -3]}, "stop_token_ids"),
         ({"stop_token_ids": (1, 2.0)}, "stop_token_ids"),
         ({"detokenize": 0}, "detokenize"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"presence_penalty": math.nan}, "presence_penalty"),
+        ({"frequency_penalty": -2.1}, "frequency_penalty"),
+        ({"frequency_penalty": "1"}, "frequency_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"repetition_penalty": math.inf}, "repetition_penalty"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 1.0}, "min_tokens"),
+        ({"min_tokens": 17}, "min_tokens"),  # more than max_tokens (16)
+        ({"logit_bias": [1, 2]}, "logit_bias"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+        ({"logit_bias": {"7": 1.0}}, "logit_bias"),
+        ({"logit_bias": {7: 101.0}}, "logit_bias"),
+        ({"logit_bias": {7: math.nan}}, "logit_bias"),
+        ({"logit_bias": {7: "1"}}, "logit_bias"),
     ],
 )
 def test_sampling_params_refuse_bad_values_naming_the_field(kwargs, field):
@@ -88,6 +105,9 @@ def test_sampling_params_normalise_what_they_accept():
     assert p.top_k == 0  # vLLM's -1: no top-k filter, as 0
     assert p.seed == 2**64 - 1 and p.stop_token_ids == (7, 9)
     assert all(type(t) is int for t in p.stop_token_ids)
+    q = SamplingParams(logit_bias={np.int64(3): np.float32(-1.5)}, min_p=np.float64(0.1))
+    assert q.logit_bias == {3: -1.5} and type(next(iter(q.logit_bias))) is int
+    assert type(q.min_p) is float
 
 
 # ------------------------------------------------------------------------------------ seeds

@@ -31,7 +31,7 @@ class DecodeBatch:
     tables: list[list[int]]
     epoch: int
     left: np.ndarray  # [n] tokens each member may still sample
-    greedy: bool  # every member samples greedily
+    greedy: bool  # every member takes the argmax of its logits as they come
     ids_only: bool  # no member detokenizes
     stop_ids: np.ndarray  # every member's stop token ids, pooled
     request_ids: list[str]
@@ -50,7 +50,7 @@ class DecodeBatch:
             [seq.table for seq in seqs],
             epoch,
             left=np.fromiter((r.max_output_len - r.num_sampled for r in reqs), np.int64, count=n),
-            greedy=not any(r.params.temperature for r in reqs),
+            greedy=all(r.params.argmax_only for r in reqs),
             ids_only=all(r.detokenizer is None for r in reqs),
             stop_ids=np.fromiter(stop_ids, dtype=np.int64, count=len(stop_ids)),
             request_ids=[r.request_id for r in reqs],

@@ -27,7 +27,7 @@ from radixinfer.engine.output import OutputProcessor
 from radixinfer.engine.pipeline import Launch, TokenPipeline
 from radixinfer.engine.prefill_plan import PrefillPass
 from radixinfer.engine.request import Request, Status
-from radixinfer.engine.sampler import sample_requests
+from radixinfer.engine.sampler import Sampler
 from radixinfer.engine.scheduler import Scheduler
 from radixinfer.outputs import EngineEvent, StreamDelta
 from radixinfer.sampling_params import SamplingParams
@@ -65,6 +65,7 @@ class LLMEngine:
         self.scheduler = Scheduler(cache, config, self.counters)
         self.pipeline = TokenPipeline()
         self.output = OutputProcessor(self.scheduler)
+        self.sampler = Sampler(self.vocab_size, runner.device)
 
     @property
     def waiting(self) -> deque[Request]:
@@ -181,7 +182,7 @@ class LLMEngine:
                     self.cache.attach_payload(it.req.seq, last_hidden[i])
         reqs = [it.req for it in finishing]
         self.scheduler.start_running(reqs)  # decodes from its first token, on the device for now
-        self.pipeline.launch(reqs, sample_requests(reqs, self.runner.logits(last_hidden)))
+        self.pipeline.launch(reqs, self.sampler.sample(reqs, self.runner.logits(last_hidden)))
 
     def _decode(self, previous: list[Launch], events: list[EngineEvent]) -> bool:
         """Launch this step's decode, then read back ``previous`` (the launches of the step before)
@@ -213,7 +214,7 @@ class LLMEngine:
             )  # fmt: skip
             self.cache.mark_written()
             self.counters.decode_forwards += 1
-            batch.tokens = sample_requests(batch.reqs, logits, batch.greedy)
+            batch.tokens = self.sampler.sample(batch.reqs, logits, batch.greedy)
             self.pipeline.launch(batch.reqs, batch.tokens, batch, scheduler.departures)
             batch.left -= 1
         self.output.read_back(previous, events)

@@ -63,6 +63,9 @@ class RequestIntake:
         if params.stop_token_ids and max(params.stop_token_ids) >= vocab:
             bad = max(params.stop_token_ids)
             raise ValueError(f"stop_token_ids: {bad} is outside the vocabulary [0, {vocab})")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            bad = max(params.logit_bias)
+            raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab})")
         prompt_len = len(prompt_array)
         total = min(prompt_len + params.max_tokens, self.max_context_len)
         blocks = -(-total // self.block_size) + 1  # +1: a copy-on-write of the boundary block

@@ -1,0 +1,201 @@
+"""Per-request logits processing before sampling: ``min_tokens``, ``logit_bias`` and the repetition,
+presence and frequency penalties (vLLM's semantics and order; `SamplingParams` documents them).
+
+Only the rows of requests that process their logits are touched: they are gathered, processed in
+float32 and written back into a copy of the logits in their own dtype; a batch without such rows
+returns its logits unchanged and pays nothing. The penalties read each request's token counts from
+`TokenCounts`, rows of a device tensor that grow by the sampled tokens every step (a scatter-add of
+the new tokens), never rebuilt from the host's lists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from radixinfer.cache.kv_manager import SeqKV
+    from radixinfer.engine.request import Request
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_seen: torch.Tensor,
+    output_counts: torch.Tensor,
+    repetition: torch.Tensor,
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+) -> torch.Tensor:
+    """``logits [rows, vocab]`` float32 penalised, as vLLM does: a token seen in the prompt
+    (``prompt_seen`` bool) or the output (``output_counts`` > 0) has a positive logit divided by its
+    row's ``repetition`` penalty and a negative one multiplied by it; then ``frequency`` times its
+    output count and ``presence`` once if it occurs in the output are subtracted. Per-row penalties
+    are ``[rows]`` float32."""
+    in_output = output_counts > 0
+    rep = repetition[:, None]
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(prompt_seen | in_output, penalised, logits)
+    return logits - frequency[:, None] * output_counts - presence[:, None] * in_output
+
+
+class TokenCounts:
+    """Device rows of token counts, one per penalised request while it holds KV: ``prompt_seen``
+    ``[rows, vocab]`` bool marks its prompt's tokens, ``output_counts`` ``[rows, vocab]`` int32
+    counts its sampled tokens, including those the host has not read back yet.
+
+    A request's row is valid while its sequence is the one the row was filled for: a request
+    preempted and admitted again gets a new sequence, and its row is refilled from its prompt and
+    the output the host holds (a preemption reads every token back first). Rows of requests that
+    left are reclaimed when a new row is needed and none is free; the tensors double when every row
+    is live.
+
+    Performance: filling a row is three launches per batch of new requests; each step adds the
+    sampled tokens with one scatter-add."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size, self.device = vocab_size, device
+        self.prompt_seen = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
+        self.output_counts = torch.zeros(0, vocab_size, dtype=torch.int32, device=device)
+        self._owners: dict[Request, tuple[int, SeqKV | None]] = {}
+        self._free: list[int] = []
+
+    def rows(self, reqs: Sequence[Request]) -> list[int]:
+        """Each request's row, filling the rows of requests that have none valid."""
+        fresh: list[tuple[int, Request]] = []
+        rows = []
+        for req in reqs:
+            owned = self._owners.get(req)
+            if owned is None or owned[1] is not req.seq:
+                row = owned[0] if owned is not None else self._allocate()
+                self._owners[req] = (row, req.seq)
+                fresh.append((row, req))
+            else:
+                row = owned[0]
+            rows.append(row)
+        if fresh:
+            self._fill(fresh)
+        return rows
+
+    def add(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Count ``tokens [n]`` (on the device) once each in ``rows [n]``."""
+        ones = torch.ones_like(tokens, dtype=torch.int32)
+        self.output_counts.index_put_((rows, tokens), ones, accumulate=True)
+
+    def _allocate(self) -> int:
+        if not self._free:
+            self._reclaim()
+        if not self._free:
+            self._grow()
+        return self._free.pop()
+
+    def _reclaim(self) -> None:
+        """Free the rows of requests that no longer hold KV (finished, aborted or preempted)."""
+        for req in [r for r, (_, seq) in self._owners.items() if r.seq is not seq]:
+            self._free.append(self._owners.pop(req)[0])
+
+    def _grow(self) -> None:
+        old = self.output_counts.shape[0]
+        new = max(16, 2 * old)
+        seen = torch.zeros(new, self.vocab_size, dtype=torch.bool, device=self.device)
+        counts = torch.zeros(new, self.vocab_size, dtype=torch.int32, device=self.device)
+        seen[:old], counts[:old] = self.prompt_seen, self.output_counts
+        self.prompt_seen, self.output_counts = seen, counts
+        self._free.extend(range(new - 1, old - 1, -1))
+
+    def _fill(self, fresh: list[tuple[int, Request]]) -> None:
+        """Set each fresh row to its request's prompt and the output the host holds."""
+        rows = torch.tensor([row for row, _ in fresh], device=self.device)
+        self.prompt_seen.index_fill_(0, rows, False)
+        self.output_counts.index_fill_(0, rows, 0)
+        prompt_rows, prompt_ids = _row_id_pairs([(row, req.prompt_ids) for row, req in fresh])
+        self.prompt_seen[prompt_rows.to(self.device), prompt_ids.to(self.device)] = True
+        output_rows, output_ids = _row_id_pairs([(row, req.output_ids) for row, req in fresh])
+        if len(output_ids):
+            self.add(output_rows.to(self.device), output_ids.to(self.device))
+
+
+def _row_id_pairs(items: list[tuple[int, Sequence[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rows, ids)`` int64 flattening each ``(row, ids)``: the row repeated once per id."""
+    ids = [np.asarray(tokens, dtype=np.int64) for _, tokens in items]
+    rows = np.repeat([row for row, _ in items], [len(t) for t in ids])
+    return torch.from_numpy(rows.astype(np.int64)), torch.from_numpy(np.concatenate(ids))
+
+
+class LogitsProcessor:
+    """Applies the requests' ``min_tokens``, ``logit_bias`` and penalties to a step's logits and
+    keeps the token counts the penalties read (`TokenCounts`)."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.device = device
+        self.counts = TokenCounts(vocab_size, device)
+
+    def process(
+        self, reqs: Sequence[Request], logits: torch.Tensor
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """``(logits, pending)``: the step's logits with every processing request's row processed
+        (``logits`` itself when no request processes its own), and for `record` the penalised rows'
+        batch positions and count rows (None when no request is penalised)."""
+        positions = [i for i, r in enumerate(reqs) if r.params.processes_logits]
+        if not positions:
+            return logits, None
+        procs = [reqs[i] for i in positions]
+        rows = logits[torch.tensor(positions, device=logits.device)].float()  # [n, vocab]
+        self._bias_and_min_tokens(procs, rows)
+        penalised = [j for j, r in enumerate(procs) if r.params.penalized]
+        pending = None
+        if penalised:
+            pen_reqs = [procs[j] for j in penalised]
+            count_rows = torch.tensor(self.counts.rows(pen_reqs), device=self.device)
+            local = torch.tensor(penalised, device=self.device)
+            params = torch.tensor(
+                [
+                    [r.params.repetition_penalty for r in pen_reqs],
+                    [r.params.presence_penalty for r in pen_reqs],
+                    [r.params.frequency_penalty for r in pen_reqs],
+                ],
+                dtype=torch.float32,
+            ).to(self.device, non_blocking=True)
+            rows[local] = apply_penalties(
+                rows[local],
+                self.counts.prompt_seen[count_rows],
+                self.counts.output_counts[count_rows],
+                params[0],
+                params[1],
+                params[2],
+            )
+            pending = (
+                torch.tensor([positions[j] for j in penalised], device=self.device),
+                count_rows,
+            )
+        index = torch.tensor(positions, device=logits.device)
+        return logits.index_copy(0, index, rows.to(logits.dtype)), pending
+
+    def record(
+        self, pending: tuple[torch.Tensor, torch.Tensor] | None, tokens: torch.Tensor
+    ) -> None:
+        """Count the step's sampled ``tokens [batch]`` in the penalised requests' rows."""
+        if pending is not None:
+            positions, count_rows = pending
+            self.counts.add(count_rows, tokens[positions])
+
+    @staticmethod
+    def _bias_and_min_tokens(procs: list[Request], rows: torch.Tensor) -> None:
+        """Add each request's ``logit_bias`` to its row of ``rows``, then forbid its stop tokens
+        while it has sampled fewer than ``min_tokens``."""
+        biased = [(j, r.params.logit_bias) for j, r in enumerate(procs) if r.params.logit_bias]
+        if biased:
+            index, ids = _row_id_pairs([(j, list(bias)) for j, bias in biased])
+            values = torch.tensor([v for _, bias in biased for v in bias.values()])
+            device = rows.device
+            rows.index_put_((index.to(device), ids.to(device)), values.to(device), accumulate=True)
+        early = [
+            (j, sorted(r.stop_ids))
+            for j, r in enumerate(procs)
+            if r.num_sampled < r.params.min_tokens
+        ]
+        if early:
+            index, ids = _row_id_pairs(early)
+            rows[index.to(rows.device), ids.to(rows.device)] = float("-inf")
