@@ -32,6 +32,8 @@ from radixinfer.models import load_tokenizer
 from radixinfer.outputs import StreamDelta
 from radixinfer.sampling_params import SamplingParams
 
+_DEFAULTS = SamplingParams()  # fields left at these are not sent
+
 
 class OpenAIBackend:
     """A server at ``base_url`` running ``model`` (a preset name or local checkpoint dir: its
@@ -133,6 +135,9 @@ class OpenAIBackend:
         }
         if params.top_k:
             body["top_k"] = params.top_k
+        for field in ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            if getattr(params, field) != getattr(_DEFAULTS, field):
+                body[field] = getattr(params, field)
         if params.seed is not None:
             body["seed"] = params.seed
         ending: StreamDelta | None = None
