@@ -215,18 +215,21 @@ def sample_triton(
     top_p: torch.Tensor,
     min_p: torch.Tensor,
     keys: torch.Tensor,
+    block: int = BLOCK,
+    num_warps: int = 8,
 ) -> torch.Tensor:
     """Same function as `sample_ref` for ``[rows, vocab]`` logits with unit column stride, in one
-    launch with no host sync (CUDA-graph capturable)."""
+    launch with no host sync (CUDA-graph capturable). ``block`` (a power of two) and ``num_warps``
+    only change the speed."""
     rows, vocab = logits.shape
     assert logits.stride(1) == 1
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return out
     passes = triton.cdiv(KEY_BITS[logits.dtype], DIGIT_BITS)
-    block = min(BLOCK, triton.next_power_of_2(vocab))
+    block = min(block, triton.next_power_of_2(vocab))
     _sample_kernel[(rows,)](
         logits, logits.stride(0), vocab, inv_temperature, top_k, top_p, min_p, keys, out,
-        PASSES=passes, BLOCK=block, num_warps=8,
+        PASSES=passes, BLOCK=block, num_warps=num_warps,
     )  # fmt: skip
     return out
