@@ -11,10 +11,13 @@ import numpy as np
 import pytest
 import torch
 
+from kernels.penalties import penalize_ref, penalize_triton
 from radixinfer import LLM, SamplingParams
-from radixinfer.engine.logits_processing import LogitsProcessor, apply_penalties
+from radixinfer.engine.logits_processing import LogitsProcessor
 from radixinfer.engine.request import Request
+from tests import _triton_env  # noqa: F401  (without CUDA, Triton runs interpreted)
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 VOCAB = 50
 
 
@@ -31,25 +34,55 @@ def penalised_by_hand(
     return out
 
 
-def test_each_penalty_matches_the_per_token_reference():
+@pytest.mark.parametrize("penalize", [penalize_ref, penalize_triton])
+def test_each_penalty_matches_the_per_token_reference(penalize):
+    """Rows 1, 3, 4, ... of a batch penalised in place with count rows in another order; the rows
+    not named stay as they were."""
     rng = random.Random(0)
     rows = 12
-    logits = torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(0))
+    logits = torch.randn(rows + 3, VOCAB, generator=torch.Generator().manual_seed(0))
     prompts = [[rng.randrange(VOCAB) for _ in range(rng.randrange(0, 30))] for _ in range(rows)]
     outputs = [[rng.randrange(VOCAB) for _ in range(rng.randrange(0, 30))] for _ in range(rows)]
     # one penalty at a time, then all three
     settings = [(1.7, 0, 0), (1, 0.8, 0), (1, 0, 0.6), (0.5, -1.2, 1.5)] * 3
-    seen = torch.zeros(rows, VOCAB, dtype=torch.bool)
-    counts = torch.zeros(rows, VOCAB, dtype=torch.int32)
-    for r in range(rows):
-        seen[r, prompts[r]] = True
+    seen = torch.zeros(rows + 2, VOCAB, dtype=torch.bool)
+    counts = torch.zeros(rows + 2, VOCAB, dtype=torch.int32)
+    count_rows = [(5 * r + 2) % (rows + 2) for r in range(rows)]  # distinct
+    for r, c in enumerate(count_rows):
+        seen[c, prompts[r]] = True
         for t in outputs[r]:
-            counts[r, t] += 1
+            counts[c, t] += 1
+    positions = [r + 1 + (r > 1) for r in range(rows)]  # 1, 3, 4, ...
     rep, pres, freq = (torch.tensor(c, dtype=torch.float32) for c in zip(*settings))
-    out = apply_penalties(logits, seen, counts, rep, pres, freq)
-    for r in range(rows):
-        expected = penalised_by_hand(logits[r].tolist(), prompts[r], outputs[r], *settings[r])
-        assert out[r].tolist() == pytest.approx(expected, rel=1e-6, abs=1e-6)
+    out = logits.clone().to(DEVICE)
+    penalize(
+        out, torch.tensor(positions, device=DEVICE), torch.tensor(count_rows, device=DEVICE),
+        seen.to(DEVICE), counts.to(DEVICE), rep.to(DEVICE), pres.to(DEVICE), freq.to(DEVICE),
+    )  # fmt: skip
+    out = out.cpu()
+    for r, p in enumerate(positions):
+        expected = penalised_by_hand(logits[p].tolist(), prompts[r], outputs[r], *settings[r])
+        assert out[p].tolist() == pytest.approx(expected, rel=1e-6, abs=1e-6)
+    untouched = [p for p in range(rows + 3) if p not in positions]
+    assert torch.equal(out[untouched], logits[untouched])
+
+
+def test_the_penalty_kernel_keeps_the_logits_dtype():
+    logits = torch.randn(4, VOCAB).to(torch.bfloat16).to(DEVICE)
+    args = [torch.tensor([0, 2], device=DEVICE), torch.tensor([1, 0], device=DEVICE)]
+    args += [
+        torch.rand(2, VOCAB, device=DEVICE) < 0.3,
+        torch.randint(0, 3, (2, VOCAB), device=DEVICE),
+    ]
+    args[-1] = args[-1].int()
+    args += [torch.tensor([1.3, 0.7], device=DEVICE)] * 3
+    out, ref = logits.clone(), logits.clone()
+    penalize_triton(out, *args)
+    penalize_ref(ref, *args)
+    assert out.dtype == torch.bfloat16
+    # float32 results rounded to bf16: at most one bf16 step (2**-7 relative) apart
+    assert torch.allclose(out.float(), ref.float(), rtol=2**-7, atol=0)
+    assert not torch.equal(out, logits)
 
 
 _arrivals = itertools.count()

@@ -1,9 +1,9 @@
 """Per-request logits processing before sampling: ``min_tokens``, ``logit_bias`` and the repetition,
 presence and frequency penalties (vLLM's semantics and order; `SamplingParams` documents them).
 
-Only the rows of requests that process their logits are touched: they are gathered, processed in
-float32 and written back into a copy of the logits in their own dtype; a batch without such rows
-returns its logits unchanged and pays nothing. The penalties read each request's token counts from
+Only the rows of requests that process their logits are touched, in one copy of the logits (their
+dtype; the penalties compute in float32); a batch without such rows returns its logits unchanged
+and pays nothing. The penalties read each request's token counts from
 `TokenCounts`, rows of a device tensor that grow by the sampled tokens every step (a scatter-add of
 the new tokens), never rebuilt from the host's lists.
 """
@@ -16,29 +16,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from kernels.penalties import penalize_ref, penalize_triton
+from radixinfer.models.layers import by_device
+
 if TYPE_CHECKING:
     from radixinfer.cache.kv_manager import SeqKV
     from radixinfer.engine.request import Request
 
 
-def apply_penalties(
-    logits: torch.Tensor,
-    prompt_seen: torch.Tensor,
-    output_counts: torch.Tensor,
-    repetition: torch.Tensor,
-    presence: torch.Tensor,
-    frequency: torch.Tensor,
-) -> torch.Tensor:
-    """``logits [rows, vocab]`` float32 penalised, as vLLM does: a token seen in the prompt
-    (``prompt_seen`` bool) or the output (``output_counts`` > 0) has a positive logit divided by its
-    row's ``repetition`` penalty and a negative one multiplied by it; then ``frequency`` times its
-    output count and ``presence`` once if it occurs in the output are subtracted. Per-row penalties
-    are ``[rows]`` float32."""
-    in_output = output_counts > 0
-    rep = repetition[:, None]
-    penalised = torch.where(logits > 0, logits / rep, logits * rep)
-    logits = torch.where(prompt_seen | in_output, penalised, logits)
-    return logits - frequency[:, None] * output_counts - presence[:, None] * in_output
+penalize = by_device(penalize_triton, penalize_ref)  # see `kernels.penalties`
 
 
 class TokenCounts:
@@ -129,49 +115,38 @@ class LogitsProcessor:
     keeps the token counts the penalties read (`TokenCounts`)."""
 
     def __init__(self, vocab_size: int, device: torch.device) -> None:
-        self.device = device
         self.counts = TokenCounts(vocab_size, device)
 
     def process(
         self, reqs: Sequence[Request], logits: torch.Tensor
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """``(logits, pending)``: the step's logits with every processing request's row processed
-        (``logits`` itself when no request processes its own), and for `record` the penalised rows'
-        batch positions and count rows (None when no request is penalised)."""
-        positions = [i for i, r in enumerate(reqs) if r.params.processes_logits]
-        if not positions:
+        (``logits`` itself when no request processes its own, else a copy), and for `record` the
+        penalised rows' batch positions and count rows (None when no request is penalised)."""
+        if not any(r.params.processes_logits for r in reqs):
             return logits, None
-        procs = [reqs[i] for i in positions]
-        rows = logits[torch.tensor(positions, device=logits.device)].float()  # [n, vocab]
-        self._bias_and_min_tokens(procs, rows)
-        penalised = [j for j, r in enumerate(procs) if r.params.penalized]
-        pending = None
-        if penalised:
-            pen_reqs = [procs[j] for j in penalised]
-            count_rows = torch.tensor(self.counts.rows(pen_reqs), device=self.device)
-            local = torch.tensor(penalised, device=self.device)
-            params = torch.tensor(
-                [
-                    [r.params.repetition_penalty for r in pen_reqs],
-                    [r.params.presence_penalty for r in pen_reqs],
-                    [r.params.frequency_penalty for r in pen_reqs],
-                ],
-                dtype=torch.float32,
-            ).to(self.device, non_blocking=True)
-            rows[local] = apply_penalties(
-                rows[local],
-                self.counts.prompt_seen[count_rows],
-                self.counts.output_counts[count_rows],
-                params[0],
-                params[1],
-                params[2],
-            )
-            pending = (
-                torch.tensor([positions[j] for j in penalised], device=self.device),
-                count_rows,
-            )
-        index = torch.tensor(positions, device=logits.device)
-        return logits.index_copy(0, index, rows.to(logits.dtype)), pending
+        out = logits.clone()
+        self._bias_and_min_tokens(reqs, out)
+        penalised = [i for i, r in enumerate(reqs) if r.params.penalized]
+        if not penalised:
+            return out, None
+        pen_reqs = [reqs[i] for i in penalised]
+        device = logits.device
+        count_rows = torch.tensor(self.counts.rows(pen_reqs), device=device)
+        positions = torch.tensor(penalised, device=device)
+        penalties = torch.tensor(
+            [
+                [r.params.repetition_penalty for r in pen_reqs],
+                [r.params.presence_penalty for r in pen_reqs],
+                [r.params.frequency_penalty for r in pen_reqs],
+            ],
+            dtype=torch.float32,
+        ).to(device)
+        penalize(
+            out, positions, count_rows, self.counts.prompt_seen, self.counts.output_counts,
+            penalties[0], penalties[1], penalties[2],
+        )  # fmt: skip
+        return out, (positions, count_rows)
 
     def record(
         self, pending: tuple[torch.Tensor, torch.Tensor] | None, tokens: torch.Tensor
@@ -182,20 +157,21 @@ class LogitsProcessor:
             self.counts.add(count_rows, tokens[positions])
 
     @staticmethod
-    def _bias_and_min_tokens(procs: list[Request], rows: torch.Tensor) -> None:
-        """Add each request's ``logit_bias`` to its row of ``rows``, then forbid its stop tokens
+    def _bias_and_min_tokens(reqs: Sequence[Request], logits: torch.Tensor) -> None:
+        """Add each request's ``logit_bias`` to its row of ``logits``, then forbid its stop tokens
         while it has sampled fewer than ``min_tokens``."""
-        biased = [(j, r.params.logit_bias) for j, r in enumerate(procs) if r.params.logit_bias]
+        device = logits.device
+        biased = [(i, r.params.logit_bias) for i, r in enumerate(reqs) if r.params.logit_bias]
         if biased:
-            index, ids = _row_id_pairs([(j, list(bias)) for j, bias in biased])
+            rows, ids = _row_id_pairs([(i, list(bias)) for i, bias in biased])
             values = torch.tensor([v for _, bias in biased for v in bias.values()])
-            device = rows.device
-            rows.index_put_((index.to(device), ids.to(device)), values.to(device), accumulate=True)
+            values = values.to(device, logits.dtype)
+            logits.index_put_((rows.to(device), ids.to(device)), values, accumulate=True)
         early = [
-            (j, sorted(r.stop_ids))
-            for j, r in enumerate(procs)
+            (i, sorted(r.stop_ids))
+            for i, r in enumerate(reqs)
             if r.num_sampled < r.params.min_tokens
         ]
         if early:
-            index, ids = _row_id_pairs(early)
-            rows[index.to(rows.device), ids.to(rows.device)] = float("-inf")
+            rows, ids = _row_id_pairs(early)
+            logits[rows.to(device), ids.to(device)] = float("-inf")
