@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from radixinfer.checks import flag, integer, real, wrong_type
 
@@ -114,17 +115,17 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    @property
+    @cached_property
     def penalized(self) -> bool:
         """Whether a penalty reads the request's token counts."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
 
-    @property
+    @cached_property
     def processes_logits(self) -> bool:
         """Whether the logits change before the request samples (penalties, bias, min_tokens)."""
         return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
 
-    @property
+    @cached_property
     def argmax_only(self) -> bool:
         """Whether the request's token is the argmax of the model's logits, as they come."""
         return self.greedy and not self.processes_logits

@@ -93,21 +93,33 @@ class TokenCounts:
 
     def _fill(self, fresh: list[tuple[int, Request]]) -> None:
         """Set each fresh row to its request's prompt and the output the host holds."""
-        rows = torch.tensor([row for row, _ in fresh], device=self.device)
+        device = self.device
+        rows = _upload(torch.tensor([row for row, _ in fresh]), device)
         self.prompt_seen.index_fill_(0, rows, False)
         self.output_counts.index_fill_(0, rows, 0)
-        prompt_rows, prompt_ids = _row_id_pairs([(row, req.prompt_ids) for row, req in fresh])
-        self.prompt_seen[prompt_rows.to(self.device), prompt_ids.to(self.device)] = True
-        output_rows, output_ids = _row_id_pairs([(row, req.output_ids) for row, req in fresh])
-        if len(output_ids):
-            self.add(output_rows.to(self.device), output_ids.to(self.device))
+        prompt_rows, prompt_ids = _row_id_pairs([(r, q.prompt_ids) for r, q in fresh], device)
+        self.prompt_seen[prompt_rows, prompt_ids] = True
+        if any(q.output_ids for _, q in fresh):
+            self.add(*_row_id_pairs([(r, q.output_ids) for r, q in fresh], device))
 
 
-def _row_id_pairs(items: list[tuple[int, Sequence[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rows, ids)`` int64 flattening each ``(row, ids)``: the row repeated once per id."""
+def _upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` on ``device`` without waiting for the device: a pageable copy would synchronise the
+    stream (the host must never wait for the step it has just launched)."""
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def _row_id_pairs(
+    items: list[tuple[int, Sequence[int]]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rows, ids)`` int64 on ``device`` flattening each ``(row, ids)``: the row repeated once
+    per id (one copy to the device)."""
     ids = [np.asarray(tokens, dtype=np.int64) for _, tokens in items]
-    rows = np.repeat([row for row, _ in items], [len(t) for t in ids])
-    return torch.from_numpy(rows.astype(np.int64)), torch.from_numpy(np.concatenate(ids))
+    rows = np.repeat(np.asarray([row for row, _ in items], dtype=np.int64), [len(t) for t in ids])
+    pairs = _upload(torch.from_numpy(np.stack([rows, np.concatenate(ids)])), device)
+    return pairs[0], pairs[1]
 
 
 class LogitsProcessor:
@@ -131,20 +143,23 @@ class LogitsProcessor:
         if not penalised:
             return out, None
         pen_reqs = [reqs[i] for i in penalised]
-        device = logits.device
-        count_rows = torch.tensor(self.counts.rows(pen_reqs), device=device)
-        positions = torch.tensor(penalised, device=device)
-        penalties = torch.tensor(
+        # [5, n] float64 (row ids are exact in it), one copy to the device
+        host = torch.tensor(
             [
+                penalised,
+                self.counts.rows(pen_reqs),
                 [r.params.repetition_penalty for r in pen_reqs],
                 [r.params.presence_penalty for r in pen_reqs],
                 [r.params.frequency_penalty for r in pen_reqs],
             ],
-            dtype=torch.float32,
-        ).to(device)
+            dtype=torch.float64,
+        )
+        columns = _upload(host, logits.device)
+        positions, count_rows = columns[:2].long()
+        rep, presence, frequency = columns[2:].float()
         penalize(
             out, positions, count_rows, self.counts.prompt_seen, self.counts.output_counts,
-            penalties[0], penalties[1], penalties[2],
+            rep, presence, frequency,
         )  # fmt: skip
         return out, (positions, count_rows)
 
@@ -163,15 +178,15 @@ class LogitsProcessor:
         device = logits.device
         biased = [(i, r.params.logit_bias) for i, r in enumerate(reqs) if r.params.logit_bias]
         if biased:
-            rows, ids = _row_id_pairs([(i, list(bias)) for i, bias in biased])
+            rows, ids = _row_id_pairs([(i, list(bias)) for i, bias in biased], device)
             values = torch.tensor([v for _, bias in biased for v in bias.values()])
-            values = values.to(device, logits.dtype)
-            logits.index_put_((rows.to(device), ids.to(device)), values, accumulate=True)
+            values = _upload(values, device).to(logits.dtype)
+            logits.index_put_((rows, ids), values, accumulate=True)
         early = [
             (i, sorted(r.stop_ids))
             for i, r in enumerate(reqs)
             if r.num_sampled < r.params.min_tokens
         ]
         if early:
-            rows, ids = _row_id_pairs(early)
-            logits[rows.to(device), ids.to(device)] = float("-inf")
+            rows, ids = _row_id_pairs(early, device)
+            logits[rows, ids] = float("-inf")
