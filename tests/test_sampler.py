@@ -85,3 +85,8 @@ def test_graph_batch_sizes_cover_every_batch():
         sizes = graph_batch_sizes(max_batch)
         assert sizes == sorted(set(sizes)) and sizes[-1] == max_batch
         assert all(any(s >= b for s in sizes) for b in range(1, max_batch + 1))
+
+
+def test_a_vanishing_temperature_samples_the_argmax():
+    logits = torch.randn(8, 30) * 50
+    assert torch.equal(sample(logits, batch(8, temperature=1e-40, top_p=0.9)), logits.argmax(-1))

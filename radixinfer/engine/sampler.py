@@ -55,6 +55,7 @@ def row_keys(
 
 
 _EMPTY: dict[torch.device, torch.Tensor] = {}
+MIN_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,10 @@ class SamplingBatch:
             return cls.greedy(device)
         keys = row_keys(seed_bits(seeds), np.asarray(steps, dtype=np.int64))
         temps = np.asarray(temperature, dtype=np.float64)
-        inv_temperature = np.divide(1.0, temps, out=np.zeros_like(temps), where=temps > 0)
+        # 1 / max(T, 1e-5): a tinier temperature would scale logits to inf (then inf - inf = NaN)
+        inv_temperature = np.divide(
+            1.0, np.maximum(temps, MIN_TEMPERATURE), out=np.zeros_like(temps), where=temps > 0
+        )
         min_p = [0.0] * len(temps) if min_p is None else min_p
         # [5, rows] float64: holds every int < 2**53 exactly, so keys (< 2**32) and top-k survive the trip
         host = torch.from_numpy(np.array([inv_temperature, top_p, min_p, top_k, keys], np.float64))
