@@ -18,7 +18,7 @@ Cases (block_size 16, every time a median over many repetitions, `time.perf_coun
   one `engine.step()` with every request decoding. First timed clean, then again with every phase wrapped
   in a timer (the wrappers cost ~0.2 µs per call): `cache.reserve_step`, `runner.copy_blocks`, `runner.decode`
   (inclusive; of it the block-table rows and, on CUDA, the graph replay), `cache.mark_written`, and
-  `_sample` = `sample_requests` (of it `SamplingBatch.build` = sampling setup, and the `sample` call), and
+  `_sample` = `Sampler.sample` (of it `SamplingBatch.build` = sampling setup, and the `sample` call), and
   `_read_back` = `OutputProcessor.read_back` =
   ``output processing``: reading back the previous step's tokens (steps overlap: step k's tokens are read
   after step k+1 is launched), stop checks, detokenizing and the stream deltas.
@@ -55,7 +55,6 @@ import numpy as np
 import torch
 from transformers import LlamaConfig
 
-import radixinfer.engine.engine as engine_module
 import radixinfer.engine.sampler as sampler_module
 import radixinfer.engine.step_buffers as step_buffers_module
 from radixinfer.attention import get_backend
@@ -226,7 +225,7 @@ def decode_phases(engine: LLMEngine) -> list[tuple[str, Any, str]]:
         ("runner.decode", engine.runner, "decode"),
         ("block tables", BlockTableRows, "update"),
         ("mark_written", engine.cache, "mark_written"),
-        ("_sample", engine_module, "sample_requests"),
+        ("_sample", engine.sampler, "sample"),
         ("sampling setup", SamplingBatch, "build"),
         ("_read_back", engine.output, "read_back"),
         ("sample", sampler_module, "sample"),
@@ -346,7 +345,7 @@ def bench_admit(
         ("copy_blocks", engine.runner, "copy_blocks"),
         ("runner.prefill", engine.runner, "prefill"),
         ("pack_block_tables (prefill)", step_buffers_module, "pack_block_tables"),
-        ("_sample", engine_module, "sample_requests"),
+        ("_sample", engine.sampler, "sample"),
         ("_launch", engine.pipeline, "launch"),
     ]
     clean, adds, totals, phases = [], [], [], []

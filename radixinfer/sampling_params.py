@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from radixinfer.checks import flag, integer, optional_integer, real, wrong_type
 
 SEED_LIMIT = 2**64  # seeds are unsigned 64-bit integers
 TOP_K_LIMIT = 2**31  # a top-k this large keeps every token of any vocabulary
 N_LIMIT = 2**10  # completions per prompt
+BIAS_LIMIT = 100.0  # a logit bias is in [-100, 100], as in OpenAI's API
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,22 @@ class SamplingParams:
     past the model's vocabulary are refused when the request is added (`LLMEngine.add_request`),
     where the vocabulary is known; so are ``logprobs`` and ``prompt_logprobs`` larger than the
     vocabulary.
+
+    Penalties and filters, with vLLM's meanings: ``repetition_penalty`` (> 0; 1 is off) divides the
+    positive logits and multiplies the negative ones of every token seen in the prompt or the output;
+    ``presence_penalty`` and ``frequency_penalty`` (in [-2, 2]; 0 is off) subtract once per token
+    present in the output, and once per occurrence; ``min_p`` (in [0, 1]) drops tokens whose
+    probability is below ``min_p`` times the most likely one's; ``min_tokens`` (0 to ``max_tokens``)
+    forbids EOS and ``stop_token_ids`` until that many tokens are out; ``logit_bias`` maps token ids
+    to a bias in [-100, 100] added to their logits. Processing order: ``min_tokens``, ``logit_bias``,
+    the penalties, then temperature, ``min_p``, ``top_k``, ``top_p``; greedy requests take the
+    argmax of the processed logits.
+
+    Holds after construction: every field has its annotated type (numpy integers and floats become
+    Python ones, ``top_k == -1`` becomes 0, ``stop_token_ids`` a tuple, ``logit_bias`` a dict of int to
+    float). Raises ``ValueError`` naming the field on any invalid value. Stop token ids and logit bias
+    ids past the model's vocabulary are refused when the request is added (`LLMEngine.add_request`),
+    where the vocabulary is known.
     """
 
     max_tokens: int = 16
@@ -50,6 +68,12 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         checked = {
@@ -68,9 +92,26 @@ class SamplingParams:
             ),
             "logprobs": optional_integer("logprobs", self.logprobs, 0),
             "prompt_logprobs": optional_integer("prompt_logprobs", self.prompt_logprobs, 0),
+            "presence_penalty": real("presence_penalty", self.presence_penalty),
+            "frequency_penalty": real("frequency_penalty", self.frequency_penalty),
+            "repetition_penalty": real("repetition_penalty", self.repetition_penalty),
+            "min_p": real("min_p", self.min_p),
+            "min_tokens": integer("min_tokens", self.min_tokens, 0),
+            "logit_bias": self._checked_logit_bias(),
         }
         if checked["stop"] and not checked["detokenize"]:
             raise ValueError("stop: stop strings need detokenize=True (they match the text)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= checked[name] <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {checked[name]}")
+        if checked["repetition_penalty"] <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not 0.0 <= checked["min_p"] <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if checked["min_tokens"] > checked["max_tokens"]:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
         if checked["temperature"] < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < checked["top_p"] <= 1.0:
@@ -98,6 +139,36 @@ class SamplingParams:
                 raise wrong_type(f"stop[{i}]", "a non-empty string", string)
         return tuple(strings) or None
 
+    def _checked_logit_bias(self) -> dict[int, float] | None:
+        bias = self.logit_bias
+        if bias is None:
+            return None
+        if not isinstance(bias, dict):
+            raise wrong_type("logit_bias", "a dict of token id to bias", bias)
+        checked = {}
+        for token_id, value in bias.items():
+            token_id = integer("logit_bias key", token_id, 0)
+            value = real(f"logit_bias[{token_id}]", value)
+            if not -BIAS_LIMIT <= value <= BIAS_LIMIT:
+                raise ValueError(f"logit_bias[{token_id}] must be in [-100, 100], got {value}")
+            checked[token_id] = value
+        return checked
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @cached_property
+    def penalized(self) -> bool:
+        """Whether a penalty reads the request's token counts."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
+
+    @cached_property
+    def processes_logits(self) -> bool:
+        """Whether the logits change before the request samples (penalties, bias, min_tokens)."""
+        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
+
+    @cached_property
+    def argmax_only(self) -> bool:
+        """Whether the request's token is the argmax of the model's logits, as they come."""
+        return self.greedy and not self.processes_logits

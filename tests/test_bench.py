@@ -245,11 +245,35 @@ def test_variants_are_the_product_of_the_comparisons():
         ["--range-ratio", "2"],
         ["--n", "0"],
         ["--n", "2", "--compare-backends"],
+        ["--top-p", "0"],
+        ["--min-p", "1.5"],
+        ["--presence-penalty", "3"],
+        ["--temperature", "0.8", "--compare-backends"],
+        ["--temperature", "0.8", "--backend", "hf"],
     ],
 )
 def test_bad_flag_combinations_exit_with_usage(flags):
     with pytest.raises(SystemExit):
         bench_args(*flags)
+
+
+def test_a_bad_sampling_flag_is_named(capsys):
+    with pytest.raises(SystemExit):
+        bench_args("--top-p", "0")
+    assert "--top-p must be in (0, 1]" in capsys.readouterr().err
+
+
+def test_sampling_flags_reach_every_request():
+    flags = ["--temperature", "0.8", "--top-p", "0.95", "--top-k", "50", "--min-p", "0.05"]
+    flags += ["--presence-penalty", "0.5", "--frequency-penalty", "0.25"]
+    args = bench_args("--num-requests", "2", "--prompt-repeats", "2", *flags)
+    backend = ScriptedBackend()
+    sessions = build_workload(args, backend.tokenizer, backend.vocab_size)
+    run_workload(backend, sessions, [0.0, 0.0], args, "test")
+    for _, params in backend.requests:
+        assert (params.temperature, params.top_p, params.top_k) == (0.8, 0.95, 50)
+        assert params.min_p == 0.05
+        assert (params.presence_penalty, params.frequency_penalty) == (0.5, 0.25)
 
 
 def test_old_flag_names_parse(tmp_path):

@@ -51,6 +51,14 @@ def test_defaults_run_on_cpu_and_the_json_holds_every_metric(tmp_path, capsys):
     assert "ttft_ms p99" in capsys.readouterr().out
 
 
+def test_sampled_traffic_is_benchmarked_like_greedy(tmp_path):
+    flags = ["--num-requests", "8", "--max-new-tokens", "6", "--ignore-eos"]
+    sampled = ["--temperature", "0.8", "--top-p", "0.95", "--min-p", "0.05"]
+    sampled += ["--frequency-penalty", "0.5"]
+    (run,) = bench(tmp_path, *flags, *sampled)["runs"]
+    assert run["metrics"]["completion_tokens"] == 8 * 6
+
+
 def test_shared_prefix_hits_with_the_cache_and_never_without(tmp_path):
     result = bench(
         tmp_path,

@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kernels.sampling import gumbel_from_keys
 from radixinfer.engine.cuda_graphs import graph_batch_sizes
-from radixinfer.engine.sampler import SamplingBatch, sample, uniform_noise
+from radixinfer.engine.sampler import SamplingBatch, row_keys, sample
 from radixinfer.engine.step_buffers import pack_block_tables
 
 
@@ -21,12 +22,16 @@ def batch(rows: int, temperature=1.0, top_p=1.0, top_k=0, seeds=None, steps=None
     )
 
 
+def noise(seeds: list[int], steps: list[int], vocab: int) -> torch.Tensor:
+    return gumbel_from_keys(row_keys(torch.tensor(seeds), torch.tensor(steps)), vocab)
+
+
 def test_noise_is_a_pure_function_of_seed_step_and_column():
-    a = uniform_noise(torch.tensor([5, 6]), torch.tensor([0, 3]), 50)
-    b = uniform_noise(torch.tensor([6, 5]), torch.tensor([3, 0]), 50)
+    a = noise([5, 6], [0, 3], 50)
+    b = noise([6, 5], [3, 0], 50)
     assert torch.equal(a, b.flip(0))
-    assert 0.0 < a.min() and a.max() < 1.0
-    assert not torch.equal(a[0], uniform_noise(torch.tensor([5]), torch.tensor([1]), 50)[0])
+    assert torch.isfinite(a).all() and len(a[0].unique()) > 45
+    assert not torch.equal(a[0], noise([5], [1], 50)[0])
 
 
 def test_greedy_rows_take_the_argmax():
@@ -81,3 +86,8 @@ def test_graph_batch_sizes_cover_every_batch():
         sizes = graph_batch_sizes(max_batch)
         assert sizes == sorted(set(sizes)) and sizes[-1] == max_batch
         assert all(any(s >= b for s in sizes) for b in range(1, max_batch + 1))
+
+
+def test_a_vanishing_temperature_samples_the_argmax():
+    logits = torch.randn(8, 30) * 50
+    assert torch.equal(sample(logits, batch(8, temperature=1e-40, top_p=0.9)), logits.argmax(-1))

@@ -215,16 +215,24 @@ def test_models_and_a_wrong_model_name(client):
     "field, value",
     [
         ("echo", True),
-        ("presence_penalty", 0.5),
-        ("frequency_penalty", -1.0),
         ("best_of", 3),
-        ("logit_bias", {"1": 5}),
+        ("presence_penalty", 2.5),  # outside [-2, 2]
+        ("logit_bias", {"x": 5}),  # not a token id
+        ("logit_bias", {"1": 101}),  # outside [-100, 100]
+        ("min_tokens", 2),  # more than max_tokens
     ],
-)
+)  # unsupported fields, and invalid values of supported ones
 def test_fields_that_would_change_the_result_are_refused_by_name(server, field, value):
     body = {"model": MODEL, "prompt": "x", "max_tokens": 1, field: value}
     answer = httpx.post(f"{server.url}/v1/completions", json=body, headers=AUTH)
-    assert answer.status_code == 400 and answer.json()["error"]["message"].startswith(f"{field}:")
+    assert answer.status_code == 400 and answer.json()["error"]["message"].startswith(field)
+
+
+def test_logit_bias_and_penalties_reach_the_engine(server):
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    biased = {**body, "logit_bias": {str(ord("q")): 100}, "presence_penalty": 0.5, "min_p": 0.1}
+    answer = httpx.post(f"{server.url}/v1/completions", json=biased, headers=AUTH)
+    assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == "q" * 6
 
 
 def test_neutral_values_of_unsupported_fields_are_accepted(server):

@@ -83,6 +83,23 @@ def assert_serving_and_leak_free(llm: LLM) -> None:
         ({"logprobs": 1.0}, "logprobs"),
         ({"prompt_logprobs": -1}, "prompt_logprobs"),
         ({"prompt_logprobs": "2"}, "prompt_logprobs"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"presence_penalty": math.nan}, "presence_penalty"),
+        ({"frequency_penalty": -2.1}, "frequency_penalty"),
+        ({"frequency_penalty": "1"}, "frequency_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"repetition_penalty": math.inf}, "repetition_penalty"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 1.0}, "min_tokens"),
+        ({"min_tokens": 17}, "min_tokens"),  # more than max_tokens (16)
+        ({"logit_bias": [1, 2]}, "logit_bias"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+        ({"logit_bias": {"7": 1.0}}, "logit_bias"),
+        ({"logit_bias": {7: 101.0}}, "logit_bias"),
+        ({"logit_bias": {7: math.nan}}, "logit_bias"),
+        ({"logit_bias": {7: "1"}}, "logit_bias"),
     ],
 )
 def test_sampling_params_refuse_bad_values_naming_the_field(kwargs, field):
@@ -105,6 +122,9 @@ def test_sampling_params_normalise_what_they_accept():
     assert all(type(t) is int for t in p.stop_token_ids)
     assert SamplingParams(stop="x").stop == ("x",) and SamplingParams(stop=[]).stop is None
     assert SamplingParams(n=np.int64(3)).n == 3
+    q = SamplingParams(logit_bias={np.int64(3): np.float32(-1.5)}, min_p=np.float64(0.1))
+    assert q.logit_bias == {3: -1.5} and type(next(iter(q.logit_bias))) is int
+    assert type(q.min_p) is float
 
 
 # ------------------------------------------------------------------------------------ seeds

@@ -18,6 +18,7 @@ from radixinfer.bench.hf import BATCHING_MODES
 from radixinfer.bench.workloads import WORKLOADS, parse_repeats
 from radixinfer.engine.admission import POLICIES
 from radixinfer.engine_args import add_engine_arguments, check_engine_arguments
+from radixinfer.sampling_params import SamplingParams
 
 BACKENDS = ("radixinfer", "hf", "openai")
 
@@ -124,6 +125,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="left-truncate prompts longer than the model context instead of failing",
     )
 
+    add_sampling_arguments(parser)
+
     runs = parser.add_argument_group("runs and output")
     runs.add_argument(
         "--warmup-runs",
@@ -192,6 +195,45 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# flag -> (SamplingParams field, type, default): how every request of the bench samples
+SAMPLING_FLAGS = {
+    "--temperature": ("temperature", float, 0.0),
+    "--top-p": ("top_p", float, 1.0),
+    "--top-k": ("top_k", int, 0),
+    "--min-p": ("min_p", float, 0.0),
+    "--presence-penalty": ("presence_penalty", float, 0.0),
+    "--frequency-penalty": ("frequency_penalty", float, 0.0),
+    "--repetition-penalty": ("repetition_penalty", float, 1.0),
+}
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    """How every request samples (SamplingParams' fields of the same names; the default is greedy),
+    so sampled traffic is measured like greedy traffic."""
+    group = parser.add_argument_group("sampling (every request; default greedy)")
+    for flag, (field, kind, default) in SAMPLING_FLAGS.items():
+        group.add_argument(flag, dest=field, type=kind, default=default, help=f"[{default}]")
+
+
+def sampling_fields(args: argparse.Namespace) -> dict[str, float | int]:
+    """The bench's sampling flags as `SamplingParams` keyword arguments."""
+    return {field: getattr(args, field) for field, _, _ in SAMPLING_FLAGS.values()}
+
+
+def _check_sampling(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The sampling flags as `SamplingParams` checks them, the error naming the flag; and refused
+    with the transformers backend, which the bench runs greedily."""
+    fields = sampling_fields(args)
+    try:
+        SamplingParams(**fields)
+    except ValueError as exc:
+        field, _, rest = str(exc).partition(" ")
+        parser.error(f"--{field.replace('_', '-')} {rest}")
+    sampled = fields != {field: default for field, _, default in SAMPLING_FLAGS.values()}
+    if sampled and (args.backend == "hf" or args.compare_backends):
+        parser.error("the hf backend decodes greedily: sampling flags go with radixinfer or openai")
+
+
 def check_bench_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Cross-flag checks argparse cannot express; errors exit through ``parser.error``."""
     if args.submit_interval_ms is not None and not math.isinf(args.request_rate):
@@ -229,6 +271,7 @@ def check_bench_arguments(parser: argparse.ArgumentParser, args: argparse.Namesp
         parse_repeats(args.prompt_repeats)
     except ValueError as exc:
         parser.error(str(exc))
+    _check_sampling(parser, args)
     check_engine_arguments(parser, args)
     if args.json is not None:
         _check_writable(parser, "--json", Path(args.json))

@@ -37,6 +37,7 @@ from radixinfer.outputs import StreamDelta
 from radixinfer.sampling_params import SamplingParams
 
 DONE = b"[DONE]"  # the payload that ends a stream
+_DEFAULTS = SamplingParams()  # fields left at these are not sent
 
 
 class OpenAIBackend:
@@ -133,6 +134,9 @@ class OpenAIBackend:
         }
         if params.top_k:
             body["top_k"] = params.top_k
+        for field in ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            if getattr(params, field) != getattr(_DEFAULTS, field):
+                body[field] = getattr(params, field)
         if params.seed is not None:
             body["seed"] = params.seed
         ending: StreamDelta | None = None

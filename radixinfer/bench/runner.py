@@ -48,6 +48,7 @@ import torch
 from tqdm import tqdm
 
 from radixinfer.async_llm import StreamFailure
+from radixinfer.bench.args import sampling_fields
 from radixinfer.bench.backends import Backend, open_radixinfer
 from radixinfer.bench.hf import HFBackend, export_checkpoint
 from radixinfer.bench.metrics import (
@@ -107,7 +108,11 @@ def request_for(
     prompt = fit_to_context(prompt, max_context_len, args.truncate_prompts)
     max_tokens = min(session.max_tokens, max(1, max_context_len - len(prompt)))
     return prompt, SamplingParams(
-        max_tokens=max_tokens, ignore_eos=args.ignore_eos, detokenize=False, n=args.n
+        max_tokens=max_tokens,
+        ignore_eos=args.ignore_eos,
+        detokenize=False,
+        n=args.n,
+        **sampling_fields(args),
     )
 
 

@@ -32,7 +32,7 @@ class DecodeBatch:
     tables: list[list[int]]
     epoch: int
     left: np.ndarray  # [n] tokens each member may still sample
-    greedy: bool  # every member samples greedily
+    greedy: bool  # every member takes the argmax of its logits as they come
     ids_only: bool  # every member: no detokenization, no logprobs, one sample (`TokenBatch` rows)
     logprob_rows: list[int]  # members that ask for logprobs
     stop_ids: np.ndarray  # every member's stop token ids, pooled
@@ -52,7 +52,7 @@ class DecodeBatch:
             [seq.table for seq in seqs],
             epoch,
             left=np.fromiter((r.max_output_len - r.num_sampled for r in reqs), np.int64, count=n),
-            greedy=not any(r.params.temperature for r in reqs),
+            greedy=all(r.params.argmax_only for r in reqs),
             ids_only=all(
                 r.detokenizer is None and r.params.logprobs is None and len(r.group) == 1
                 for r in reqs

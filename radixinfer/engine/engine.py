@@ -36,7 +36,7 @@ from radixinfer.engine.pipeline import Launch, TokenPipeline, device_index
 from radixinfer.engine.prefill_plan import PrefillPass
 from radixinfer.engine.prompts import PromptChecker
 from radixinfer.engine.request import Request, Status
-from radixinfer.engine.sampler import sample_requests
+from radixinfer.engine.sampler import Sampler
 from radixinfer.engine.scheduler import Scheduler
 from radixinfer.outputs import EngineEvent, StreamDelta
 from radixinfer.sampling_params import SamplingParams
@@ -74,6 +74,7 @@ class LLMEngine:
         self.scheduler = Scheduler(cache, config, self.counters)
         self.pipeline = TokenPipeline()
         self.output = OutputProcessor(self.scheduler, tokenizer)
+        self.sampler = Sampler(self.vocab_size, runner.device)
 
     @property
     def waiting(self) -> deque[Request]:
@@ -230,7 +231,7 @@ class LLMEngine:
         ``scored_rows`` when some ask (taken before the sampler may change ``logits``)."""
         raw = raw_logprobs(logits, scored_rows) if scored_rows else None
         greedy = None if batch is None else batch.greedy
-        tokens = sample_requests(reqs, logits, greedy)
+        tokens = self.sampler.sample(reqs, logits, greedy)
         scores = None if raw is None else score_sampled(raw, reqs, tokens)
         departures = None if batch is None else self.scheduler.departures
         self.pipeline.launch(reqs, tokens, batch, departures, scores)

@@ -71,6 +71,9 @@ class RequestIntake:
             k = getattr(params, name)
             if k is not None and k > vocab:
                 raise ValueError(f"{name}: {k} is more than the vocabulary's {vocab} tokens")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            bad = max(params.logit_bias)
+            raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab})")
         prompt_len = len(prompt_array)
         total = min(prompt_len + params.max_tokens, self.max_context_len)
         blocks = -(-total // self.block_size) + 1  # +1: a copy-on-write of the boundary block

@@ -105,7 +105,8 @@ class OutputProcessor:
         if detokenizer is not None:
             text = detokenizer.add(token)
             req.text += text
-            if stop_strings is not None and text:
+            # stop strings, like stop tokens, count only once ``min_tokens`` are out (as in vLLM)
+            if stop_strings is not None and text and len(out) >= req.params.min_tokens:
                 found = stop_strings.find(req.text, len(text))
                 if found is not None:
                     req.stop_reason, kept = found

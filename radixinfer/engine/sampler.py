@@ -1,9 +1,12 @@
-"""Batched sampling on the device: greedy, temperature, top-k, top-p, with per-request seeds.
+"""Batched sampling on the device: greedy, temperature, min-p, top-k, top-p, with per-request seeds,
+after the requests' logits processing (`radixinfer.engine.logits_processing`).
 
 Randomness is counter-based: the noise for request ``r`` at its ``step``-th sampled token is a hash of
 ``(seed_r, step, vocab id)``, so a seeded request draws the same tokens whatever else shares its batch and
 whatever order the batch is in. Sampling from the filtered softmax uses the Gumbel-max trick
 (``argmax(logits / T + Gumbel noise)``), which is exact and needs no per-row loop or generator object.
+On CUDA one Triton kernel filters and draws without sorting the vocabulary (`kernels.sampling`); on
+the CPU its sorting PyTorch reference does the same.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import numpy as np
 import torch
 
 from kernels.argmax import argmax_ref, argmax_triton
+from kernels.sampling import sample_ref, sample_triton
+from radixinfer.engine.logits_processing import LogitsProcessor
 from radixinfer.models.layers import by_device
 
 if TYPE_CHECKING:
@@ -49,19 +54,8 @@ def row_keys(
     return _hash32((seeds & _MASK32) ^ _hash32((steps & _MASK32) ^ high))
 
 
-def noise_from_keys(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """``[num_rows, vocab_size]`` uniforms in (0, 1) from ``keys [num_rows]`` int64 (see `row_keys`)."""
-    cols = torch.arange(vocab_size, device=keys.device, dtype=torch.int64)
-    bits = _hash32(keys[:, None] ^ cols[None, :])  # [num_rows, vocab]
-    return (bits.to(torch.float64) + 0.5).div_(2.0**32).to(torch.float32)
-
-
-def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """``[num_rows, vocab_size]`` uniforms in (0, 1), a pure function of (seed, step, column)."""
-    return noise_from_keys(row_keys(seeds, steps), vocab_size)
-
-
 _EMPTY: dict[torch.device, torch.Tensor] = {}
+MIN_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
@@ -70,12 +64,12 @@ class SamplingBatch:
     greedy). The noise of row ``r`` depends on its request's seed and on how many tokens the request has
     sampled so far (its step), through ``keys[r] = row_keys(seed, step)``."""
 
-    temperature: torch.Tensor  # [num_rows] float32; 0 = greedy
-    top_p: torch.Tensor  # [num_rows] float32
+    inv_temperature: torch.Tensor  # [num_rows] float32: 1 / temperature; 0 = greedy
+    top_p: torch.Tensor  # [num_rows] float32; 1 = off
     top_k: torch.Tensor  # [num_rows] int64; 0 = off
+    min_p: torch.Tensor  # [num_rows] float32; 0 = off
     keys: torch.Tensor  # [num_rows] int64
     all_greedy: bool
-    any_filter: bool  # some row uses top-k or top-p
 
     @classmethod
     def greedy(cls, device: torch.device) -> SamplingBatch:
@@ -83,7 +77,7 @@ class SamplingBatch:
         empty = _EMPTY.get(device)
         if empty is None:
             empty = _EMPTY[device] = torch.empty(0, device=device)
-        return cls(empty, empty, empty, empty, True, False)
+        return cls(empty, empty, empty, empty, empty, True)
 
     @classmethod
     def build(
@@ -94,75 +88,72 @@ class SamplingBatch:
         seeds: list[int],
         steps: list[int],
         device: torch.device,
+        min_p: list[float] | None = None,
     ) -> SamplingBatch:
-        """Four per-row columns in one host array and one copy to the device (none for all-greedy). The noise
-        keys are hashed here, on a few hundred ints, instead of in ~20 tiny device kernels."""
+        """Five per-row columns in one host array and one copy to the device (none for all-greedy). The
+        noise keys are hashed here, on a few hundred ints, instead of in ~20 tiny device kernels."""
         if not any(temperature):
             return cls.greedy(device)
-        any_filter = (
-            any(top_k) or min(top_p) < 1.0
-        )  # top_k >= 0 and top_p <= 1 (SamplingParams validates)
         keys = row_keys(seed_bits(seeds), np.asarray(steps, dtype=np.int64))
-        # [4, rows] float64: holds every int < 2**53 exactly, so keys (< 2**32) and top-k survive the trip
-        host = torch.from_numpy(np.array([temperature, top_p, top_k, keys], dtype=np.float64))
+        temps = np.asarray(temperature, dtype=np.float64)
+        # 1 / max(T, 1e-5): a tinier temperature would scale logits to inf (then inf - inf = NaN)
+        inv_temperature = np.divide(
+            1.0, np.maximum(temps, MIN_TEMPERATURE), out=np.zeros_like(temps), where=temps > 0
+        )
+        min_p = [0.0] * len(temps) if min_p is None else min_p
+        # [5, rows] float64: holds every int < 2**53 exactly, so keys (< 2**32) and top-k survive the trip
+        host = torch.from_numpy(np.array([inv_temperature, top_p, min_p, top_k, keys], np.float64))
         if device.type == "cuda":
             host = host.pin_memory()
         columns = host.to(device, non_blocking=True)
-        floats, ints = columns[:2].float(), columns[2:].long()
-        return cls(floats[0], floats[1], ints[0], ints[1], False, any_filter)
-
-
-def _filter_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
-) -> torch.Tensor:
-    """Set logits outside each row's top-k / nucleus to -inf (rows with k=0, p=1 are unchanged)."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [rows, vocab]
-    ranks = torch.arange(logits.shape[-1], device=logits.device)[None, :]
-    k = torch.where(top_k > 0, top_k, logits.shape[-1])[:, None]
-    drop = ranks >= k
-    probs = sorted_logits.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs  # probability of strictly better tokens
-    drop |= mass_before >= top_p[:, None]  # keeps at least the best token
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+        floats, ints = columns[:3].float(), columns[3:].long()
+        return cls(floats[0], floats[1], ints[0], floats[2], ints[1], False)
 
 
 argmax = by_device(
     argmax_triton, argmax_ref
 )  # [rows, vocab] -> [rows] int64, the first index of each max
+sample_rows = by_device(sample_triton, sample_ref)  # see `kernels.sampling`
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """``logits [num_rows, vocab]`` (any float dtype; sampling happens in float32) -> sampled token ids
     ``[num_rows]`` int64 (on the device)."""
-    greedy_ids = argmax(logits)
     if batch.all_greedy:
-        return greedy_ids
-    temperature = batch.temperature.clamp(min=1e-5)[:, None]
-    scaled = logits.float() / temperature
-    if batch.any_filter:
-        scaled = _filter_top_k_top_p(scaled, batch.top_k, batch.top_p)
-    gumbel = -torch.log(-torch.log(noise_from_keys(batch.keys, logits.shape[-1])))
-    sampled_ids = argmax(scaled + gumbel)
-    return torch.where(batch.temperature > 0, sampled_ids, greedy_ids)
-
-
-def sample_requests(
-    reqs: Sequence[Request], logits: torch.Tensor, greedy: bool | None = None
-) -> torch.Tensor:
-    """Sampled token ids ``[len(reqs)]`` for ``logits`` ``[len(reqs), vocab]``, each row with its
-    request's parameters, seed and count of sampled tokens; on the device (no host sync).
-    ``greedy``: whether every request samples greedily, when the caller knows."""
-    if greedy is None:
-        greedy = not any(r.params.temperature for r in reqs)
-    if greedy:
-        return sample(logits, SamplingBatch.greedy(logits.device))
-    batch = SamplingBatch.build(
-        [r.params.temperature for r in reqs],
-        [r.params.top_p for r in reqs],
-        [r.params.top_k for r in reqs],
-        [r.seed for r in reqs],
-        [r.num_sampled for r in reqs],
-        logits.device,
+        return argmax(logits)
+    return sample_rows(
+        logits, batch.inv_temperature, batch.top_k, batch.top_p, batch.min_p, batch.keys
     )
-    return sample(logits, batch)
+
+
+class Sampler:
+    """Samples a step's tokens, one per request, each with its request's parameters, seed and count
+    of sampled tokens, on the device (no host sync); owns the device state of the requests' logits
+    processing (`LogitsProcessor`)."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.logits_processor = LogitsProcessor(vocab_size, device)
+
+    def sample(
+        self, reqs: Sequence[Request], logits: torch.Tensor, argmax_only: bool | None = None
+    ) -> torch.Tensor:
+        """Sampled token ids ``[len(reqs)]`` for ``logits [len(reqs), vocab]``. ``argmax_only``:
+        whether every request takes the argmax of its logits as they come, when the caller knows."""
+        if argmax_only is None:
+            argmax_only = all(r.params.argmax_only for r in reqs)
+        if argmax_only:
+            return argmax(logits)
+        logits, pending = self.logits_processor.process(reqs, logits)
+        params = [r.params for r in reqs]
+        batch = SamplingBatch.build(
+            [p.temperature for p in params],
+            [p.top_p for p in params],
+            [p.top_k for p in params],
+            [r.seed for r in reqs],
+            [r.num_sampled for r in reqs],
+            logits.device,
+            min_p=[p.min_p for p in params],
+        )
+        tokens = sample(logits, batch)
+        self.logits_processor.record(pending, tokens)
+        return tokens

@@ -1,15 +1,17 @@
 """The OpenAI request bodies the server accepts, and how one becomes a `SamplingParams`.
 
 Bodies are validated strictly (a string where a number belongs is a 422, not a coercion). Fields the
-engine cannot honour yet but that would change the result (``echo``, ``best_of``, penalties,
-...) are refused with a 400 naming the field instead of being ignored: `UNSUPPORTED`
-lists each with the value that leaves the result unchanged. Fields that change nothing (``user``)
-and fields unknown to OpenAI's API are ignored, as OpenAI-compatible servers do. ``ignore_eos``,
-``stop_token_ids`` and ``top_k`` are accepted as vLLM accepts them; ``cache_salt`` names the tenant
-whose cache a request may share, ``return_token_ids`` (vLLM's extra) adds each choice's token ids to
-the response. ``n``, ``stop`` (with vLLM's ``include_stop_str_in_output``) and log-probabilities
-(completions: ``logprobs`` = how many alternatives; chat: ``logprobs`` true and ``top_logprobs``)
-map onto `SamplingParams`; `completion_logprobs` and `chat_logprobs` shape the answer's.
+engine cannot honour yet but that would change the result (``echo``, ``best_of``, tools, ...) are
+refused with a 400 naming the field instead of being ignored: `UNSUPPORTED` lists each with the
+value that leaves the result unchanged. Fields that change nothing (``user``) and fields unknown to
+OpenAI's API are ignored, as OpenAI-compatible servers do. ``ignore_eos``, ``stop_token_ids``,
+``top_k``, ``min_p``, ``min_tokens`` and ``repetition_penalty`` are accepted as vLLM accepts them,
+with OpenAI's ``presence_penalty``, ``frequency_penalty`` and ``logit_bias``; ``cache_salt`` names
+the tenant whose cache a request may share, ``return_token_ids`` (vLLM's extra) adds each choice's
+token ids to the response. ``n``, ``stop`` (with vLLM's ``include_stop_str_in_output``) and log-
+probabilities (completions: ``logprobs`` = how many alternatives; chat: ``logprobs`` true and
+``top_logprobs``) map onto `SamplingParams`; `completion_logprobs` and `chat_logprobs` shape the
+answer's.
 """
 
 from __future__ import annotations
@@ -37,12 +39,6 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "best_of": _absent_or(1),
     "echo": _absent_or(False),
     "suffix": _absent_or(""),
-    "presence_penalty": _absent_or(0, 0.0),
-    "frequency_penalty": _absent_or(0, 0.0),
-    "repetition_penalty": _absent_or(1, 1.0),
-    "min_p": _absent_or(0, 0.0),
-    "min_tokens": _absent_or(0),
-    "logit_bias": lambda value: not value,
     "use_beam_search": _absent_or(False),
     "tools": lambda value: not value,
     "response_format": lambda value: value is None or value == {"type": "text"},
@@ -77,15 +73,15 @@ class SamplingRequest(BaseModel):
     n: int = Field(default=1, ge=1, le=_INT64)
     stop: str | list[str] | None = None
     include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM's extra
+    min_p: float = 0.0  # vLLM's extra
+    min_tokens: int = Field(default=0, ge=0, le=_INT64)  # vLLM's extra
+    logit_bias: dict[str, float] | None = None  # token id (a JSON key: a string) -> bias
     best_of: Any = None
     echo: Any = None
     suffix: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    repetition_penalty: Any = None
-    min_p: Any = None
-    min_tokens: Any = None
-    logit_bias: Any = None
     use_beam_search: Any = None
     tools: Any = None
     response_format: Any = None
@@ -168,7 +164,26 @@ def sampling_params(request: SamplingRequest, default_max_tokens: int) -> Sampli
         stop=request.stop,
         include_stop_str_in_output=request.include_stop_str_in_output,
         logprobs=request.num_logprobs,
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        repetition_penalty=request.repetition_penalty,
+        min_p=request.min_p,
+        min_tokens=request.min_tokens,
+        logit_bias=_token_biases(request.logit_bias),
     )
+
+
+def _token_biases(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's ``logit_bias`` (token ids as JSON keys, so strings) with integer ids; the engine
+    checks the ids against the vocabulary and the biases' range."""
+    if not logit_bias:
+        return None
+    biases = {}
+    for key, bias in logit_bias.items():
+        if not key.isdigit():
+            raise ValueError(f"logit_bias: a key must be a token id, got {key!r}")
+        biases[int(key)] = bias
+    return biases
 
 
 def _top(position: PositionLogprobs, k: int) -> list[tuple[int, Logprob]]:

@@ -1,0 +1,92 @@
+"""Repetition, presence and frequency penalties applied in place to chosen rows of a batch's logits,
+reading each row's token counts from rows of persistent count tensors.
+
+vLLM's semantics: a token seen in the prompt (``prompt_seen``) or the output (``output_counts > 0``)
+has a positive logit divided by the row's repetition penalty and a negative one multiplied by it;
+then ``frequency`` times its output count and ``presence`` once if it occurs in the output are
+subtracted. The arithmetic is float32; the result is stored in the logits' dtype.
+
+Performance: the Triton kernel reads each penalised row's logits, counts and prompt marks once and
+writes the logits once (no ``[rows, vocab]`` temporaries); the reference builds several.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 2048
+
+
+def penalize_ref(
+    logits: torch.Tensor,
+    positions: torch.Tensor,
+    count_rows: torch.Tensor,
+    prompt_seen: torch.Tensor,
+    output_counts: torch.Tensor,
+    repetition: torch.Tensor,
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+) -> None:
+    """Penalise rows ``positions [n]`` of ``logits [batch, vocab]`` in place, row ``positions[i]``
+    with counts row ``count_rows[i]`` of ``prompt_seen`` (bool) and ``output_counts`` (int32)
+    ``[rows, vocab]`` and penalties ``[n]`` float32."""
+    x = logits[positions].float()
+    counts = output_counts[count_rows]
+    in_output = counts > 0
+    rep = repetition[:, None]
+    penalised = torch.where(x > 0, x / rep, x * rep)
+    x = torch.where(prompt_seen[count_rows] | in_output, penalised, x)
+    x = x - frequency[:, None] * counts - presence[:, None] * in_output
+    logits[positions] = x.to(logits.dtype)
+
+
+@triton.jit
+def _penalize_kernel(
+    logits_ptr, stride_logits, positions_ptr, count_rows_ptr, seen_ptr, counts_ptr, stride_counts,
+    repetition_ptr, presence_ptr, frequency_ptr, vocab, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Program (i, block): columns ``[block * BLOCK, (block + 1) * BLOCK)`` of penalised row i."""
+    i = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    valid = cols < vocab
+    row = tl.load(positions_ptr + i).to(tl.int64)
+    count_row = tl.load(count_rows_ptr + i).to(tl.int64)
+    rep = tl.load(repetition_ptr + i)
+    presence = tl.load(presence_ptr + i)
+    frequency = tl.load(frequency_ptr + i)
+    ptrs = logits_ptr + row * stride_logits + cols
+    x = tl.load(ptrs, mask=valid, other=0.0)
+    xf = x.to(tl.float32)
+    counts = tl.load(counts_ptr + count_row * stride_counts + cols, mask=valid, other=0)
+    seen = tl.load(seen_ptr + count_row * stride_counts + cols, mask=valid, other=0) != 0
+    in_output = counts > 0
+    penalised = tl.where(xf > 0, xf / rep, xf * rep)
+    xf = tl.where(seen | in_output, penalised, xf)
+    xf = xf - frequency * counts.to(tl.float32) - tl.where(in_output, presence, 0.0)
+    tl.store(ptrs, xf.to(x.dtype), mask=valid)
+
+
+def penalize_triton(
+    logits: torch.Tensor,
+    positions: torch.Tensor,
+    count_rows: torch.Tensor,
+    prompt_seen: torch.Tensor,
+    output_counts: torch.Tensor,
+    repetition: torch.Tensor,
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+) -> None:
+    """Same function as `penalize_ref` (up to float32 division rounding), one launch; every tensor
+    contiguous."""
+    n = positions.shape[0]
+    vocab = logits.shape[1]
+    if n == 0:
+        return
+    block = min(BLOCK, triton.next_power_of_2(vocab))
+    _penalize_kernel[(n, triton.cdiv(vocab, block))](
+        logits, logits.stride(0), positions, count_rows, prompt_seen.view(torch.uint8),
+        output_counts, output_counts.stride(0), repetition, presence, frequency, vocab,
+        BLOCK=block, num_warps=8,
+    )  # fmt: skip

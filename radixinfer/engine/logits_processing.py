@@ -1,0 +1,192 @@
+"""Per-request logits processing before sampling: ``min_tokens``, ``logit_bias`` and the repetition,
+presence and frequency penalties (vLLM's semantics and order; `SamplingParams` documents them).
+
+Only the rows of requests that process their logits are touched, in one copy of the logits (their
+dtype; the penalties compute in float32); a batch without such rows returns its logits unchanged
+and pays nothing. The penalties read each request's token counts from
+`TokenCounts`, rows of a device tensor that grow by the sampled tokens every step (a scatter-add of
+the new tokens), never rebuilt from the host's lists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from kernels.penalties import penalize_ref, penalize_triton
+from radixinfer.models.layers import by_device
+
+if TYPE_CHECKING:
+    from radixinfer.cache.kv_manager import SeqKV
+    from radixinfer.engine.request import Request
+
+
+penalize = by_device(penalize_triton, penalize_ref)  # see `kernels.penalties`
+
+
+class TokenCounts:
+    """Device rows of token counts, one per penalised request while it holds KV: ``prompt_seen``
+    ``[rows, vocab]`` bool marks its prompt's tokens, ``output_counts`` ``[rows, vocab]`` int32
+    counts its sampled tokens, including those the host has not read back yet.
+
+    A request's row is valid while its sequence is the one the row was filled for: a request
+    preempted and admitted again gets a new sequence, and its row is refilled from its prompt and
+    the output the host holds (a preemption reads every token back first). Rows of requests that
+    left are reclaimed when a new row is needed and none is free; the tensors double when every row
+    is live.
+
+    Performance: filling a row is three launches per batch of new requests; each step adds the
+    sampled tokens with one scatter-add."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size, self.device = vocab_size, device
+        self.prompt_seen = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
+        self.output_counts = torch.zeros(0, vocab_size, dtype=torch.int32, device=device)
+        self._owners: dict[Request, tuple[int, SeqKV | None]] = {}
+        self._free: list[int] = []
+
+    def rows(self, reqs: Sequence[Request]) -> list[int]:
+        """Each request's row, filling the rows of requests that have none valid."""
+        fresh: list[tuple[int, Request]] = []
+        rows = []
+        for req in reqs:
+            owned = self._owners.get(req)
+            if owned is None or owned[1] is not req.seq:
+                row = owned[0] if owned is not None else self._allocate()
+                self._owners[req] = (row, req.seq)
+                fresh.append((row, req))
+            else:
+                row = owned[0]
+            rows.append(row)
+        if fresh:
+            self._fill(fresh)
+        return rows
+
+    def add(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Count ``tokens [n]`` (on the device) once each in ``rows [n]``."""
+        ones = torch.ones_like(tokens, dtype=torch.int32)
+        self.output_counts.index_put_((rows, tokens), ones, accumulate=True)
+
+    def _allocate(self) -> int:
+        if not self._free:
+            self._reclaim()
+        if not self._free:
+            self._grow()
+        return self._free.pop()
+
+    def _reclaim(self) -> None:
+        """Free the rows of requests that no longer hold KV (finished, aborted or preempted)."""
+        for req in [r for r, (_, seq) in self._owners.items() if r.seq is not seq]:
+            self._free.append(self._owners.pop(req)[0])
+
+    def _grow(self) -> None:
+        old = self.output_counts.shape[0]
+        new = max(16, 2 * old)
+        seen = torch.zeros(new, self.vocab_size, dtype=torch.bool, device=self.device)
+        counts = torch.zeros(new, self.vocab_size, dtype=torch.int32, device=self.device)
+        seen[:old], counts[:old] = self.prompt_seen, self.output_counts
+        self.prompt_seen, self.output_counts = seen, counts
+        self._free.extend(range(new - 1, old - 1, -1))
+
+    def _fill(self, fresh: list[tuple[int, Request]]) -> None:
+        """Set each fresh row to its request's prompt and the output the host holds."""
+        device = self.device
+        rows = _upload(torch.tensor([row for row, _ in fresh]), device)
+        self.prompt_seen.index_fill_(0, rows, False)
+        self.output_counts.index_fill_(0, rows, 0)
+        prompt_rows, prompt_ids = _row_id_pairs([(r, q.prompt_ids) for r, q in fresh], device)
+        self.prompt_seen[prompt_rows, prompt_ids] = True
+        if any(q.output_ids for _, q in fresh):
+            self.add(*_row_id_pairs([(r, q.output_ids) for r, q in fresh], device))
+
+
+def _upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` on ``device`` without waiting for the device: a pageable copy would synchronise the
+    stream (the host must never wait for the step it has just launched)."""
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def _row_id_pairs(
+    items: list[tuple[int, Sequence[int]]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rows, ids)`` int64 on ``device`` flattening each ``(row, ids)``: the row repeated once
+    per id (one copy to the device)."""
+    ids = [np.asarray(tokens, dtype=np.int64) for _, tokens in items]
+    rows = np.repeat(np.asarray([row for row, _ in items], dtype=np.int64), [len(t) for t in ids])
+    pairs = _upload(torch.from_numpy(np.stack([rows, np.concatenate(ids)])), device)
+    return pairs[0], pairs[1]
+
+
+class LogitsProcessor:
+    """Applies the requests' ``min_tokens``, ``logit_bias`` and penalties to a step's logits and
+    keeps the token counts the penalties read (`TokenCounts`)."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.counts = TokenCounts(vocab_size, device)
+
+    def process(
+        self, reqs: Sequence[Request], logits: torch.Tensor
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """``(logits, pending)``: the step's logits with every processing request's row processed
+        (``logits`` itself when no request processes its own, else a copy), and for `record` the
+        penalised rows' batch positions and count rows (None when no request is penalised)."""
+        if not any(r.params.processes_logits for r in reqs):
+            return logits, None
+        out = logits.clone()
+        self._bias_and_min_tokens(reqs, out)
+        penalised = [i for i, r in enumerate(reqs) if r.params.penalized]
+        if not penalised:
+            return out, None
+        pen_reqs = [reqs[i] for i in penalised]
+        # [5, n] float64 (row ids are exact in it), one copy to the device
+        host = torch.tensor(
+            [
+                penalised,
+                self.counts.rows(pen_reqs),
+                [r.params.repetition_penalty for r in pen_reqs],
+                [r.params.presence_penalty for r in pen_reqs],
+                [r.params.frequency_penalty for r in pen_reqs],
+            ],
+            dtype=torch.float64,
+        )
+        columns = _upload(host, logits.device)
+        positions, count_rows = columns[:2].long()
+        rep, presence, frequency = columns[2:].float()
+        penalize(
+            out, positions, count_rows, self.counts.prompt_seen, self.counts.output_counts,
+            rep, presence, frequency,
+        )  # fmt: skip
+        return out, (positions, count_rows)
+
+    def record(
+        self, pending: tuple[torch.Tensor, torch.Tensor] | None, tokens: torch.Tensor
+    ) -> None:
+        """Count the step's sampled ``tokens [batch]`` in the penalised requests' rows."""
+        if pending is not None:
+            positions, count_rows = pending
+            self.counts.add(count_rows, tokens[positions])
+
+    @staticmethod
+    def _bias_and_min_tokens(reqs: Sequence[Request], logits: torch.Tensor) -> None:
+        """Add each request's ``logit_bias`` to its row of ``logits``, then forbid its stop tokens
+        while it has sampled fewer than ``min_tokens``."""
+        device = logits.device
+        biased = [(i, r.params.logit_bias) for i, r in enumerate(reqs) if r.params.logit_bias]
+        if biased:
+            rows, ids = _row_id_pairs([(i, list(bias)) for i, bias in biased], device)
+            values = torch.tensor([v for _, bias in biased for v in bias.values()])
+            values = _upload(values, device).to(logits.dtype)
+            logits.index_put_((rows, ids), values, accumulate=True)
+        early = [
+            (i, sorted(r.stop_ids))
+            for i, r in enumerate(reqs)
+            if r.num_sampled < r.params.min_tokens
+        ]
+        if early:
+            rows, ids = _row_id_pairs(early, device)
+            logits[rows, ids] = float("-inf")

@@ -1,0 +1,217 @@
+"""Penalties, ``logit_bias`` and ``min_tokens``: each against a plain per-token reference on random
+logits and histories, the device token counts against the histories they count (across steps, a
+preemption and reused rows), and through the engine."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from kernels.penalties import penalize_ref, penalize_triton
+from radixinfer import LLM, SamplingParams
+from radixinfer.engine.logits_processing import LogitsProcessor
+from radixinfer.engine.request import Request
+from tests import _triton_env  # noqa: F401  (without CUDA, Triton runs interpreted)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+VOCAB = 50
+
+
+def penalised_by_hand(
+    logits: list[float], prompt: list[int], output: list[int], rep: float, pres: float, freq: float
+) -> list[float]:
+    """vLLM's penalties, one token at a time."""
+    out = []
+    for token, x in enumerate(logits):
+        if token in prompt or token in output:
+            x = x / rep if x > 0 else x * rep
+        count = output.count(token)
+        out.append(x - freq * count - (pres if count else 0.0))
+    return out
+
+
+@pytest.mark.parametrize("penalize", [penalize_ref, penalize_triton])
+def test_each_penalty_matches_the_per_token_reference(penalize):
+    """Rows 1, 3, 4, ... of a batch penalised in place with count rows in another order; the rows
+    not named stay as they were."""
+    rng = random.Random(0)
+    rows = 12
+    logits = torch.randn(rows + 3, VOCAB, generator=torch.Generator().manual_seed(0))
+    prompts = [[rng.randrange(VOCAB) for _ in range(rng.randrange(0, 30))] for _ in range(rows)]
+    outputs = [[rng.randrange(VOCAB) for _ in range(rng.randrange(0, 30))] for _ in range(rows)]
+    # one penalty at a time, then all three
+    settings = [(1.7, 0, 0), (1, 0.8, 0), (1, 0, 0.6), (0.5, -1.2, 1.5)] * 3
+    seen = torch.zeros(rows + 2, VOCAB, dtype=torch.bool)
+    counts = torch.zeros(rows + 2, VOCAB, dtype=torch.int32)
+    count_rows = [(5 * r + 2) % (rows + 2) for r in range(rows)]  # distinct
+    for r, c in enumerate(count_rows):
+        seen[c, prompts[r]] = True
+        for t in outputs[r]:
+            counts[c, t] += 1
+    positions = [r + 1 + (r > 1) for r in range(rows)]  # 1, 3, 4, ...
+    rep, pres, freq = (torch.tensor(c, dtype=torch.float32) for c in zip(*settings))
+    out = logits.clone().to(DEVICE)
+    penalize(
+        out, torch.tensor(positions, device=DEVICE), torch.tensor(count_rows, device=DEVICE),
+        seen.to(DEVICE), counts.to(DEVICE), rep.to(DEVICE), pres.to(DEVICE), freq.to(DEVICE),
+    )  # fmt: skip
+    out = out.cpu()
+    for r, p in enumerate(positions):
+        expected = penalised_by_hand(logits[p].tolist(), prompts[r], outputs[r], *settings[r])
+        assert out[p].tolist() == pytest.approx(expected, rel=1e-6, abs=1e-6)
+    untouched = [p for p in range(rows + 3) if p not in positions]
+    assert torch.equal(out[untouched], logits[untouched])
+
+
+def test_the_penalty_kernel_keeps_the_logits_dtype():
+    logits = torch.randn(4, VOCAB).to(torch.bfloat16).to(DEVICE)
+    args = [torch.tensor([0, 2], device=DEVICE), torch.tensor([1, 0], device=DEVICE)]
+    args += [
+        torch.rand(2, VOCAB, device=DEVICE) < 0.3,
+        torch.randint(0, 3, (2, VOCAB), device=DEVICE),
+    ]
+    args[-1] = args[-1].int()
+    args += [torch.tensor([1.3, 0.7], device=DEVICE)] * 3
+    out, ref = logits.clone(), logits.clone()
+    penalize_triton(out, *args)
+    penalize_ref(ref, *args)
+    assert out.dtype == torch.bfloat16
+    # float32 results rounded to bf16: at most one bf16 step (2**-7 relative) apart
+    assert torch.allclose(out.float(), ref.float(), rtol=2**-7, atol=0)
+    assert not torch.equal(out, logits)
+
+
+_arrivals = itertools.count()
+
+
+def request(prompt: list[int], **params) -> Request:
+    """A running request as the engine holds it (its sequence stands in for its KV)."""
+    return Request(
+        request_id=str(next(_arrivals)),
+        prompt_ids=np.asarray(prompt, dtype=np.int64),
+        params=SamplingParams(max_tokens=64, **params),
+        salt=None,
+        seed=0,
+        arrival_index=0,
+        detokenizer=None,
+        arrival_time=0.0,
+        seq=object(),
+        stop_ids=frozenset({3, 7}),
+    )
+
+
+def test_device_counts_follow_the_histories_across_steps_preemption_and_reused_rows():
+    """Random steps over a changing batch: each step's processed logits equal the reference built
+    from the requests' prompts and outputs, tokens still unread by the host included."""
+    rng = random.Random(1)
+    processor = LogitsProcessor(VOCAB, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(1)
+
+    def fresh() -> Request:
+        prompt = [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 20))]
+        penalties = dict(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.3)
+        return request(prompt, **rng.choice([penalties, {"min_p": 0.1}, {"temperature": 0.7}]))
+
+    live = [fresh() for _ in range(5)]
+    for _step in range(40):
+        logits = torch.randn(len(live), VOCAB, generator=gen)
+        processed, pending = processor.process(live, logits)
+        tokens = torch.randint(0, VOCAB, (len(live),), generator=gen)
+        processor.record(pending, tokens)
+        for r, req in enumerate(live):
+            p = req.params
+            expected = logits[r].tolist()
+            if p.penalized:
+                expected = penalised_by_hand(
+                    expected, req.prompt_ids.tolist(), req.output_ids,
+                    p.repetition_penalty, p.presence_penalty, p.frequency_penalty,
+                )  # fmt: skip
+            assert processed[r].tolist() == pytest.approx(expected, rel=1e-6, abs=1e-6)
+            req.output_ids.append(int(tokens[r]))
+            req.num_sampled += 1
+        event = rng.random()
+        if event < 0.2:  # finishes: its row is free for the next request
+            live.pop(rng.randrange(len(live))).seq = None
+            live.append(fresh())
+        elif event < 0.3:  # preempted and admitted again: a new sequence, the output so far kept
+            rng.choice(live).seq = object()
+    assert processor.counts.output_counts.shape[0] == 16  # rows were reused, never more than 16
+
+
+def test_logit_bias_and_min_tokens_rows():
+    processor = LogitsProcessor(VOCAB, torch.device("cpu"))
+    biased = request([1, 2], logit_bias={4: 5.0, 9: -100.0})
+    early = request([1, 2], min_tokens=2)
+    plain = request([1, 2], temperature=1.0)
+    logits = torch.randn(3, VOCAB)
+    out, pending = processor.process([biased, early, plain], logits)
+    assert pending is None
+    expected = logits[0].clone()
+    expected[4] += 5.0
+    expected[9] -= 100.0
+    assert torch.allclose(out[0], expected)
+    assert out[1, [3, 7]].tolist() == [float("-inf")] * 2  # the stop ids, EOS among them
+    assert torch.equal(out[1, [0, 1, 2, 4]], logits[1, [0, 1, 2, 4]])
+    assert torch.equal(out[2], logits[2])
+    early.num_sampled = 2
+    out, _ = processor.process([early], logits[1:2])
+    assert torch.equal(out[0], logits[1])  # min_tokens reached: stop tokens allowed again
+
+
+def test_batches_without_processing_are_returned_untouched():
+    processor = LogitsProcessor(VOCAB, torch.device("cpu"))
+    logits = torch.randn(2, VOCAB)
+    out, pending = processor.process([request([1]), request([2], temperature=0.5)], logits)
+    assert out is logits and pending is None
+
+
+# ------------------------------------------------------------------------------------ the engine
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM("tiny", block_size=4, num_blocks=128)
+
+
+def test_min_tokens_holds_back_stop_tokens(llm):
+    greedy = llm.generate(["stop early"], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    stop = greedy.token_ids[1]
+    params = SamplingParams(max_tokens=8, ignore_eos=True, stop_token_ids=[stop], min_tokens=4)
+    out = llm.generate(["stop early"], params)[0]
+    assert len(out.token_ids) >= 4 and stop not in out.token_ids[:3]
+
+
+def test_logit_bias_steers_greedy_decoding(llm):
+    params = SamplingParams(max_tokens=5, ignore_eos=True, logit_bias={65: 100.0})
+    assert llm.generate(["anything"], params)[0].token_ids == [65] * 5
+
+
+def test_logit_bias_past_the_vocabulary_is_refused(llm):
+    with pytest.raises(ValueError, match="^logit_bias"):
+        llm.generate(["x"], SamplingParams(logit_bias={10**6: 1.0}))
+    assert len(llm.generate(["still serving"], SamplingParams(max_tokens=2))[0].token_ids) == 2
+
+
+def test_frequency_penalty_breaks_greedy_repeats(llm):
+    """A greedy request that repeats itself stops repeating under a strong frequency penalty."""
+    plain = llm.generate(["aaaa"], SamplingParams(max_tokens=24, ignore_eos=True))[0].token_ids
+    assert len(set(plain)) < len(plain)  # the tiny model repeats itself
+    params = SamplingParams(max_tokens=24, ignore_eos=True, frequency_penalty=2.0)
+    penalised = llm.generate(["aaaa"], params)[0].token_ids
+    assert len(set(penalised)) > len(set(plain))
+
+
+def test_seeded_penalised_sampling_is_independent_of_batch_composition(llm):
+    params = SamplingParams(
+        max_tokens=8, temperature=0.8, min_p=0.05, top_p=0.95, seed=7, ignore_eos=True,
+        presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2, min_tokens=3,
+    )  # fmt: skip
+    greedy = SamplingParams(max_tokens=8, ignore_eos=True)
+    alone = llm.generate(["same prompt"], params)[0].token_ids
+    crowd = llm.generate(["other", "same prompt", "x y z"], [greedy, params, params])
+    assert crowd[1].token_ids == alone
+    stats = llm.cache_stats()
+    llm.reset_prefix_cache()
+    assert llm.cache_stats()["free_blocks"] == stats["total_blocks"]
