@@ -19,6 +19,7 @@ from radixinfer.cache.kv_manager import KVCacheManager
 from radixinfer.cache.kv_store import KVStore
 from radixinfer.engine.admission import AdmissionConfig
 from radixinfer.engine.engine import EngineConfig, LLMEngine
+from radixinfer.engine.host_kv import HostKVPool, host_blocks_for
 from radixinfer.engine.memory import (
     DeviceMemory,
     MemoryPlan,
@@ -93,8 +94,8 @@ class LLM:
     transformers ``PretrainedConfig`` (random weights). Engine options beyond the fixed signature
     (``prefill_max_batch_size``, ``prefill_max_tokens``, ``prefill_admission_policy``,
     ``prefill_admission_lookahead``, ``prefill_force_fifo_every``, ``chunked_prefill``, ``decode_first``,
-    ``gpu_memory_utilization``, ``max_model_len``, ``max_num_seqs``, ``freeze_gc``) are
-    keyword-only. ``max_batch_size`` caps the sequences decoded per step; ``max_num_seqs``
+    ``gpu_memory_utilization``, ``max_model_len``, ``max_num_seqs``, ``host_cache_gb``,
+    ``freeze_gc``) are keyword-only. ``max_batch_size`` caps the sequences decoded per step; ``max_num_seqs``
     (default: KV memory) caps the requests holding KV at once.
 
     Memory (`radixinfer.engine.memory`): on CUDA the engine may use ``gpu_memory_utilization`` of
@@ -104,6 +105,10 @@ class LLM:
     model's context) caps prompt plus output and the workspaces sized by it. A configuration that
     cannot fit raises ``ValueError`` saying what to lower. The plan is logged and kept in
     ``memory_plan``. On a CPU the pool is ``num_blocks`` or 256 MiB of blocks.
+
+    ``host_cache_gb`` > 0 (prefix cache on) puts a host-memory tier of that many GiB of KV blocks
+    (pinned on CUDA) under the KV pool: prefixes evicted from the pool are written back there and
+    loaded back when a prompt reuses them (`radixinfer.cache.host_tier`). 0 (the default): none.
 
     ``freeze_gc=True`` is for long-running front ends (a server, a benchmark): everything alive
     once the engine is built (torch, transformers, the model's modules, the graphs) lives as long
@@ -134,6 +139,7 @@ class LLM:
         gpu_memory_utilization: float = 0.9,
         max_model_len: int | None = None,
         max_num_seqs: int | None = None,
+        host_cache_gb: float = 0.0,
         freeze_gc: bool = False,
     ) -> None:
         # Checked here, under the names the caller used (the configs below name their own fields).
@@ -160,6 +166,10 @@ class LLM:
             checks.flag(name, value)
         checks.integer("seed", seed, 0, SEED_LIMIT)
         checks.optional_integer("num_blocks", num_blocks, 1)
+        if checks.real("host_cache_gb", host_cache_gb) < 0:
+            raise ValueError(f"host_cache_gb must be >= 0, got {host_cache_gb}")
+        if host_cache_gb and not enable_prefix_cache:
+            raise ValueError("host_cache_gb needs enable_prefix_cache=True (it holds cached prefixes)")
         admission = AdmissionConfig(
             policy=prefill_admission_policy,
             max_requests=max_batch_size
@@ -222,9 +232,16 @@ class LLM:
             )
         )
         logger.info("%s", self.memory_plan.summary())
-        cache = KVCacheManager(blocks, block_size, enable_prefix_cache)
+        host_kv = None
+        if host_cache_gb:
+            host_kv = HostKVPool(host_blocks_for(host_cache_gb, bytes_per_block), runner.kv.k)
+            logger.info("host KV tier: %d blocks (%.2f GiB)", host_kv.num_blocks, host_cache_gb)
+        host_blocks = host_kv.num_blocks if host_kv is not None else 0
+        cache = KVCacheManager(blocks, block_size, enable_prefix_cache, host_blocks)
         self.tokenizer = loaded.tokenizer
-        self.engine = LLMEngine(runner, cache, loaded.tokenizer, loaded.eos_token_ids, config)
+        self.engine = LLMEngine(
+            runner, cache, loaded.tokenizer, loaded.eos_token_ids, config, host_kv
+        )
         self._streams: dict[
             str, deque[StreamDelta]
         ] = {}  # open `stream` iterators' undelivered deltas
