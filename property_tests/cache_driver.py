@@ -11,11 +11,11 @@ slots, publishes paths, ends requests. Each step is checked against an independe
 * **KV content** (`kv_model.FakeKV`): every plan is checked before the subclass applies it: copies go only
   into blocks no other holder reads, writes only onto slots nobody reads (invariant 2). Reading back every
   live sequence and tree node checks invariant 4.
-* **Host tier** (machines with ``host_tier``; a pool of 0..8 host blocks, 0 = none): eviction writes tails
-  back to the host and admission loads them again, so published paths survive eviction as long as the host
-  has room. The queued transfers are applied to the fake stores right after the step that queued them;
-  every node then reads back its own path's KV from whichever tier holds it, after any number of round
-  trips, and both pools' refcounts equal their holders.
+* **Host tier** (machines with ``host_tier``; a pool of 0..8 host blocks, 0 = none): eviction writes
+  tails back to the host and admission loads them again, so published paths survive eviction as long
+  as the host has room. The queued transfers are applied to the fake stores right after the step
+  that queued them; every node then reads back its own path's KV from whichever tier holds it, after
+  any number of round trips, and both pools' refcounts equal their holders.
 """
 
 from __future__ import annotations
@@ -92,8 +92,8 @@ class CacheDriver(RuleBasedStateMachine):
         host_blocks=st.integers(0, 8),
     )
     def make_cache(self, block_size: int, capacity_tokens: int, host_blocks: int) -> None:
-        """Pools of 4..48 tokens: small enough that eviction and out-of-memory run all the time; host
-        pools of 0..8 blocks, small enough that the host tier evicts too."""
+        """Pools of 4..48 tokens: small enough that eviction and out-of-memory run all the time;
+        host pools of 0..8 blocks, small enough that the host tier evicts too."""
         self.mgr = KVCacheManager(
             num_blocks=-(-capacity_tokens // block_size),
             block_size=block_size,
@@ -163,16 +163,17 @@ class CacheDriver(RuleBasedStateMachine):
         self.history = [*self.history[-15:], list(tokens)]
 
     def _admit(self, prompt: list[int], salt: Hashable) -> Req:
-        """Match + lock; the match length (token-granular, salt-scoped) and payload must match the model.
-        With a host tier the host-resident part of the match is loaded back as far as GPU blocks can be
-        made free: the match covers at least what was GPU-resident, and all of it when nothing failed."""
+        """Match + lock; the match length (token-granular, salt-scoped) and payload must match the
+        model. With a host tier the host-resident part of the match is loaded back as far as GPU
+        blocks can be made free: the match covers at least what was GPU-resident, and all of it when
+        nothing failed."""
         want = longest_match(prompt, self.paths[salt])
         on_gpu = longest_match(prompt, tree_paths(self.mgr, gpu_only=True)[salt])
         loaded = self.mgr.host.counters.loaded_tokens if self.mgr.host is not None else 0
         seq = self.mgr.admit(prompt, salt)
         assert seq.num_kv == seq.num_cached
         if self.mgr.host is None:
-            assert seq.num_kv == want, f"matched {seq.num_kv} tokens, longest cached prefix is {want}"
+            assert seq.num_kv == want, f"matched {seq.num_kv}, longest cached prefix is {want}"
         else:
             assert on_gpu <= seq.num_kv <= want, f"matched {seq.num_kv}, cached {on_gpu}..{want}"
             assert seq.num_loaded == seq.num_kv - on_gpu
@@ -196,7 +197,8 @@ class CacheDriver(RuleBasedStateMachine):
         return req
 
     def _transfer(self) -> None:
-        """Run the host tier's queued copies on the fake stores (before the step's copies and writes)."""
+        """Run the host tier's queued copies on the fake stores (before the step's copies and
+        writes)."""
         self.kv.apply_transfers(self.mgr.take_transfers())
 
     def _reserve(

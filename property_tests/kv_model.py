@@ -9,9 +9,10 @@
   only land on a slot nobody reads (invariant 2).
 * **Cached paths.** Plain Python sets of token tuples per salt; the longest match is computed here, never by
   asking the tree.
-* **Host tier.** A second fake store, ``host``, for the host pool's slots. The cache's queued transfers
-  (`KVCacheManager.take_transfers`) are applied to the two stores in order, whole blocks at a time, as the
-  engine's copy engine does; a host-resident node reads its own positions from its host blocks.
+* **Host tier.** A second fake store, ``host``, for the host pool's slots. The cache's queued
+  transfers (`KVCacheManager.take_transfers`) are applied to the two stores in order, whole blocks
+  at a time, as the engine's copy engine does; a host-resident node reads its own positions from its
+  host blocks.
 """
 
 from __future__ import annotations
@@ -55,8 +56,8 @@ def add_path(paths: set[tuple[int, ...]], path: tuple[int, ...]) -> None:
 
 
 class FakeKV:
-    """``slot -> value`` for the GPU pool (``store``) and the host pool (``host``); block copies copy every
-    slot of the block, as the batched copy kernel and the copy engine do."""
+    """``slot -> value`` for the GPU pool (``store``) and the host pool (``host``); block copies
+    copy every slot of the block, as the batched copy kernel and the copy engine do."""
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
@@ -64,7 +65,10 @@ class FakeKV:
         self.host: dict[int, tuple] = {}
 
     def copy_blocks(
-        self, copies: Sequence[tuple[int, int]], src_store: dict | None = None, dst_store: dict | None = None
+        self,
+        copies: Sequence[tuple[int, int]],
+        src_store: dict | None = None,
+        dst_store: dict | None = None,
     ) -> None:
         """One batched launch: every source is read before any destination is written."""
         bs = self.block_size
@@ -76,7 +80,7 @@ class FakeKV:
                 dst_store[dst * bs + o] = value
 
     def apply_transfers(self, batches: Sequence[TransferBatch]) -> None:
-        """Run the host tier's transfer batches in order (offloads GPU -> host, loads host -> GPU)."""
+        """Run the host tier's transfer batches in order (offloads GPU to host, loads back)."""
         for batch in batches:
             assert len(set(batch.dst)) == len(batch.dst), f"two copies into one block: {batch}"
             src, dst = (self.store, self.host) if batch.offload else (self.host, self.store)
@@ -112,17 +116,19 @@ def readers(mgr: KVCacheManager, seqs: dict[int, tuple[SeqKV, int]]) -> dict[int
 
 
 def check_tree_reads_back(mgr: KVCacheManager, kv: FakeKV) -> None:
-    """Invariant 4, tree side: every GPU-resident node reading its path's blocks sees exactly its path's KV,
-    and every host-resident node's host blocks hold exactly the KV of its own positions (so whatever round
-    trips a block made between the tiers, it came back with its own path's KV)."""
+    """Invariant 4, tree side: every GPU-resident node reading its path's blocks sees exactly its
+    path's KV, and every host-resident node's host blocks hold exactly the KV of its own positions
+    (so whatever round trips a block made between the tiers, it came back with its own path's
+    KV)."""
     tree, bs = mgr.tree, mgr.block_size
     for salt, node in tree.nodes():
         path = tree.path_tokens(node).tolist()
         assert len(path) == node.end
         if node.host:
-            first = node.start // bs
-            got = [kv.host.get(slot_of(node.blocks, p - first * bs, bs)) for p in range(node.start, node.end)]
-            want = [kv_value(salt, path[: p + 1]) for p in range(node.start, node.end)]
+            shift = node.start // bs * bs  # a node's blocks start at its first position's block
+            own = range(node.start, node.end)
+            got = [kv.host.get(slot_of(node.blocks, p - shift, bs)) for p in own]
+            want = [kv_value(salt, path[: p + 1]) for p in own]
         else:
             got = kv.read(tree.path_blocks(node), node.end)
             want = [kv_value(salt, path[: p + 1]) for p in range(node.end)]

@@ -1,6 +1,7 @@
-"""Random request traffic through the whole engine (tiny model, CPU) in pools small enough that admission,
-eviction, chunked prefill and preemption fight over every block; half the engines have a host KV tier
-of 8 blocks under the pool, so eviction writes back, admission loads back, and both can fail.
+"""Random request traffic through the whole engine (tiny model, CPU) in pools small enough that
+admission, eviction, chunked prefill and preemption fight over every block; half the engines have a
+host KV tier of 8 blocks under the pool, so eviction writes back, admission loads back, and both can
+fail.
 
 Rules submit requests (prompts built from earlier prompts' prefixes, so partial hits, exact repeats and
 multi-turn continuations are common), abort them, and step the engine. After every rule:

@@ -93,10 +93,10 @@ class LLM:
     ``model`` is a preset name (``"tiny"``, ``"qwen2.5-0.5b"``, ...), a local HF checkpoint dir, or a
     transformers ``PretrainedConfig`` (random weights). Engine options beyond the fixed signature
     (``prefill_max_batch_size``, ``prefill_max_tokens``, ``prefill_admission_policy``,
-    ``prefill_admission_lookahead``, ``prefill_force_fifo_every``, ``chunked_prefill``, ``decode_first``,
-    ``gpu_memory_utilization``, ``max_model_len``, ``max_num_seqs``, ``host_cache_gb``,
-    ``freeze_gc``) are keyword-only. ``max_batch_size`` caps the sequences decoded per step; ``max_num_seqs``
-    (default: KV memory) caps the requests holding KV at once.
+    ``prefill_admission_lookahead``, ``prefill_force_fifo_every``, ``chunked_prefill``,
+    ``decode_first``, ``gpu_memory_utilization``, ``max_model_len``, ``max_num_seqs``,
+    ``host_cache_gb``, ``freeze_gc``) are keyword-only. ``max_batch_size`` caps the sequences
+    decoded per step; ``max_num_seqs`` (default: KV memory) caps the requests holding KV at once.
 
     Memory (`radixinfer.engine.memory`): on CUDA the engine may use ``gpu_memory_utilization`` of
     the whole GPU (vLLM's meaning; two engines in one process take a share each). Weights, the
@@ -169,7 +169,7 @@ class LLM:
         if checks.real("host_cache_gb", host_cache_gb) < 0:
             raise ValueError(f"host_cache_gb must be >= 0, got {host_cache_gb}")
         if host_cache_gb and not enable_prefix_cache:
-            raise ValueError("host_cache_gb needs enable_prefix_cache=True (it holds cached prefixes)")
+            raise ValueError("host_cache_gb needs enable_prefix_cache=True (it holds cached KV)")
         admission = AdmissionConfig(
             policy=prefill_admission_policy,
             max_requests=max_batch_size

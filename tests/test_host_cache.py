@@ -1,6 +1,7 @@
 """The host KV tier through the public API (CPU: the KV pool and the host pool are both in RAM, the
 engine's logic is the one a GPU runs): multi-turn chat whose history is many times the KV pool gives
-the same greedy tokens as the engine without a prefix cache, and its hits come from the host tier."""
+the same greedy tokens as the engine without a prefix cache, and its hits come from the host
+tier."""
 
 from __future__ import annotations
 
@@ -58,7 +59,8 @@ def test_multi_turn_history_many_times_the_pool_matches_no_cache_with_host_hits(
     before = tiered.cache_stats()
     assert _chat(tiered, conversations, turns, seed=1) == want
     stats, gpu_stats = tiered.cache_stats(), gpu_only.cache_stats()
-    delta = {k: stats[k] - before[k] for k in ("cached_tokens", "host_hit_tokens", "gpu_hit_tokens")}
+    keys = ("cached_tokens", "host_hit_tokens", "gpu_hit_tokens")
+    delta = {k: stats[k] - before[k] for k in keys}
     moved = {k: stats[k] - before[k] for k in ("loaded_tokens", "offloaded_tokens")}
     assert delta["host_hit_tokens"] > 0 and moved["loaded_tokens"] >= delta["host_hit_tokens"]
     assert moved["offloaded_tokens"] >= moved["loaded_tokens"]
@@ -74,8 +76,8 @@ def test_multi_turn_history_many_times_the_pool_matches_no_cache_with_host_hits(
 
 
 def test_a_host_tier_smaller_than_the_history_evicts_and_stays_exact():
-    """A host tier of 16 blocks keeps only the most recent evicted tails: it evicts on its own, drops
-    tails it cannot take, and every answer is still the no-cache engine's."""
+    """A host tier of 16 blocks keeps only the most recent evicted tails: it evicts on its own,
+    drops tails it cannot take, and every answer is still the no-cache engine's."""
     want = _chat(_llm(False, 0), 6, 3, seed=2)
     small = _llm(True, 16)
     small.reset_prefix_cache()

@@ -8,8 +8,8 @@ next block copy or forward (`radixinfer.engine.host_kv`). Torch-free: block ids 
 
 Ordering. A queued copy reads its source when it runs, not when it was queued, so the queue is run
 before anything else writes a block: a GPU block freed by an offload may be handed out at once, but
-the next write into it (a load, a copy-on-write, a forward) runs after the offload read it. Copies of
-one direction in a row form one batch; within a batch only two copies into one destination can
+the next write into it (a load, a copy-on-write, a forward) runs after the offload read it. Copies
+of one direction in a row form one batch; within a batch only two copies into one destination can
 conflict (the first went to a block freed and handed out again since), and the later one wins.
 """
 
@@ -23,7 +23,8 @@ from radixinfer.cache.block_pool import BlockPool
 @dataclass(frozen=True)
 class TransferBatch:
     """Block copies of one direction: ``src[i] -> dst[i]``, every layer, K and V. ``offload``: GPU
-    blocks to host blocks; otherwise host blocks to GPU blocks (a load). Destinations are distinct."""
+    blocks to host blocks; otherwise host blocks to GPU blocks (a load). Destinations are
+    distinct."""
 
     offload: bool
     src: list[int]

@@ -22,9 +22,10 @@ is `BlockPool.must_copy`)::
 Copies are returned to the caller, who performs all of a step's copies in one batched launch *before*
 the step's K/V writes.
 
-With a host tier (``host_blocks > 0``), eviction writes LRU tails back to host blocks and `admit` loads
-a match's host-resident part back into GPU blocks (`RadixTree.evict`, `RadixTree.load`). The copies
-between the tiers are queued: the caller runs `take_transfers` before the step's block copies.
+With a host tier (``host_blocks > 0``), eviction writes LRU tails back to host blocks and `admit`
+loads a match's host-resident part back into GPU blocks (`RadixTree.evict`, `RadixTree.load`). The
+copies between the tiers are queued: the caller runs `take_transfers` before the step's block
+copies.
 """
 
 from __future__ import annotations
@@ -67,9 +68,9 @@ class CacheCounters:
 class KVCacheManager:
     """Owns the block pool and the radix tree; hands out, shares and reclaims KV blocks for sequences.
 
-    With ``enable_prefix_cache=False`` nothing is matched or published: every sequence computes and owns
-    all of its blocks. ``host_blocks > 0`` (prefix cache on) puts a host tier of that many blocks under
-    the GPU pool (``host``; None without one).
+    With ``enable_prefix_cache=False`` nothing is matched or published: every sequence computes and
+    owns all of its blocks. ``host_blocks > 0`` (prefix cache on) puts a host tier of that many
+    blocks under the GPU pool (``host``; None without one).
     """
 
     num_blocks: int
@@ -109,8 +110,9 @@ class KVCacheManager:
         fallback for a request whose locked hit keeps it from fitting a pool it would fit alone.
 
         With a host tier, a match that goes on through host-resident nodes loads them into fresh GPU
-        blocks, top down, as far as GPU blocks can be made free (`ensure_free`); the match ends where
-        loading stopped, and the sequence computes the rest (``num_loaded``: tokens loaded)."""
+        blocks, top down, as far as GPU blocks can be made free (`ensure_free`); the match ends
+        where loading stopped, and the sequence computes the rest (``num_loaded``: tokens
+        loaded)."""
         if not (self.enable_prefix_cache and use_cache):
             return SeqKV(salt, [], 0, 0, None, None)
         tokens = as_token_array(tokens)
@@ -354,8 +356,8 @@ class KVCacheManager:
         return self.pool.num_free >= num_blocks
 
     def take_transfers(self) -> list[TransferBatch]:
-        """The host tier's queued block copies, in the order they must run (before the next block copy
-        or forward); empty without a host tier."""
+        """The host tier's queued block copies, in the order they must run (before the next block
+        copy or forward); empty without a host tier."""
         return self.host.take_transfers() if self.host is not None else []
 
     # ------------------------------------------------------------------ publishing

@@ -17,17 +17,19 @@ Each ``cache_salt`` has its own root, so requests with different salts never sha
 Unlocked leaves are kept in an ordered set by last access, so eviction trims the least recently used ones
 (from their tails, block by block) without scanning the tree.
 
-With a host tier (`HostTier`), a node lives in one of two tiers: GPU-resident (its ``blocks`` are GPU
-block ids) or host-resident (``host``: they are host block ids). Eviction writes a GPU node's tail back
-to host blocks and keeps it in the tree, host-resident; a match that reaches host-resident nodes loads
-them back (`load`). The GPU-resident nodes are closed under parents: a host-resident node's descendants
-are all host-resident, so every path is GPU-resident down to some depth, then host-resident::
+With a host tier (`HostTier`), a node lives in one of two tiers: GPU-resident (its ``blocks`` are
+GPU block ids) or host-resident (``host``: they are host block ids). Eviction writes a GPU node's
+tail back to host blocks and keeps it in the tree, host-resident; a match that reaches host-resident
+nodes loads them back (`load`). The GPU-resident nodes are closed under parents: a host-resident
+node's descendants are all host-resident, so every path is GPU-resident down to some depth, then
+host-resident::
 
     root -- [a b c d] GPU -- [e f g h] GPU -- [i j k l] host -- [m n] host
                                           +-- [x y] GPU
 
-GPU eviction takes unlocked GPU nodes none of whose children is GPU-resident (the GPU frontier), least
-recently used first; the host tier's own eviction trims unlocked host-resident leaves the same way.
+GPU eviction takes unlocked GPU nodes none of whose children is GPU-resident (the GPU frontier),
+least recently used first; the host tier's own eviction trims unlocked host-resident leaves the same
+way.
 """
 
 from __future__ import annotations
@@ -103,12 +105,12 @@ class Node:
 
 @dataclass(frozen=True)
 class MatchResult:
-    """The longest cached prefix of a query. ``blocks`` cover positions ``[0, length)``; they are valid only
-    while ``node`` (the deepest node the match reaches, possibly partially) is locked.
+    """The longest cached prefix of a query. ``blocks`` cover positions ``[0, length)``; they are
+    valid only while ``node`` (the deepest node the match reaches, possibly partially) is locked.
 
-    ``length``, ``blocks`` and ``node`` are the GPU-resident part of the match. When the match goes on
-    through host-resident nodes, ``host_node`` is the deepest of them it reaches (possibly partially)
-    and ``host_length`` the whole match's length; otherwise ``host_node`` is None."""
+    ``length``, ``blocks`` and ``node`` are the GPU-resident part of the match. When the match goes
+    on through host-resident nodes, ``host_node`` is the deepest of them it reaches (possibly
+    partially) and ``host_length`` the whole match's length; otherwise ``host_node`` is None."""
 
     length: int
     blocks: list[int]
@@ -154,7 +156,7 @@ class RadixTree:
         self._ids = itertools.count()
         self._clock = itertools.count(1)
         self._roots: dict[Hashable, Node] = {}
-        # Unlocked GPU-frontier nodes (GPU-resident, no GPU-resident child), and unlocked host leaves.
+        # Unlocked GPU-frontier nodes (GPU-resident, no GPU-resident child), unlocked host leaves.
         self._evictable = SortedKeyList(key=lambda n: (n.last_access, n.id))
         self._host_evictable = SortedKeyList(key=lambda n: (n.last_access, n.id))
         # Bumped by every change of what a walk finds (insert, split, evict, reset; not locks or LRU times):
@@ -169,8 +171,8 @@ class RadixTree:
         return self._walk(tokens, self._root(salt))
 
     def _walk(self, tokens: TokenArray, root: Node) -> MatchResult:
-        """Follow ``tokens`` from ``root``: the deepest node reached, the matched length and the blocks
-        covering it (then the host-resident part, if the match goes on into it).
+        """Follow ``tokens`` from ``root``: the deepest node reached, the matched length and the
+        blocks covering it (then the host-resident part, if the match goes on into it).
 
         Children are picked by their first token alone, then the keys along the picked path are compared
         with ``tokens`` in one vectorised comparison and the path is cut at the first mismatch (a per-edge
@@ -220,8 +222,9 @@ class RadixTree:
 
     # ------------------------------------------------------------------ locking
     def _lru_set(self, node: Node) -> SortedKeyList | None:
-        """The LRU set ``node`` is in while unlocked: the GPU one for a GPU-resident node none of whose
-        children is GPU-resident, the host one for a host-resident leaf; None for any other node."""
+        """The LRU set ``node`` is in while unlocked: the GPU one for a GPU-resident node none of
+        whose children is GPU-resident, the host one for a host-resident leaf; None for any other
+        node."""
         if node.host:
             return None if node.children else self._host_evictable
         if node.children and (self.host is None or any(not c.host for c in node.children.values())):
@@ -361,8 +364,8 @@ class RadixTree:
 
     # ------------------------------------------------------------------ tiers
     def _retier(self, node: Node, blocks: list[int], host: bool) -> None:
-        """Move ``node`` to the other tier, holding ``blocks`` there (their references are taken; the
-        caller drops those of the old ones). Its parent's LRU membership changes with it."""
+        """Move ``node`` to the other tier, holding ``blocks`` there (their references are taken;
+        the caller drops those of the old ones). Its parent's LRU membership changes with it."""
         self.version += 1
         pair = [n for n in (node.parent, node) if n.parent is not None and n.lock_count == 0]
         for n in pair:
@@ -381,7 +384,7 @@ class RadixTree:
         assert node.host and not node.parent.host, f"load of {node}, not the top of a host path"
         bs, fill = self.block_size, self.pool.fill
         for index, block in enumerate(gpu_blocks, start=node.start // bs):
-            fill[block] = min(bs, node.end - index * bs)  # the node's positions arrive with the copy
+            fill[block] = min(bs, node.end - index * bs)  # its positions arrive with the copy
         host_blocks = node.blocks
         self.host.queue(False, host_blocks, gpu_blocks)
         self._retier(node, gpu_blocks, host=False)
@@ -392,8 +395,8 @@ class RadixTree:
 
     def _promote(self, host_node: Node, pos: int, blocks: Sequence[int]) -> Node:
         """Make the host-resident path down to position ``pos`` of ``host_node`` GPU-resident in the
-        caller's ``blocks`` (a table that stores those positions): nothing is copied. Returns the node
-        ending at ``pos``."""
+        caller's ``blocks`` (a table that stores those positions): nothing is copied. Returns the
+        node ending at ``pos``."""
         end = self.split_at(host_node, pos)
         chain, node = [], end
         while node.host:
@@ -410,10 +413,10 @@ class RadixTree:
 
     def _offload_tail(self, node: Node, num_blocks: int, unwritten: dict[int, int]) -> int | None:
         """Write up to ``num_blocks`` blocks of the GPU-frontier ``node``'s tail back to host blocks
-        (making host room by the host tier's own eviction): the tail is split off at a block boundary
-        and becomes a host-resident node. Returns the GPU blocks freed, or None when nothing could be
-        written back (no host block to be had, or a block whose K/V the forward being planned has yet
-        to write, listed in ``unwritten``: block -> slots written)."""
+        (making host room by the host tier's own eviction): the tail is split off at a block
+        boundary and becomes a host-resident node. Returns the GPU blocks freed, or None when
+        nothing could be written back (no host block to be had, or a block whose K/V the forward
+        being planned has yet to write, listed in ``unwritten``: block -> slots written)."""
         bs, host_pool = self.block_size, self.host.pool
         count = min(num_blocks, len(node.blocks))
         if host_pool.num_free < count:
@@ -438,20 +441,22 @@ class RadixTree:
 
     # ------------------------------------------------------------------ eviction
     def evict(self, num_blocks: int, unwritten: dict[int, int] | None = None) -> int:
-        """Free up to ``num_blocks`` GPU blocks by trimming unlocked leaves from their tails, block by block,
-        least recently used leaf first. A leaf loses its last block and ends at that block's start, so the tree
-        keeps every position it does not have to give up; a leaf trimmed to nothing is removed, and a parent left
-        an unlocked leaf becomes evictable in turn. Returns the blocks freed (a block dropped by the tree is
-        freed only when no live sequence holds it too)::
+        """Free up to ``num_blocks`` GPU blocks by trimming unlocked leaves from their tails, block
+        by block, least recently used leaf first. A leaf loses its last block and ends at that
+        block's start, so the tree keeps every position it does not have to give up; a leaf trimmed
+        to nothing is removed, and a parent left an unlocked leaf becomes evictable in turn. Returns
+        the blocks freed (a block dropped by the tree is freed only when no live sequence holds it
+        too)::
 
             block_size 4, need 1 block:   leaf [4, 14) "e f g h | i j k l | m n"  blocks [B1, B2, B3]
                                    ->     leaf [4, 12) "e f g h | i j k l"        blocks [B1, B2]   (B3 freed)
 
-        With a host tier the leaves are the GPU frontier's nodes, and a tail is written back instead of
-        dropped (`_offload_tail`: as many blocks as are still needed, split off at a block boundary):
-        the positions stay in the tree, host-resident. A tail is dropped only when it cannot be written
-        back; its host-resident descendants go with it. ``unwritten``: blocks the forward being planned
-        writes -> slots written before it (such slots are not written back yet).
+        With a host tier the leaves are the GPU frontier's nodes, and a tail is written back instead
+        of dropped (`_offload_tail`: as many blocks as are still needed, split off at a block
+        boundary): the positions stay in the tree, host-resident. A tail is dropped only when it
+        cannot be written back; its host-resident descendants go with it. ``unwritten``: blocks the
+        forward being planned writes -> slots written before it (such slots are not written back
+        yet).
         """
         freed = 0
         evictable = self._evictable
@@ -469,8 +474,9 @@ class RadixTree:
         return freed
 
     def evict_host(self, num_blocks: int) -> int:
-        """Free up to ``num_blocks`` host blocks by trimming unlocked host-resident leaves from their
-        tails, least recently used first, as `evict` does on the GPU. Returns the host blocks freed."""
+        """Free up to ``num_blocks`` host blocks by trimming unlocked host-resident leaves from
+        their tails, least recently used first, as `evict` does on the GPU. Returns the host blocks
+        freed."""
         freed = 0
         evictable = self._host_evictable
         while freed < num_blocks and evictable:
@@ -482,7 +488,7 @@ class RadixTree:
         """Drop the last block of ``leaf`` (the first of ``lru``, a leaf of ``pool``'s tier), or the
         whole leaf when that is its only block. Returns the blocks freed."""
         self.version += 1
-        leaf.payload = None  # it belonged to the last position, which goes now (or the whole leaf does)
+        leaf.payload = None  # it belonged to the last position, which goes now (or the leaf does)
         bs = self.block_size
         last_index = (leaf.end - 1) // bs
         if last_index * bs > leaf.start:  # drop its last block: it keeps [start, last_index * bs)
@@ -559,8 +565,8 @@ class RadixTree:
         return np.concatenate(parts[::-1]) if parts else as_token_array(())
 
     def path_blocks(self, node: Node) -> list[int]:
-        """The block table a reader of ``node``'s whole path uses (deepest version of each block); the
-        path must be GPU-resident."""
+        """The block table a reader of ``node``'s whole path uses (deepest version of each block);
+        the path must be GPU-resident."""
         assert not node.host, f"GPU blocks of host-resident {node}"
         chain = []
         while node.parent is not None:
@@ -583,8 +589,8 @@ class RadixTree:
         return holders
 
     def check_integrity(self) -> None:
-        """Assert the tree's structural invariants (docs/invariants.md: 5, 8, 9 the tree's structure, and
-        13 the host tier's)."""
+        """Assert the tree's structural invariants (docs/invariants.md: 5, 8, 9 the tree's
+        structure, and 13 the host tier's)."""
         bs = self.block_size
         expected = {False: set(), True: set()}  # tier (host) -> ids of the nodes its LRU set holds
         for _, root in self._roots.items():
@@ -601,7 +607,7 @@ class RadixTree:
                 child_locks = sum(c.lock_count for c in node.children.values())
                 assert node.lock_count >= child_locks, f"{node} has fewer locks than its children"
                 assert self.host is not None or not node.host, f"{node} is host-resident"
-                assert not parent.host or node.host, f"GPU-resident {node} under a host-resident one"
+                assert not parent.host or node.host, f"GPU-resident {node} under a host one"
                 pool = self._pool_of(node)
                 for b in node.blocks:
                     assert pool.refcount[b] > 0, f"{node} holds free block {b}"

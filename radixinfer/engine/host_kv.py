@@ -1,13 +1,13 @@
 """The host tier's tensors: a host pool of KV blocks and the copies that run the cache's queued
 transfers (`KVCacheManager.take_transfers`) between it and the GPU's K and V tensors.
 
-Layout. The GPU tensors are ``[num_layers, num_blocks, block_size, num_kv_heads, head_dim]`` each (one
-block id indexes every layer), so one block is ``2 * num_layers`` separate pieces there. The host pool
-is block-major, ``[num_host_blocks, 2, num_layers, block_size, num_kv_heads, head_dim]``: a run of
-consecutive host blocks is one contiguous range, and one copy moves it across the bus. A batch of
-blocks is gathered on the GPU into a staging tensor of the host layout (one ``index_select`` per K and
-V) and copied out one run at a time, or copied in one run at a time and scattered (one
-``index_copy_`` per K and V), never one copy per block per layer.
+Layout. The GPU tensors are ``[num_layers, num_blocks, block_size, num_kv_heads, head_dim]`` each
+(one block id indexes every layer), so one block is ``2 * num_layers`` separate pieces there. The
+host pool is block-major, ``[num_host_blocks, 2, num_layers, block_size, num_kv_heads, head_dim]``:
+a run of consecutive host blocks is one contiguous range, and one copy moves it across the bus. A
+batch of blocks is gathered on the GPU into a staging tensor of the host layout (one
+``index_select`` per K and V) and copied out one run at a time, or copied in one run at a time and
+scattered (one ``index_copy_`` per K and V), never one copy per block per layer.
 
 Streams. On CUDA the host pool is pinned and the copies run on a side stream: it waits for the work
 queued before it (an offload reads what earlier forwards wrote), and the current stream waits for it
@@ -46,8 +46,8 @@ def _runs(ids: Sequence[int]) -> list[tuple[int, int, int]]:
 
 
 class HostKVPool:
-    """``num_blocks`` host KV blocks shaped like the blocks of ``k`` (and ``v``), and the copies between
-    them and ``k`` / ``v`` (`run`). Pinned when ``k`` is on CUDA."""
+    """``num_blocks`` host KV blocks shaped like the blocks of ``k`` (and ``v``), and the copies
+    between them and ``k`` / ``v`` (`run`). Pinned when ``k`` is on CUDA."""
 
     def __init__(self, num_blocks: int, k: torch.Tensor) -> None:
         if num_blocks < 1:
