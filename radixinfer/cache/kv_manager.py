@@ -102,8 +102,8 @@ class KVCacheManager:
         self, tokens: Sequence[int] | TokenArray, salt: Hashable = None, *, use_cache: bool = True
     ) -> SeqKV:
         """Match ``tokens`` and lock what the match reads; the sequence starts with the matched blocks (no
-        block of its own yet, so admission itself never fails). The caller then `reserve`s the positions to
-        compute.
+        block of its own yet, so admission itself never fails). The caller then `reserve`s the
+        positions to compute.
 
         A match that ends inside a node's edge splits the node there first, so the lock pins only the blocks
         of the matched positions: the rest of the edge stays evictable while the request waits for memory.
