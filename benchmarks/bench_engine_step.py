@@ -56,15 +56,16 @@ import torch
 from transformers import LlamaConfig
 
 import radixinfer.engine.engine as engine_module
-import radixinfer.engine.model_runner as runner_module
 import radixinfer.engine.sampler as sampler_module
+import radixinfer.engine.step_buffers as step_buffers_module
 from radixinfer.attention import get_backend
 from radixinfer.cache.kv_manager import KVCacheManager
-from radixinfer.cache.kv_store import KVStore
 from radixinfer.engine.admission import AdmissionConfig
 from radixinfer.engine.engine import EngineConfig, LLMEngine
-from radixinfer.engine.model_runner import BlockTableRows, ModelRunner
+from radixinfer.engine.kv_store import KVStore
+from radixinfer.engine.model_runner import ModelRunner
 from radixinfer.engine.sampler import SamplingBatch
+from radixinfer.engine.step_buffers import BlockTableRows
 from radixinfer.models.base import PagedCausalLM
 from radixinfer.sampling_params import SamplingParams
 from radixinfer.tokenizer import ByteTokenizer
@@ -343,7 +344,7 @@ def bench_admit(
         ("publish", engine.cache, "publish"),
         ("copy_blocks", engine.runner, "copy_blocks"),
         ("runner.prefill", engine.runner, "prefill"),
-        ("pack_block_tables (prefill)", runner_module, "pack_block_tables"),
+        ("pack_block_tables (prefill)", step_buffers_module, "pack_block_tables"),
         ("_sample", engine_module, "sample_requests"),
         ("_launch", engine.pipeline, "launch"),
     ]

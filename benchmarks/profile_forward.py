@@ -34,7 +34,7 @@ from collections import defaultdict
 import torch
 
 from radixinfer.attention import get_backend
-from radixinfer.cache.kv_store import KVStore
+from radixinfer.engine.kv_store import KVStore
 from radixinfer.engine.model_runner import ModelRunner
 from radixinfer.models import load_model
 
@@ -210,7 +210,7 @@ def profile_decode(
     # both variants replay on the same buffers: the plain one ignores the planned tiles
     graph_us = {
         variant: cuda_time_us(graph.replay, args.iters)
-        for (size, variant), (graph, _) in runner._graphs.items()
+        for (size, variant), (graph, _) in runner.graphs.decode.items()
         if size == n
     }
     per_kernel = kernel_times(lambda: runner._decode_forward(n, args.context, shared))

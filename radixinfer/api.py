@@ -16,10 +16,10 @@ from transformers import PretrainedConfig
 from radixinfer import checks
 from radixinfer.attention import get_backend
 from radixinfer.cache.kv_manager import KVCacheManager
-from radixinfer.cache.kv_store import KVStore
 from radixinfer.engine.admission import AdmissionConfig
 from radixinfer.engine.engine import EngineConfig, LLMEngine
 from radixinfer.engine.host_kv import HostKVPool, host_blocks_for
+from radixinfer.engine.kv_store import KVStore
 from radixinfer.engine.memory import (
     DeviceMemory,
     MemoryPlan,

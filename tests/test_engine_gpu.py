@@ -43,7 +43,7 @@ def test_triton_backend_greedy_matches_transformers_fp32(family, tmp_path):
         str(path), device="cuda", dtype="float32", block_size=16, num_blocks=256, max_batch_size=16
     )
     assert isinstance(llm.engine.runner.backend, TritonAttentionBackend)
-    assert llm.engine.runner._graphs, "decode should run through CUDA graphs on CUDA"
+    assert llm.engine.runner.graphs.decode, "decode should run through CUDA graphs on CUDA"
     prompts = burst(0) + burst(1)
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     for _ in range(2):  # the second burst runs on a warm cache (exact repeats, payload hits)
@@ -65,8 +65,8 @@ def test_shared_prefix_decode_matches_transformers_fp32(family, tmp_path):
     )
     planner = llm.engine.runner._planner
     tiles = []
-    plan = planner.plan
-    planner.plan = lambda *args: tiles.append(plan(*args)) or tiles[-1]
+    plan = planner.plan_shared_prefixes
+    planner.plan_shared_prefixes = lambda *args: tiles.append(plan(*args)) or tiles[-1]
     rng = random.Random(5)
     system = [rng.randrange(1, 300) for _ in range(200)]
     prompts = [

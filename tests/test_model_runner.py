@@ -12,9 +12,10 @@ import torch
 
 from radixinfer.attention import get_backend
 from radixinfer.attention.triton_backend import TritonAttentionBackend
-from radixinfer.cache.kv_store import KVStore
-from radixinfer.engine.model_runner import BlockTableRows, ModelRunner, pack_block_tables
+from radixinfer.engine.kv_store import KVStore
+from radixinfer.engine.model_runner import ModelRunner
 from radixinfer.engine.sampler import SamplingBatch, row_keys, seed_bits, uniform_noise
+from radixinfer.engine.step_buffers import BlockTableRows, pack_block_tables
 from radixinfer.models import load_model
 from tests import _triton_env  # noqa: I001  (first: without CUDA, Triton must start in interpreter mode)
 
@@ -154,7 +155,7 @@ def test_prefill_passes_equal_whole_prompt_logits_whatever_the_split(device):
         prefill_max_tokens=128,
         prefill_max_seqs=4,
     )
-    assert bool(runner._prefill_graphs) == (device == "cuda")
+    assert bool(runner.graphs.prefill) == (device == "cuda")
     reference = make_runner(device, num_blocks=32, use_cuda_graphs=False)
     rng = random.Random(5)
     lengths = [40, 23, 61, 7]
@@ -214,7 +215,7 @@ def test_each_forward_computes_from_its_own_inputs_while_the_gpu_runs_behind():
 
 def test_graphs_are_used_on_cuda_only():
     runner = make_runner("cpu")
-    assert not runner._graphs and not runner._prefill_graphs
+    assert not runner.graphs.decode and not runner.graphs.prefill
 
 
 @pytest.mark.parametrize("device", DEVICES)

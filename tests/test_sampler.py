@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from radixinfer.engine.model_runner import graph_batch_sizes, pack_block_tables
+from radixinfer.engine.cuda_graphs import graph_batch_sizes
 from radixinfer.engine.sampler import SamplingBatch, sample, uniform_noise
+from radixinfer.engine.step_buffers import pack_block_tables
 
 
 def batch(rows: int, temperature=1.0, top_p=1.0, top_k=0, seeds=None, steps=None) -> SamplingBatch:

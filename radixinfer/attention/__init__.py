@@ -1,9 +1,16 @@
 """Attention over the paged KV cache: per-forward metadata, the backend interface, and backends."""
 
-from radixinfer.attention.backend import AttentionBackend, ForwardContext
-from radixinfer.attention.metadata import AttentionMetadata
+from radixinfer.attention.backend import AttentionBackend, AttentionPlanner, ForwardContext
+from radixinfer.attention.metadata import AttentionMetadata, SharedPrefixTiles
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "ForwardContext", "get_backend"]
+__all__ = [
+    "AttentionBackend",
+    "AttentionMetadata",
+    "AttentionPlanner",
+    "ForwardContext",
+    "SharedPrefixTiles",
+    "get_backend",
+]
 
 
 def get_backend(device: str) -> AttentionBackend:

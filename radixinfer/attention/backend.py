@@ -1,24 +1,76 @@
-"""The attention backend interface and the per-forward context the model layers call into."""
+"""The attention backend interface, the planner of a backend's per-step work lists, and the
+per-forward context the model layers call into."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from radixinfer.attention.metadata import AttentionMetadata
+
+
+class AttentionPlanner(Protocol):
+    """Plans on the host what a backend's kernels read beside the block tables: the extend kernel's
+    work list (`AttentionMetadata.extend_work`) and decode's shared-prefix tiles
+    (`AttentionMetadata.shared_prefix`), written into arrays the runner owns and uploads with the rest
+    of a step's inputs.
+
+    Capacities are fixed when the runner is built (`extend_work_capacity`, `max_shared_prefix_tiles`)
+    and every plan fits them, so a CUDA graph captured at a capacity serves every step. A backend that
+    reads neither plans nothing: capacity 0, no tiles, every plan returns 0.
+    """
+
+    # sequences per shared-prefix tile (0: decode reads every prefix per sequence)
+    seqs_per_tile: int
+    # positions: sequences sharing fewer than this are never tiled (the worst-case decode step the
+    # runner profiles shares twice this)
+    min_shared_len: int
+
+    def extend_work_capacity(self, max_tokens: int, max_seqs: int) -> int:
+        """Work items the largest prefill pass of ``max_tokens`` over ``max_seqs`` sequences needs."""
+        ...
+
+    def plan_extend_work(
+        self,
+        query_lens: np.ndarray,  # [num_seqs] new tokens per sequence
+        context_lens: np.ndarray,  # [num_seqs] positions per sequence, new tokens included
+        work: np.ndarray,  # out: [2, capacity] int32
+    ) -> int:
+        """Fill ``work`` for a prefill pass (items past the plan idle); returns the items planned."""
+        ...
+
+    def max_shared_prefix_tiles(self, num_seqs: int) -> int:
+        """The most tiles `plan_shared_prefixes` lays out for ``num_seqs`` sequences (the grid a
+        captured graph reads; 0: never any)."""
+        ...
+
+    def plan_shared_prefixes(
+        self,
+        tables: np.ndarray,  # [>= n, width] int32 block tables, rows 0..n-1 are the batch
+        context_lens: np.ndarray,  # [n]
+        tile_seqs: np.ndarray,  # out: [max_shared_prefix_tiles(n) or more, seqs_per_tile] int32
+        tile_lens: np.ndarray,  # out: [the same number of tiles] int32
+        kv_starts: np.ndarray,  # out: [n] int32
+    ) -> int:
+        """Fill the tile arrays for a decode batch; returns the tiles used (0: decode reads every
+        prefix per sequence this step)."""
+        ...
 
 
 class AttentionBackend(Protocol):
     """Stores new K/V into paged slots and computes attention of the new tokens over the cache.
 
     ``k_cache``/``v_cache`` are one layer's pages: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
-    ``reads_shared_prefixes_once``: whether `attend` uses ``meta.shared_prefix`` (else the runner need not
-    plan it).
+    `planner` gives the host-side planner of the metadata this backend's `attend` reads beyond the
+    block tables, for one model's head layout; the runner asks it every step.
     """
 
-    reads_shared_prefixes_once: bool
+    def planner(
+        self, block_size: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype
+    ) -> AttentionPlanner: ...
 
     def store_kv(
         self,

@@ -15,16 +15,71 @@ above 1 (it only picks the extend kernel over the decode one).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from kernels.paged_attention import paged_attention_triton
+from kernels.paged_attention import (
+    extend_block_m,
+    paged_attention_triton,
+    plan_extend_work,
+    shared_prefix_seqs_per_tile,
+)
 from kernels.store_kv import store_kv_triton
 from radixinfer.attention.metadata import AttentionMetadata
+from radixinfer.attention.shared_prefix import MIN_SHARED_LEN, SharedPrefixPlanner
+
+
+class TritonAttentionPlanner:
+    """The Triton kernels' host-side plans for one model's head layout and dtype (see
+    `AttentionPlanner`): the extend kernel's work list, one item per ``BLOCK_M`` query rows of a
+    sequence (`plan_extend_work`), and decode's shared-prefix tiles (`SharedPrefixPlanner`; none when
+    one KV head's query heads alone fill a tile)."""
+
+    def __init__(self, block_size: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype):
+        self._block_m = extend_block_m(dtype)
+        seqs_per_tile = shared_prefix_seqs_per_tile(num_heads, num_kv_heads, dtype)
+        self.seqs_per_tile = seqs_per_tile if seqs_per_tile >= 2 else 0
+        self.min_shared_len = MIN_SHARED_LEN
+        self._tiles = (
+            SharedPrefixPlanner(block_size, seqs_per_tile, MIN_SHARED_LEN)
+            if self.seqs_per_tile
+            else None
+        )
+
+    def extend_work_capacity(self, max_tokens: int, max_seqs: int) -> int:
+        return -(-max_tokens // self._block_m) + max_seqs
+
+    def plan_extend_work(
+        self, query_lens: np.ndarray, context_lens: np.ndarray, work: np.ndarray
+    ) -> int:
+        return plan_extend_work(query_lens, context_lens, self._block_m, work)
+
+    def max_shared_prefix_tiles(self, num_seqs: int) -> int:
+        return self._tiles.max_tiles(num_seqs) if self._tiles is not None else 0
+
+    def plan_shared_prefixes(
+        self,
+        tables: np.ndarray,
+        context_lens: np.ndarray,
+        tile_seqs: np.ndarray,
+        tile_lens: np.ndarray,
+        kv_starts: np.ndarray,
+    ) -> int:
+        if self._tiles is None:
+            return 0
+        return self._tiles.plan(tables, context_lens, tile_seqs, tile_lens, kv_starts)
 
 
 class TritonAttentionBackend:
+    """Stores K/V and attends with the Triton kernels of `kernels/`; reads the planned extend work
+    list and shared-prefix tiles."""
+
     name = "triton"
-    reads_shared_prefixes_once = True  # honours AttentionMetadata.shared_prefix
+
+    def planner(
+        self, block_size: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype
+    ) -> TritonAttentionPlanner:
+        return TritonAttentionPlanner(block_size, num_heads, num_kv_heads, dtype)
 
     def store_kv(self, k_cache, v_cache, k, v, slot_mapping) -> None:
         store_kv_triton(k_cache, v_cache, k, v, slot_mapping)
