@@ -11,6 +11,11 @@ slots, publishes paths, ends requests. Each step is checked against an independe
 * **KV content** (`kv_model.FakeKV`): every plan is checked before the subclass applies it: copies go only
   into blocks no other holder reads, writes only onto slots nobody reads (invariant 2). Reading back every
   live sequence and tree node checks invariant 4.
+* **Host tier** (machines with ``host_tier``; a pool of 0..8 host blocks, 0 = none): eviction writes
+  tails back to the host and admission loads them again, so published paths survive eviction as long
+  as the host has room. The queued transfers are applied to the fake stores right after the step
+  that queued them; every node then reads back its own path's KV from whichever tier holds it, after
+  any number of round trips, and both pools' refcounts equal their holders.
 """
 
 from __future__ import annotations
@@ -71,6 +76,8 @@ class Write:
 
 
 class CacheDriver(RuleBasedStateMachine):
+    host_tier = True  # whether `make_cache` may put a host tier under the pool
+
     def __init__(self) -> None:
         super().__init__()
         self.live: dict[int, Req] = {}
@@ -79,11 +86,18 @@ class CacheDriver(RuleBasedStateMachine):
         self.payloads: dict[tuple[Hashable, tuple[int, ...]], tuple] = {}
         self.history: list[list[int]] = []  # recent prompts and finished requests' tokens
 
-    @initialize(block_size=st.integers(1, 8), capacity_tokens=st.integers(4, 48))
-    def make_cache(self, block_size: int, capacity_tokens: int) -> None:
-        """Pools of 4..48 tokens: small enough that eviction and out-of-memory run all the time."""
+    @initialize(
+        block_size=st.integers(1, 8),
+        capacity_tokens=st.integers(4, 48),
+        host_blocks=st.integers(0, 8),
+    )
+    def make_cache(self, block_size: int, capacity_tokens: int, host_blocks: int) -> None:
+        """Pools of 4..48 tokens: small enough that eviction and out-of-memory run all the time;
+        host pools of 0..8 blocks, small enough that the host tier evicts too."""
         self.mgr = KVCacheManager(
-            num_blocks=-(-capacity_tokens // block_size), block_size=block_size
+            num_blocks=-(-capacity_tokens // block_size),
+            block_size=block_size,
+            host_blocks=host_blocks if self.host_tier else 0,
         )
         self.bs = block_size
         self.kv = FakeKV(block_size)
@@ -98,6 +112,8 @@ class CacheDriver(RuleBasedStateMachine):
     def integrity(self) -> None:
         self.mgr.check_integrity([r.seq for r in self.live.values()])
         check_holders(self.mgr, {rid: (r.salt, r.seq) for rid, r in self.live.items()})
+        for req in self.live.values():
+            assert req.seq.node is None or not req.seq.node.host, "a locked node is host-resident"
 
     @invariant()
     def kv_reads_back(self) -> None:
@@ -147,18 +163,43 @@ class CacheDriver(RuleBasedStateMachine):
         self.history = [*self.history[-15:], list(tokens)]
 
     def _admit(self, prompt: list[int], salt: Hashable) -> Req:
-        """Match + lock; the match length (token-granular, salt-scoped) and payload must match the model."""
+        """Match + lock; the match length (token-granular, salt-scoped) and payload must match the
+        model. With a host tier the host-resident part of the match is loaded back as far as GPU
+        blocks can be made free: the match covers at least what was GPU-resident, and all of it when
+        nothing failed."""
         want = longest_match(prompt, self.paths[salt])
+        on_gpu = longest_match(prompt, tree_paths(self.mgr, gpu_only=True)[salt])
+        loaded = self.mgr.host.counters.loaded_tokens if self.mgr.host is not None else 0
         seq = self.mgr.admit(prompt, salt)
-        assert seq.num_kv == seq.num_cached == want, (
-            f"matched {seq.num_kv} tokens, longest cached prefix is {want}"
+        assert seq.num_kv == seq.num_cached
+        if self.mgr.host is None:
+            assert seq.num_kv == want, f"matched {seq.num_kv}, longest cached prefix is {want}"
+        else:
+            assert on_gpu <= seq.num_kv <= want, f"matched {seq.num_kv}, cached {on_gpu}..{want}"
+            assert seq.num_loaded == seq.num_kv - on_gpu
+            assert self.mgr.host.counters.loaded_tokens - loaded >= seq.num_loaded
+            event(
+                "admit: loaded from the host"
+                if seq.num_loaded
+                else "admit: load fell back"
+                if seq.num_kv < want
+                else "admit: GPU hit or miss"
+            )
+            self._transfer()
+        want_payload = (
+            self.payloads.get((salt, tuple(prompt))) if seq.num_kv == len(prompt) else None
         )
-        want_payload = self.payloads.get((salt, tuple(prompt))) if want == len(prompt) else None
         assert seq.payload == want_payload
-        req = Req(next(self.rids), seq, salt, prompt[:want], want)
+        req = Req(next(self.rids), seq, salt, prompt[: seq.num_kv], seq.num_kv)
         self.live[req.rid] = req
         self._remember(prompt)
+        self._sync_after_eviction()
         return req
+
+    def _transfer(self) -> None:
+        """Run the host tier's queued copies on the fake stores (before the step's copies and
+        writes)."""
+        self.kv.apply_transfers(self.mgr.take_transfers())
 
     def _reserve(
         self, reqs: list[Req], new_tokens: list[list[int]], lanes: bool = False
@@ -185,6 +226,7 @@ class CacheDriver(RuleBasedStateMachine):
                 assert decode_lanes.last_block.tolist() == [s.table[-1] for s in seqs]
         else:
             plan = self.mgr.reserve(seqs, [s.num_kv + len(t) for s, t in zip(seqs, new_tokens)])
+        self._transfer()  # what the eviction wrote back is read now, before any later write
         self._sync_after_eviction()
         if plan is None:
             event("reserve: out of memory")
@@ -269,6 +311,16 @@ class CacheDriver(RuleBasedStateMachine):
         assert self.mgr.num_free_blocks == free + freed
         assert self.mgr.tree.counters.evicted_blocks == evicted + freed
         assert freed >= num_blocks or self.mgr.tree.num_evictable_leaves == 0
+        self._transfer()
+        self._sync_after_eviction()
+
+    def _evict_host(self, num_blocks: int) -> None:
+        host = self.mgr.host.pool
+        free = host.num_free
+        freed = self.mgr.tree.evict_host(num_blocks)
+        event(f"host evict: freed {'some' if freed else 'nothing'}")
+        assert host.num_free == free + freed
+        assert freed >= num_blocks or self.mgr.tree.num_host_evictable_leaves == 0
         self._sync_after_eviction()
 
     def _can_reset(self) -> bool:
@@ -281,6 +333,8 @@ class CacheDriver(RuleBasedStateMachine):
         event("reset")
         self.mgr.reset()
         assert self.mgr.num_free_blocks == self.mgr.num_blocks
+        if self.mgr.host is not None:
+            assert self.mgr.host.pool.num_free == self.mgr.host.num_blocks
         assert self.mgr.tree.nodes() == []
         self.paths.clear()
         self.payloads.clear()
@@ -299,6 +353,7 @@ class CacheDriver(RuleBasedStateMachine):
                 assert len(self.mgr.tree.path_tokens(node)) == node.end, (
                     f"locked {node} was detached"
                 )
+                assert not node.host, f"locked {node} was written back to the host"
         for salt, paths in self.paths.items():
             for path in tree[salt]:
                 assert longest_match(path, paths) == len(path), f"tree holds unpublished {path}"

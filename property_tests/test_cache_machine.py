@@ -106,7 +106,14 @@ class CacheMachine(CacheDriver):
 
     @rule(num_blocks=st.integers(1, 6))
     def evict(self, num_blocks: int) -> None:
+        """GPU eviction: with a host tier, LRU tails are written back to the host (offload)."""
         self._evict(num_blocks)
+
+    @precondition(lambda self: self.mgr.host is not None)
+    @rule(num_blocks=st.integers(1, 4))
+    def evict_host(self, num_blocks: int) -> None:
+        """The host tier's own eviction: host-resident LRU leaves are dropped from their tails."""
+        self._evict_host(num_blocks)
 
     @precondition(lambda self: self._can_reset())
     @rule()

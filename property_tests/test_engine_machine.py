@@ -1,5 +1,7 @@
-"""Random request traffic through the whole engine (tiny model, CPU) in pools small enough that admission,
-eviction, chunked prefill and preemption fight over every block.
+"""Random request traffic through the whole engine (tiny model, CPU) in pools small enough that
+admission, eviction, chunked prefill and preemption fight over every block; half the engines have a
+host KV tier of 8 blocks under the pool, so eviction writes back, admission loads back, and both can
+fail.
 
 Rules submit requests (prompts built from earlier prompts' prefixes, so partial hits, exact repeats and
 multi-turn continuations are common), abort them, and step the engine. After every rule:
@@ -33,8 +35,10 @@ MAX_NEW = 6
 
 
 @functools.cache
-def _llm(block_size: int, num_blocks: int, prefill_max_tokens: int) -> LLM:
-    """Engines are reused across examples (a fresh one costs a model load); `setup` resets them."""
+def _llm(block_size: int, num_blocks: int, prefill_max_tokens: int, host_blocks: int) -> LLM:
+    """Engines are reused across examples (a fresh one costs a model load); `setup` resets them.
+    ``host_blocks``: the size of the host KV tier under the pool, in blocks (0: none)."""
+    block_bytes = LLM("tiny", block_size=block_size, num_blocks=1).memory_plan.bytes_per_block
     return LLM(
         "tiny",
         block_size=block_size,
@@ -42,16 +46,20 @@ def _llm(block_size: int, num_blocks: int, prefill_max_tokens: int) -> LLM:
         max_batch_size=4,
         prefill_max_tokens=prefill_max_tokens,
         prefill_max_batch_size=3,
+        host_cache_gb=host_blocks * block_bytes / (1 << 30),
     )
 
 
 class EngineMachine(RuleBasedStateMachine):
     @initialize(
-        block_size=st.sampled_from([2, 4]), spare=st.integers(0, 4), budget=st.sampled_from([8, 64])
+        block_size=st.sampled_from([2, 4]),
+        spare=st.integers(0, 4),
+        budget=st.sampled_from([8, 64]),
+        host_blocks=st.sampled_from([0, 8]),
     )
-    def setup(self, block_size: int, spare: int, budget: int) -> None:
+    def setup(self, block_size: int, spare: int, budget: int, host_blocks: int) -> None:
         need = -(-(MAX_PROMPT + MAX_NEW) // block_size) + 1
-        self.llm = _llm(block_size, need + spare, budget)
+        self.llm = _llm(block_size, need + spare, budget, host_blocks)
         self.engine = self.llm.engine
         for request_id in list(self.engine.requests):  # a previous example's leftovers
             self.engine.abort(request_id)
@@ -126,7 +134,9 @@ class EngineMachine(RuleBasedStateMachine):
             return
         self._run_to_completion()
         self.engine.reset_prefix_cache()
-        assert self.llm.cache_stats()["free_blocks"] == self.llm.cache_stats()["total_blocks"]
+        stats = self.llm.cache_stats()
+        assert stats["free_blocks"] == stats["total_blocks"]
+        assert stats["host_free_blocks"] == stats["host_total_blocks"]
 
     def _run_to_completion(self) -> None:
         engine = self.engine

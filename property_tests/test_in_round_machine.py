@@ -44,6 +44,8 @@ from radixinfer.cache.kv_manager import SeqKV
 
 
 class InRoundMachine(CacheDriver):
+    host_tier = False  # the rounds' pending copies and writes are modelled without a host tier
+
     def __init__(self) -> None:
         super().__init__()
         self.copies: list[tuple[int, int]] = []  # the round's block copies (src, dst)

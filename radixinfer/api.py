@@ -22,6 +22,7 @@ from radixinfer.distributed.driver import TensorParallelRunner
 from radixinfer.distributed.launch import join_as_worker, start_group
 from radixinfer.engine.admission import AdmissionConfig
 from radixinfer.engine.engine import EngineConfig, LLMEngine
+from radixinfer.engine.host_kv import HostKVPool, host_blocks_for
 from radixinfer.engine.memory import MemoryPlan, check_utilization
 from radixinfer.engine.output import request_output
 from radixinfer.engine.runner_setup import RunnerSpec, build_runner
@@ -90,6 +91,7 @@ def _engine_options(
     max_model_len: int | None,
     max_num_seqs: int | None,
     freeze_gc: bool,
+    host_cache_gb: float,
     tensor_parallel_size: int,
 ) -> tuple[EngineConfig, RunnerSpec, torch.device]:
     """`LLM`'s arguments checked (``ValueError`` naming the argument), as the engine's config, the
@@ -118,6 +120,12 @@ def _engine_options(
         checks.flag(name, value)
     checks.integer("seed", seed, 0, SEED_LIMIT)
     checks.optional_integer("num_blocks", num_blocks, 1)
+    if checks.real("host_cache_gb", host_cache_gb) < 0:
+        raise ValueError(f"host_cache_gb must be >= 0, got {host_cache_gb}")
+    if host_cache_gb and not enable_prefix_cache:
+        raise ValueError("host_cache_gb needs enable_prefix_cache=True (it holds cached KV)")
+    if host_cache_gb and tensor_parallel_size > 1:
+        raise ValueError("host_cache_gb: the host tier does not run with tensor parallelism yet")
     admission = AdmissionConfig(
         policy=prefill_admission_policy,
         max_requests=max_batch_size if prefill_max_batch_size is None else prefill_max_batch_size,
@@ -170,10 +178,10 @@ class LLM:
     ``model`` is a preset name (``"tiny"``, ``"qwen2.5-0.5b"``, ...), a local HF checkpoint dir, or a
     transformers ``PretrainedConfig`` (random weights). Engine options beyond the fixed signature
     (``prefill_max_batch_size``, ``prefill_max_tokens``, ``prefill_admission_policy``,
-    ``prefill_admission_lookahead``, ``prefill_force_fifo_every``, ``chunked_prefill``, ``decode_first``,
-    ``gpu_memory_utilization``, ``max_model_len``, ``max_num_seqs``, ``freeze_gc``) are
-    keyword-only. ``max_batch_size`` caps the sequences decoded per step; ``max_num_seqs``
-    (default: KV memory) caps the requests holding KV at once.
+    ``prefill_admission_lookahead``, ``prefill_force_fifo_every``, ``chunked_prefill``,
+    ``decode_first``, ``gpu_memory_utilization``, ``max_model_len``, ``max_num_seqs``,
+    ``host_cache_gb``, ``freeze_gc``) are keyword-only. ``max_batch_size`` caps the sequences
+    decoded per step; ``max_num_seqs`` (default: KV memory) caps the requests holding KV at once.
 
     Memory (`radixinfer.engine.memory`): on CUDA the engine may use ``gpu_memory_utilization`` of
     the whole GPU (vLLM's meaning; two engines in one process take a share each). Weights, the
@@ -188,6 +196,11 @@ class LLM:
     (gloo ranks on a CPU); under torchrun it is rank 0 of torchrun's ranks. The scheduler and the
     cache live here, on rank 0, which sends every step to the others; `close` stops them. A
     rank that fails makes the next step raise ``TensorParallelError`` instead of hanging.
+
+    ``host_cache_gb`` > 0 (prefix cache on) puts a host-memory tier of that many GiB of KV blocks
+    (pinned on CUDA) under the KV pool: prefixes evicted from the pool are written back there and
+    loaded back when a prompt reuses them (`radixinfer.cache.host_tier`). 0 (the default): none. Not
+    with tensor parallelism yet.
 
     ``freeze_gc=True`` is for long-running front ends (a server, a benchmark): everything alive
     once the engine is built (torch, transformers, the model's modules, the graphs) lives as long
@@ -218,6 +231,7 @@ class LLM:
         gpu_memory_utilization: float = 0.9,
         max_model_len: int | None = None,
         max_num_seqs: int | None = None,
+        host_cache_gb: float = 0.0,
         freeze_gc: bool = False,
         tensor_parallel_size: int = 1,
     ) -> None:
@@ -229,7 +243,7 @@ class LLM:
             prefill_admission_lookahead=prefill_admission_lookahead,
             prefill_force_fifo_every=prefill_force_fifo_every, chunked_prefill=chunked_prefill,
             decode_first=decode_first, gpu_memory_utilization=gpu_memory_utilization,
-            max_model_len=max_model_len, max_num_seqs=max_num_seqs, freeze_gc=freeze_gc,
+            max_model_len=max_model_len, max_num_seqs=max_num_seqs, freeze_gc=freeze_gc, host_cache_gb=host_cache_gb,
             tensor_parallel_size=tensor_parallel_size,
         )  # fmt: skip
         self._close: Callable[[], None] = lambda: None
@@ -250,9 +264,19 @@ class LLM:
         self.memory_plan: MemoryPlan = built.memory_plan
         logger.info("%s", self.memory_plan.summary())
         loaded = built.loaded
-        cache = KVCacheManager(self.memory_plan.num_blocks, block_size, enable_prefix_cache)
+        host_kv = None
+        if host_cache_gb:
+            blocks = host_blocks_for(host_cache_gb, self.memory_plan.bytes_per_block)
+            host_kv = HostKVPool(blocks, runner.kv.k)
+            logger.info("host KV tier: %d blocks (%.2f GiB)", host_kv.num_blocks, host_cache_gb)
+        host_blocks = host_kv.num_blocks if host_kv is not None else 0
+        cache = KVCacheManager(
+            self.memory_plan.num_blocks, block_size, enable_prefix_cache, host_blocks
+        )
         self.tokenizer = loaded.tokenizer
-        self.engine = LLMEngine(runner, cache, loaded.tokenizer, loaded.eos_token_ids, config)
+        self.engine = LLMEngine(
+            runner, cache, loaded.tokenizer, loaded.eos_token_ids, config, host_kv
+        )
         self._streams: dict[
             str, deque[StreamDelta]
         ] = {}  # open `stream` iterators' undelivered deltas

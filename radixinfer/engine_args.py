@@ -104,6 +104,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "WORLD_SIZE (docs/multi-gpu.md) [1]",
     )
     model.add_argument(
+        "--host-cache-gb",
+        type=float,
+        default=0.0,
+        help="GiB of host memory for a second KV tier under the GPU pool: evicted prefixes are "
+        "written back there and loaded back on reuse (0 = none) [0]",
+    )
+    model.add_argument(
         "--seed",
         type=int,
         default=0,
@@ -132,6 +139,10 @@ def check_engine_arguments(parser: argparse.ArgumentParser, args: argparse.Names
             parser.error(f"--{name.replace('_', '-')} must be >= {low}")
     if not 0.0 < args.gpu_memory_utilization <= 1.0:
         parser.error("--gpu-memory-utilization must be in (0, 1]")
+    if not 0.0 <= args.host_cache_gb < float("inf"):
+        parser.error("--host-cache-gb must be a number >= 0")
+    if args.host_cache_gb and args.no_prefix_cache:
+        parser.error("--host-cache-gb needs the prefix cache (drop --no-prefix-cache)")
     try:
         checks.device(args.device)
         checkpoint_dir(args.model)
@@ -161,6 +172,7 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
+        host_cache_gb=args.host_cache_gb,
         freeze_gc=True,
         tensor_parallel_size=args.tensor_parallel_size,
     )

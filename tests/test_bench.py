@@ -70,6 +70,9 @@ def test_summary_percentiles_throughput_and_cache_counters():
         "cow_copies": 0,
         "evicted_blocks": 0,
         "preemptions": 0,
+        "host_hit_tokens": 0,
+        "loaded_tokens": 0,
+        "offloaded_tokens": 0,
         "free_blocks": 9,
     }
     after = {**before, "prompt_tokens": 105, "cached_tokens": 81, "computed_prompt_tokens": 24}

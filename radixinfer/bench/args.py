@@ -61,6 +61,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="run with the prefix cache on and off side by side (speedups are on over off)",
     )
     backend.add_argument(
+        "--compare-host-cache",
+        action="store_true",
+        help="run with the host KV tier of --host-cache-gb on and off side by side (speedups are "
+        "on over off)",
+    )
+    backend.add_argument(
         "--compare-policies",
         type=_policies,
         default=None,
@@ -242,7 +248,14 @@ def check_bench_arguments(parser: argparse.ArgumentParser, args: argparse.Namesp
         parser.error("--request-rate must be > 0")
     if (args.backend == "openai") != (args.base_url is not None):
         parser.error("--backend openai and --base-url go together")
-    comparing = args.compare_backends or args.compare_no_cache or args.compare_policies
+    comparing = (
+        args.compare_backends
+        or args.compare_no_cache
+        or args.compare_policies
+        or args.compare_host_cache
+    )
+    if args.compare_host_cache and not args.host_cache_gb:
+        parser.error("--compare-host-cache needs --host-cache-gb > 0 (the tier it turns on)")
     if args.backend == "openai" and comparing:
         parser.error("--backend openai compares nothing: the server's settings are its own")
     if args.gc_threshold < 0:

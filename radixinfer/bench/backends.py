@@ -100,13 +100,17 @@ def open_radixinfer(
     policy: str,
     gpu_memory_utilization: float | None = None,
     num_blocks: int | None = None,
+    host_cache: bool | None = None,
 ) -> RadixBackend:
     """An `LLM` configured from the bench flags, with ``prefix_cache`` and admission ``policy`` per
     variant, using ``gpu_memory_utilization`` of the GPU and a KV pool of ``num_blocks`` or else
     what that leaves (variants open side by side split the GPU; None: ``--gpu-memory-utilization`` /
-    ``--num-blocks``, for a backend alone)."""
+    ``--num-blocks``, for a backend alone). ``host_cache``: with the host KV tier of
+    ``--host-cache-gb`` or without (None: as the flags say; never without the prefix cache)."""
     kwargs = llm_kwargs(args)
     kwargs.update(model=model, enable_prefix_cache=prefix_cache, prefill_admission_policy=policy)
+    if not prefix_cache or host_cache is False:
+        kwargs["host_cache_gb"] = 0.0
     if gpu_memory_utilization is not None:
         kwargs["gpu_memory_utilization"] = gpu_memory_utilization
     if num_blocks is not None:

@@ -92,6 +92,9 @@ def cache_delta(before: dict | None, after: dict | None) -> dict | None:
         "cow_copies",
         "evicted_blocks",
         "preemptions",
+        "host_hit_tokens",
+        "loaded_tokens",
+        "offloaded_tokens",
     )
     return {k: after[k] - before[k] for k in keys}
 
@@ -122,6 +125,9 @@ def summarize(records: Sequence[RequestRecord], wall_s: float, cache: dict | Non
         else None,
         "completion_tokens": completion_tokens,
         "preemptions": cache["preemptions"] if cache else None,
+        "host_hit_tokens": cache["host_hit_tokens"] if cache else None,
+        "loaded_tokens": cache["loaded_tokens"] if cache else None,
+        "offloaded_tokens": cache["offloaded_tokens"] if cache else None,
         "ttft_ms": latency_ms(r.ttft for r in timed),
         "tpot_ms": latency_ms(t for t in (r.tpot for r in timed) if t is not None),
         "itl_ms": latency_ms(gap for r in timed for gap in r.itls),

@@ -71,10 +71,12 @@ class Variant:
     backend: str
     prefix_cache: bool
     policy: str | None  # admission policy; None for hf and openai, which schedule on their own
+    host_cache: bool = False  # radixinfer with a host KV tier of --host-cache-gb
 
     @property
     def label(self) -> str:
         parts = [self.backend, "cache=on" if self.prefix_cache else "cache=off"]
+        parts += ["host=on"] if self.host_cache else []
         return " ".join(parts + ([self.policy] if self.policy else []))
 
 
@@ -83,12 +85,20 @@ def plan_variants(args: argparse.Namespace) -> list[Variant]:
     backends = ["radixinfer", "hf"] if args.compare_backends else [args.backend]
     caches = [True, False] if args.compare_no_cache else [not args.no_prefix_cache]
     policies = args.compare_policies or [args.prefill_admission_policy]
-    return [
-        Variant(backend, cache, policy if backend == "radixinfer" else None)
+    hosts = [True, False] if args.compare_host_cache else [bool(args.host_cache_gb)]
+    variants = [
+        Variant(
+            backend,
+            cache,
+            policy if backend == "radixinfer" else None,
+            host and cache and backend == "radixinfer",  # the tier holds cached prefixes
+        )
         for backend in backends
         for cache in caches
         for policy in (policies if backend == "radixinfer" else [None])
+        for host in hosts
     ]
+    return list(dict.fromkeys(variants))
 
 
 @dataclass
@@ -314,8 +324,9 @@ def open_backend(
             seed=args.seed,
         )
     return open_radixinfer(
-        model, args, variant.prefix_cache, variant.policy, gpu_memory_utilization, num_blocks
-    )
+        model, args, variant.prefix_cache, variant.policy, gpu_memory_utilization, num_blocks,
+        host_cache=variant.host_cache,
+    )  # fmt: skip
 
 
 def _close_all(backends: list[Backend]) -> None:

@@ -21,6 +21,11 @@ is `BlockPool.must_copy`)::
 
 Copies are returned to the caller, who performs all of a step's copies in one batched launch *before*
 the step's K/V writes.
+
+With a host tier (``host_blocks > 0``), eviction writes LRU tails back to host blocks and `admit`
+loads a match's host-resident part back into GPU blocks (`RadixTree.evict`, `RadixTree.load`). The
+copies between the tiers are queued: the caller runs `take_transfers` before the step's block
+copies.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from typing import Any
 
 from radixinfer.cache.block_pool import BlockPool
 from radixinfer.cache.decode_step import DecodeLanes, reserve_step
+from radixinfer.cache.host_tier import HostTier, TransferBatch
 from radixinfer.cache.radix_tree import (
     InsertResult,
     MatchResult,
@@ -40,7 +46,15 @@ from radixinfer.cache.radix_tree import (
 )
 from radixinfer.cache.sequence import ReservePlan, SeqKV, TreeWalk
 
-__all__ = ["CacheCounters", "DecodeLanes", "KVCacheManager", "ReservePlan", "SeqKV", "TreeWalk"]
+__all__ = [
+    "CacheCounters",
+    "DecodeLanes",
+    "KVCacheManager",
+    "ReservePlan",
+    "SeqKV",
+    "TransferBatch",
+    "TreeWalk",
+]
 
 
 @dataclass
@@ -54,15 +68,18 @@ class CacheCounters:
 class KVCacheManager:
     """Owns the block pool and the radix tree; hands out, shares and reclaims KV blocks for sequences.
 
-    With ``enable_prefix_cache=False`` nothing is matched or published: every sequence computes and owns
-    all of its blocks.
+    With ``enable_prefix_cache=False`` nothing is matched or published: every sequence computes and
+    owns all of its blocks. ``host_blocks > 0`` (prefix cache on) puts a host tier of that many
+    blocks under the GPU pool (``host``; None without one).
     """
 
     num_blocks: int
     block_size: int
     enable_prefix_cache: bool = True
+    host_blocks: int = 0
     pool: BlockPool = field(init=False)
     tree: RadixTree = field(init=False)
+    host: HostTier | None = field(init=False, default=None)
     counters: CacheCounters = field(init=False, default_factory=CacheCounters)
     # Blocks touched since the last forward was issued -> their fill before that (slots below it are written).
     _written_fill: dict[int, int] = field(init=False, default_factory=dict)
@@ -72,24 +89,41 @@ class KVCacheManager:
 
     def __post_init__(self) -> None:
         self.pool = BlockPool(self.num_blocks, self.block_size)
-        self.tree = RadixTree(self.pool)
+        if self.host_blocks < 0:
+            raise ValueError(f"host_blocks must be >= 0, got {self.host_blocks}")
+        if self.host_blocks and not self.enable_prefix_cache:
+            raise ValueError("a host tier (host_blocks > 0) needs the prefix cache enabled")
+        if self.host_blocks:
+            self.host = HostTier(self.host_blocks, self.block_size)
+        self.tree = RadixTree(self.pool, self.host)
 
     # ------------------------------------------------------------------ admission
     def admit(
         self, tokens: Sequence[int] | TokenArray, salt: Hashable = None, *, use_cache: bool = True
     ) -> SeqKV:
         """Match ``tokens`` and lock what the match reads; the sequence starts with the matched blocks (no
-        allocation yet, so admission itself never fails). The caller then `reserve`s the positions to compute.
+        block of its own yet, so admission itself never fails). The caller then `reserve`s the
+        positions to compute.
 
         A match that ends inside a node's edge splits the node there first, so the lock pins only the blocks
         of the matched positions: the rest of the edge stays evictable while the request waits for memory.
         ``use_cache=False`` admits as a miss (matches and locks nothing, publishing still works): the
-        fallback for a request whose locked hit keeps it from fitting a pool it would fit alone."""
+        fallback for a request whose locked hit keeps it from fitting a pool it would fit alone.
+
+        With a host tier, a match that goes on through host-resident nodes loads them into fresh GPU
+        blocks, top down, as far as GPU blocks can be made free (`ensure_free`); the match ends
+        where loading stopped, and the sequence computes the rest (``num_loaded``: tokens
+        loaded)."""
         if not (self.enable_prefix_cache and use_cache):
             return SeqKV(salt, [], 0, 0, None, None)
         tokens = as_token_array(tokens)
         match = self._peeked(tokens, salt) or self.tree.match(tokens, salt)
-        if match.length and match.length < match.node.end:
+        num_loaded = 0
+        if match.host_node is not None:
+            gpu_length = match.length
+            match = self._load(match, len(tokens))
+            num_loaded = match.length - gpu_length
+        elif match.length and match.length < match.node.end:
             match = MatchResult(
                 match.length, match.blocks, self.tree.split_at(match.node, match.length), None
             )
@@ -106,7 +140,36 @@ class KVCacheManager:
             match.payload,
             node,
             match=TreeWalk(match, len(tokens), self.tree.version),
+            num_loaded=num_loaded,
         )
+
+    def _load(self, match: MatchResult, query_len: int) -> MatchResult:
+        """Load the host-resident part of ``match`` (of a query of ``query_len`` tokens) into GPU
+        blocks, node by node from the top, while blocks can be made free. The path is locked
+        meanwhile, so making room evicts neither it nor the host nodes still to load. Returns the
+        match as far as it is GPU-resident now, with the host-resident rest (if loading stopped
+        short) as its host part."""
+        tree = self.tree
+        end = tree.split_at(match.host_node, match.host_length)
+        tree.lock(end)
+        chain, node = [], end
+        while node.host:
+            chain.append(node)
+            node = node.parent
+        loaded = None
+        for node in reversed(chain):
+            count = len(node.blocks)
+            if not self.ensure_free(count):
+                break  # the rest is computed again
+            tree.load(node, self.pool.allocate(count))
+            loaded = node
+        tree.unlock(end)
+        rest = (end, end.end) if end.host else (None, 0)
+        if loaded is None:
+            return MatchResult(match.length, match.blocks, match.node, None, *rest)
+        length = loaded.end
+        payload = loaded.payload if length == query_len else None
+        return MatchResult(length, tree.path_blocks(loaded), loaded, payload, *rest)
 
     def cached_prefix_len(self, tokens: Sequence[int] | TokenArray, salt: Hashable = None) -> int:
         """How many leading tokens `admit` would find cached right now (changes nothing, counts nothing)."""
@@ -115,7 +178,7 @@ class KVCacheManager:
         tokens = as_token_array(tokens)
         peek = self._peeked(tokens, salt) or self.tree.match(tokens, salt)
         self._last_peek = (tokens, salt, TreeWalk(peek, len(tokens), self.tree.version))
-        return peek.length
+        return peek.total_length
 
     def _peeked(self, tokens: TokenArray, salt: Hashable) -> MatchResult | None:
         """The last peek, when it was of this very array under this salt and the tree has not changed since."""
@@ -298,8 +361,13 @@ class KVCacheManager:
         """Make at least ``num_blocks`` blocks free, evicting LRU tree leaves if needed."""
         short = num_blocks - self.pool.num_free
         if short > 0 and self.enable_prefix_cache:
-            self.tree.evict(short)
+            self.tree.evict(short, self._written_fill)
         return self.pool.num_free >= num_blocks
+
+    def take_transfers(self) -> list[TransferBatch]:
+        """The host tier's queued block copies, in the order they must run (before the next block
+        copy or forward); empty without a host tier."""
+        return self.host.take_transfers() if self.host is not None else []
 
     # ------------------------------------------------------------------ publishing
     def publish(
@@ -397,4 +465,6 @@ class KVCacheManager:
             if seq.node is not None:
                 assert seq.node.lock_count > 0
         self.pool.check_integrity(holders)
+        if self.host is not None:
+            self.host.pool.check_integrity(self.tree.block_holders(host=True))
         self.tree.check_integrity()

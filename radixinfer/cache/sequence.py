@@ -27,6 +27,7 @@ class SeqKV:
     released: bool = False
     # The admission walk: the first `publish` reuses it while it stands for the published path.
     match: TreeWalk | None = None
+    num_loaded: int = 0  # of `num_cached`, tokens loaded back from the host tier at admission
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ class TreeWalk:
     def walk_of(self, n: int, version: int) -> MatchResult | None:
         """The walk of the sequence's first ``n`` tokens at tree ``version``, when this one stands
         for it."""
-        length = self.result.length
+        length = self.result.total_length  # through host-resident nodes too
         if version != self.version or length > n:
             return None
         return self.result if n <= self.query_len or length < self.query_len else None

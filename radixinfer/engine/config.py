@@ -42,17 +42,21 @@ class EngineCounters:
 
     prompt_tokens: int = 0  # prompt tokens of admitted requests (counted once per request)
     cached_tokens: int = 0  # of those, read from the prefix cache (`Request.num_cached_tokens`)
+    host_hit_tokens: int = 0  # of those, loaded back from the host tier first
     computed_prompt_tokens: int = 0  # of those, run through prefill forwards
     recomputed_tokens: int = 0  # rows computed again after a preemption (prompt and generated)
     prefill_forwards: int = 0
     decode_forwards: int = 0
     preemptions: int = 0
 
-    def count_admission(self, req: Request, num_cached_tokens: int) -> None:
-        """A request's first successful admission: what it reads from the cache is final."""
+    def count_admission(self, req: Request, num_cached_tokens: int, num_loaded: int = 0) -> None:
+        """A request's first successful admission: what it reads from the cache is final
+        (``num_loaded`` of it loaded back from the host tier)."""
         req.num_cached_tokens = num_cached_tokens
+        req.num_host_hit_tokens = num_loaded
         self.prompt_tokens += len(req.prompt_ids)
         self.cached_tokens += num_cached_tokens
+        self.host_hit_tokens += num_loaded
 
     def count_computed(self, items: Iterable[PrefillItem]) -> None:
         """The rows a prefill forward computed for ``items``: prompt tokens, or recomputed rows for
@@ -73,9 +77,11 @@ class EngineCounters:
             return
         self.prompt_tokens -= len(req.prompt_ids)
         self.cached_tokens -= req.num_cached_tokens
+        self.host_hit_tokens -= req.num_host_hit_tokens
         self.computed_prompt_tokens -= req.num_computed_prompt_tokens
         self.recomputed_tokens += req.num_computed_prompt_tokens
         req.num_cached_tokens, req.num_computed_prompt_tokens = None, 0
+        req.num_host_hit_tokens = 0
 
     def count_abort(self, req: Request) -> None:
         """A request aborted while it holds KV. If its prompt was part-way through prefill, the

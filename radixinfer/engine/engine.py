@@ -20,9 +20,11 @@ from collections import deque
 import numpy as np
 import torch
 
+from radixinfer.cache.host_tier import HostCounters
 from radixinfer.cache.kv_manager import KVCacheManager
 from radixinfer.engine.config import EngineConfig, EngineCounters
 from radixinfer.engine.decode_batch import DecodeBatch
+from radixinfer.engine.host_kv import HostKVPool
 from radixinfer.engine.intake import RequestIntake
 from radixinfer.engine.logprobs import (
     collect_prompt_logprobs,
@@ -57,9 +59,13 @@ class LLMEngine:
         tokenizer: Tokenizer,
         eos_token_ids: tuple[int, ...],
         config: EngineConfig,
+        host_kv: HostKVPool | None = None,
     ) -> None:
+        """``host_kv``: the host tier's blocks, when ``cache`` has a host tier (its queued transfers
+        run before every block copy and forward)."""
         self.runner = runner
         self.cache = cache
+        self.host_kv = host_kv
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.config = config
@@ -187,7 +193,7 @@ class LLMEngine:
         items = pass_.items
         if not items:
             return
-        self.runner.copy_blocks(pass_.copies)
+        self._copy_blocks(pass_.copies)
         computed = [it for it in items if it.computes]
         hidden = None
         if computed:
@@ -255,7 +261,7 @@ class LLMEngine:
             batch, plan = scheduler.preempt_until_reserved()
         scheduler.last_decode = batch
         if batch is not None:
-            self.runner.copy_blocks(plan.copies)
+            self._copy_blocks(plan.copies)
             lanes = batch.lanes
             if repeated:
                 input_ids, carried, carried_rows = batch.repeated_inputs()
@@ -272,6 +278,14 @@ class LLMEngine:
         self.output.read_back(previous, events)
         return batch is not None
 
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Run the host tier's queued transfers, then the step's copy-on-writes: every block a
+        forward reads or writes is where the cache says once this returns (in stream order)."""
+        if self.host_kv is not None:
+            kv = self.runner.kv
+            self.host_kv.run(self.cache.take_transfers(), kv.k, kv.v)
+        self.runner.copy_blocks(copies)
+
     # ------------------------------------------------------------------ cache control and stats
     def reset_prefix_cache(self) -> None:
         """Empty the prefix cache. Refused while requests hold KV (their blocks would stay in
@@ -281,11 +295,23 @@ class LLMEngine:
         self.cache.reset()
 
     def cache_stats(self) -> dict[str, float | int]:
+        """The engine's counters and the pools' state. ``cached_tokens`` = ``gpu_hit_tokens`` (read
+        where they were) + ``host_hit_tokens`` (loaded back from the host tier first);
+        ``loaded_tokens`` / ``offloaded_tokens``: positions moved between the tiers (the ``host_*``
+        entries are 0 without a host tier)."""
         c = self.counters
+        host = self.cache.host
+        host_counters = host.counters if host is not None else HostCounters()
         return {
             "prompt_tokens": c.prompt_tokens,
             "cached_tokens": c.cached_tokens,
             "hit_rate": c.cached_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
+            "gpu_hit_tokens": c.cached_tokens - c.host_hit_tokens,
+            "host_hit_tokens": c.host_hit_tokens,
+            "loaded_tokens": host_counters.loaded_tokens,
+            "offloaded_tokens": host_counters.offloaded_tokens,
+            "host_free_blocks": host.pool.num_free if host is not None else 0,
+            "host_total_blocks": host.num_blocks if host is not None else 0,
             "computed_prompt_tokens": c.computed_prompt_tokens,
             "recomputed_tokens": c.recomputed_tokens,
             "cow_copies": self.cache.counters.cow_copies,

@@ -58,6 +58,7 @@ class Request:
     # With the prompt complete, ``num_cached_tokens + num_computed_prompt_tokens == len(prompt_ids)``.
     num_cached_tokens: int | None = None
     num_computed_prompt_tokens: int = 0
+    num_host_hit_tokens: int = 0  # of `num_cached_tokens`, loaded back from the host tier
     finish_reason: str | None = None
     stop_ids: frozenset[int] = frozenset()
     # Tokens sampled so far, read back or still on the device (the host reads a step's tokens a step later;

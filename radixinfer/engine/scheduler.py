@@ -158,7 +158,8 @@ class Scheduler:
         pass_.items.append(item)
         if fresh:
             if req.num_cached_tokens is None:  # its first admission
-                self.counters.count_admission(req, item.start if item.computes else n)
+                cached = item.start if item.computes else n
+                self.counters.count_admission(req, cached, min(seq.num_loaded, cached))
             self.waiting.remove(req)
             self.active.append(req)
             self.prefilling.append(req)

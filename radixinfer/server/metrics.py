@@ -14,6 +14,9 @@ Counters and gauges:
 - ``radixinfer_kv_blocks_used`` (held by requests or the prefix cache),
   ``radixinfer_kv_blocks_free``: gauges
 - ``radixinfer_preemptions_total``: requests preempted under memory pressure
+- ``radixinfer_prefix_cache_host_hit_tokens_total``: of the hit tokens, loaded back from the host
+  KV tier; ``radixinfer_host_cache_loaded_tokens_total`` / ``..._offloaded_tokens_total``: positions
+  moved between the tiers; ``radixinfer_host_kv_blocks_free``: gauge (all 0 without a host tier)
 
 Histograms (seconds): ``radixinfer_time_to_first_token_seconds`` (first token - arrival),
 ``radixinfer_inter_token_latency_seconds`` (the gap between two engine steps that gave a request
@@ -67,6 +70,18 @@ class _EngineCollector:
         yield _counter(
             "radixinfer_preemptions", "requests preempted under memory pressure", s["preemptions"]
         )
+        yield _counter(
+            "radixinfer_prefix_cache_host_hit_tokens",
+            "prompt tokens found in the prefix cache's host tier (loaded back)",
+            s["host_hit_tokens"],
+        )
+        for what in ("loaded", "offloaded"):
+            yield _counter(
+                f"radixinfer_host_cache_{what}_tokens",
+                f"token positions {what} between the GPU and the host KV tier",
+                s[f"{what}_tokens"],
+            )
+        yield _gauge("radixinfer_host_kv_blocks_free", "host KV blocks free", s["host_free_blocks"])
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
