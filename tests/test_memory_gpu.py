@@ -41,8 +41,13 @@ def release() -> None:
 
 
 def random_prompts(count: int, length: int, seed: int) -> list[list[int]]:
+    """Random prompts that share no prefix, not even a first token: the engine defers a request
+    extending a prefix another request of the same pass computes to a second pass, which would
+    split the burst's LM-head rows over two forwards."""
     rng = np.random.default_rng(seed)
-    return rng.integers(1, 250, size=(count, length)).tolist()
+    prompts = rng.integers(1, 250, size=(count, length))
+    prompts[:, 0] = rng.permutation(np.arange(1, 250))[:count]
+    return prompts.tolist()
 
 
 def test_engines_side_by_side_share_the_gpu_and_a_third_that_does_not_fit_is_refused():
