@@ -13,7 +13,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from radixinfer.async_llm import StreamFailure
 from radixinfer.bench import backends, runner
 from radixinfer.bench.metrics import RequestRecord, cache_delta, latency_ms, summarize
 from radixinfer.bench.report import comparisons, format_report, speedups
@@ -26,6 +25,7 @@ from radixinfer.bench.workloads import (
     parse_repeats,
 )
 from radixinfer.cli import parse_args
+from radixinfer.core_messages import StreamFailure
 from radixinfer.outputs import StreamDelta
 from radixinfer.sampling_params import SamplingParams
 from radixinfer.tokenizer import ByteTokenizer, HFTokenizer

@@ -15,7 +15,8 @@ import numpy as np
 
 import radixinfer
 from radixinfer.api import LLM
-from radixinfer.async_llm import AsyncLLM, StreamEvents
+from radixinfer.async_llm import AsyncLLM
+from radixinfer.core_messages import StreamEvents
 from radixinfer.engine_args import llm_kwargs
 from radixinfer.sampling_params import SamplingParams
 from radixinfer.tokenizer import Tokenizer

@@ -47,7 +47,6 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from radixinfer.async_llm import StreamFailure
 from radixinfer.bench.args import sampling_fields
 from radixinfer.bench.backends import Backend, open_radixinfer
 from radixinfer.bench.hf import HFBackend, export_checkpoint
@@ -61,6 +60,7 @@ from radixinfer.bench.metrics import (
 )
 from radixinfer.bench.report import comparisons, format_report
 from radixinfer.bench.workloads import Session, arrival_offsets, build_workload, fit_to_context
+from radixinfer.core_messages import StreamFailure
 from radixinfer.models import PRESET_NAMES
 from radixinfer.outputs import TokenBatch
 from radixinfer.sampling_params import SamplingParams
