@@ -16,7 +16,8 @@ import pytest
 from radixinfer.bench import backends, runner
 from radixinfer.bench.metrics import RequestRecord, cache_delta, latency_ms, summarize
 from radixinfer.bench.report import comparisons, format_report, speedups
-from radixinfer.bench.runner import Variant, open_backend, plan_variants, round_orders, run_workload
+from radixinfer.bench.run_loop import run_workload
+from radixinfer.bench.runner import Variant, open_backend, plan_variants, round_orders
 from radixinfer.bench.workloads import (
     arrival_offsets,
     build_workload,
