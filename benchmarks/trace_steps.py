@@ -37,7 +37,7 @@ import torch
 
 from radixinfer.bench.args import add_bench_arguments, check_bench_arguments
 from radixinfer.bench.backends import open_radixinfer
-from radixinfer.bench.runner import request_for, run_workload
+from radixinfer.bench.run_loop import request_for, run_workload
 from radixinfer.bench.workloads import arrival_offsets, build_workload
 from radixinfer.engine.engine import LLMEngine
 from radixinfer.sampling_params import SamplingParams

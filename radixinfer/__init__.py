@@ -2,7 +2,7 @@
 
 from radixinfer.api import LLM
 from radixinfer.async_llm import AsyncLLM
-from radixinfer.engine_core import EngineProcess
+from radixinfer.engine_process import EngineProcess
 from radixinfer.outputs import CompletionOutput, Logprob, RequestOutput, StreamDelta
 from radixinfer.sampling_params import SamplingParams
 

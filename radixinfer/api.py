@@ -15,161 +15,29 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from transformers import PretrainedConfig
 
-from radixinfer import checks
 from radixinfer.cache.kv_manager import KVCacheManager
 from radixinfer.chat import chat_prompt_ids, check_messages
 from radixinfer.distributed.driver import TensorParallelRunner
 from radixinfer.distributed.launch import join_as_worker, start_group
-from radixinfer.engine.admission import AdmissionConfig
-from radixinfer.engine.engine import EngineConfig, LLMEngine
+from radixinfer.engine.engine import LLMEngine
 from radixinfer.engine.host_kv import HostKVPool, host_blocks_for
-from radixinfer.engine.memory import MemoryPlan, check_utilization
+from radixinfer.engine.memory import MemoryPlan
 from radixinfer.engine.output import request_output
-from radixinfer.engine.runner_setup import RunnerSpec, build_runner
+from radixinfer.engine.runner_setup import build_runner
+from radixinfer.llm_args import Prompt, engine_options, params_per_prompt, prompt_of, prompt_text
 from radixinfer.models import check_shardable
 from radixinfer.outputs import RequestOutput, StreamDelta, deltas_of
-from radixinfer.sampling_params import SEED_LIMIT, SamplingParams
-
-Prompt = str | list[int] | dict  # text, token ids, or {"prompt": text} / {"prompt_token_ids": ids}
+from radixinfer.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-def _prompt_of(prompt: Prompt) -> str | list[int]:
-    """The text or token ids of a prompt given in any of `Prompt`'s forms (vLLM's dicts included);
-    ``ValueError`` naming ``prompt`` for a dict of neither kind (the engine checks the rest)."""
-    if not isinstance(prompt, dict):
-        return prompt
-    if set(prompt) == {"prompt_token_ids"}:
-        return prompt["prompt_token_ids"]
-    if set(prompt) == {"prompt"} and isinstance(prompt["prompt"], str):
-        return prompt["prompt"]
-    raise ValueError(
-        "prompt: a dict prompt must be {'prompt': str} or {'prompt_token_ids': [ids]}, got keys "
-        f"{sorted(map(str, prompt))}"
-    )
-
-
-def _params_per_prompt(
-    params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
-) -> list[SamplingParams]:
-    """One `SamplingParams` per prompt: ``params`` (or the defaults) for each, or the items of a list of
-    as many. Raises ``ValueError`` naming ``sampling_params`` for anything else (the engine checks
-    the items)."""
-    if params is None or isinstance(params, SamplingParams):
-        return [SamplingParams() if params is None else params] * num_prompts
-    if not isinstance(params, (list, tuple)):
-        raise ValueError(
-            "sampling_params must be a SamplingParams or a list of them, got "
-            f"{type(params).__name__}"
-        )
-    if len(params) != num_prompts:
-        raise ValueError(
-            f"sampling_params: got {len(params)} SamplingParams for {num_prompts} prompts"
-        )
-    return list(params)
-
-
-def _engine_options(
-    *,
-    model: str | os.PathLike | PretrainedConfig,
-    device: str,
-    dtype: str | torch.dtype,
-    block_size: int,
-    num_blocks: int | None,
-    max_batch_size: int,
-    enable_prefix_cache: bool,
-    seed: int,
-    prefill_max_batch_size: int | None,
-    prefill_max_tokens: int,
-    prefill_admission_policy: str,
-    prefill_admission_lookahead: int,
-    prefill_force_fifo_every: int,
-    chunked_prefill: bool,
-    decode_first: bool,
-    gpu_memory_utilization: float,
-    max_model_len: int | None,
-    max_num_seqs: int | None,
-    freeze_gc: bool,
-    host_cache_gb: float,
-    tensor_parallel_size: int,
-) -> tuple[EngineConfig, RunnerSpec, torch.device]:
-    """`LLM`'s arguments checked (``ValueError`` naming the argument), as the engine's config, the
-    runner's spec (every tensor-parallel rank builds its runner from it) and the device."""
-    torch_device = checks.device(device)
-    for name, value, low in (
-        ("block_size", block_size, 1),
-        ("max_batch_size", max_batch_size, 1),
-        ("prefill_max_tokens", prefill_max_tokens, 1),
-        ("prefill_admission_lookahead", prefill_admission_lookahead, 1),
-        ("prefill_force_fifo_every", prefill_force_fifo_every, 0),
-        ("tensor_parallel_size", tensor_parallel_size, 1),
-    ):
-        checks.integer(name, value, low)
-    for name, value in (
-        ("prefill_max_batch_size", prefill_max_batch_size),
-        ("max_num_seqs", max_num_seqs),
-    ):
-        checks.optional_integer(name, value, 1)
-    for name, value in (
-        ("enable_prefix_cache", enable_prefix_cache),
-        ("chunked_prefill", chunked_prefill),
-        ("decode_first", decode_first),
-        ("freeze_gc", freeze_gc),
-    ):
-        checks.flag(name, value)
-    checks.integer("seed", seed, 0, SEED_LIMIT)
-    checks.optional_integer("num_blocks", num_blocks, 1)
-    if checks.real("host_cache_gb", host_cache_gb) < 0:
-        raise ValueError(f"host_cache_gb must be >= 0, got {host_cache_gb}")
-    if host_cache_gb and not enable_prefix_cache:
-        raise ValueError("host_cache_gb needs enable_prefix_cache=True (it holds cached KV)")
-    if host_cache_gb and tensor_parallel_size > 1:
-        raise ValueError("host_cache_gb: the host tier does not run with tensor parallelism yet")
-    admission = AdmissionConfig(
-        policy=prefill_admission_policy,
-        max_requests=max_batch_size if prefill_max_batch_size is None else prefill_max_batch_size,
-        max_tokens=prefill_max_tokens,
-        chunked_prefill=chunked_prefill,
-        lookahead=prefill_admission_lookahead,
-        force_fifo_every=prefill_force_fifo_every,
-    )
-    config = EngineConfig(
-        max_batch_size=max_batch_size,
-        max_num_seqs=max_num_seqs,
-        admission=admission,
-        decode_first=decode_first,
-        seed=seed,
-    )
-    spec = RunnerSpec(
-        model=model,
-        dtype=dtype,
-        seed=seed,
-        block_size=block_size,
-        num_blocks=num_blocks,
-        max_batch_size=max_batch_size,
-        prefill_max_tokens=admission.max_tokens,
-        prefill_max_requests=admission.max_requests,
-        chunked_prefill=chunked_prefill,
-        max_model_len=max_model_len,
-        gpu_memory_utilization=check_utilization(gpu_memory_utilization),
-    )
-    return config, spec, torch_device
 
 
 def run_tensor_parallel_rank(**llm_kwargs) -> None:
     """Be one of ranks ``1 .. N - 1`` of an engine that torchrun started (see docs/multi-gpu.md):
     rank 0 runs ``LLM(**llm_kwargs)`` with ``tensor_parallel_size=N``, and every other rank calls
     this with the same arguments. Returns when rank 0 closes its `LLM`."""
-    _, spec, torch_device = _engine_options(**{**_LLM_DEFAULTS, **llm_kwargs})
+    _, spec, torch_device = engine_options(**{**_LLM_DEFAULTS, **llm_kwargs})
     join_as_worker(torch_device, spec)
-
-
-def _prompt_text(prompt: Prompt) -> str | None:
-    """The prompt's text, when it was given as text."""
-    if isinstance(prompt, dict):
-        prompt = prompt.get("prompt")
-    return prompt if isinstance(prompt, str) else None
 
 
 class LLM:
@@ -235,7 +103,7 @@ class LLM:
         freeze_gc: bool = False,
         tensor_parallel_size: int = 1,
     ) -> None:
-        config, spec, torch_device = _engine_options(
+        config, spec, torch_device = engine_options(
             model=model, device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
             max_batch_size=max_batch_size, enable_prefix_cache=enable_prefix_cache, seed=seed,
             prefill_max_batch_size=prefill_max_batch_size, prefill_max_tokens=prefill_max_tokens,
@@ -292,7 +160,7 @@ class LLM:
         ids: list[str] = []
         try:
             for prompt, p in zip(prompts, params, strict=True):
-                ids.append(self.engine.add_request(_prompt_of(prompt), p, cache_salt))
+                ids.append(self.engine.add_request(prompt_of(prompt), p, cache_salt))
         except ValueError:
             self._abort_all(ids)
             raise
@@ -325,7 +193,7 @@ class LLM:
             raise ValueError(
                 f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}"
             )
-        per_prompt = _params_per_prompt(sampling_params, len(prompts))
+        per_prompt = params_per_prompt(sampling_params, len(prompts))
         ids = self._add_all(prompts, per_prompt, cache_salt)
         engine = self.engine
         try:
@@ -335,7 +203,7 @@ class LLM:
             self._abort_all(ids)
             raise
         return [
-            request_output(engine.pop_finished(i), _prompt_text(prompt))
+            request_output(engine.pop_finished(i), prompt_text(prompt))
             for i, prompt in zip(ids, prompts)
         ]
 
@@ -369,7 +237,7 @@ class LLM:
         ``next``). Any number of streams may be open at once and interleaved with each other and with
         `generate`: each receives every token of its request, whoever drives the engine. Closing the
         iterator early, or dropping it, aborts the request and frees its blocks."""
-        (request_id,) = self._add_all([prompt], _params_per_prompt(params, 1), cache_salt)
+        (request_id,) = self._add_all([prompt], params_per_prompt(params, 1), cache_salt)
         inbox = self._streams[request_id] = deque()
         deltas = self._deltas(request_id, inbox)
         # A generator dropped before its first `next` never runs its `finally`: abort from a finalizer then.

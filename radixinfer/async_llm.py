@@ -2,24 +2,24 @@
 
 The engine is single-threaded by contract, so one loop owns it (`radixinfer.engine_core`): on a
 thread of this process (``AsyncLLM(llm)``), or in an engine process of its own
-(``AsyncLLM(EngineProcess(**llm_kwargs))``, what ``radixinfer serve`` runs, so the engine never
-waits for the GIL while the HTTP event loop streams). Both run the same loop over the same
-messages::
+(``AsyncLLM(EngineProcess(**llm_kwargs))``, `radixinfer.engine_process`: what ``radixinfer serve``
+runs, so the engine never waits for the GIL while the HTTP event loop streams). Both run the same
+loop over the same messages (`radixinfer.core_messages`)::
 
     add_request / submit / abort / call  --(AddRequest, Abort, Call)-->  engine core: apply, step
     sinks: an event loop's router, queues <--(one StepOutput a step)---  events, call results
 
-Each step's events go to their sinks as one list per sink: all the streams of one asyncio event
-loop share one sink (`_Router`), so a step wakes the event loop once with ``call_soon_threadsafe``,
-not once a token per request, and the event loop fans the list out to the streams. A stream whose
-consumer is behind takes everything that arrived for it at once (`AsyncStream.next_deltas`): under
-load, per-token costs downstream fall without a fixed interval. Streams decode their text
-themselves, on the consumer's thread, one decode per take (vLLM's front detokenizes too): the
-engine runs their requests ids-only, so a steady decode step stays one `TokenBatch` and the engine
-pays nothing per token for text. A consumer of many requests that is not a coroutine (the
-benchmark) passes its own sink, a ``queue.SimpleQueue``, and receives the lists as they are: a
-steady decode step's tokens of requests that do not detokenize stay one `TokenBatch` there. A
-delta's ``timestamp`` is taken inside the engine step that produced its tokens (in
+Each step's events go to their sinks as one list per sink: all the streams of one asyncio event loop
+share one sink (`StreamRouter`, `radixinfer.async_stream`), so a step wakes the event loop once with
+``call_soon_threadsafe``, not once a token per request, and the event loop fans the list out to the
+streams. A stream whose consumer is behind takes everything that arrived for it at once
+(`AsyncStream.next_deltas`): under load, per-token costs downstream fall without a fixed interval.
+Streams decode their text themselves, on the consumer's thread, one decode per take (vLLM's front
+detokenizes too): the engine runs their requests ids-only, so a steady decode step stays one
+`TokenBatch` and the engine pays nothing per token for text. A consumer of many requests that is not
+a coroutine (the benchmark) passes its own sink, a ``queue.SimpleQueue``, and receives the lists as
+they are: a steady decode step's tokens of requests that do not detokenize stay one `TokenBatch`
+there. A delta's ``timestamp`` is taken inside the engine step that produced its tokens (in
 ``perf_counter`` seconds, which an engine process on the same machine shares), so queueing between
 the loop and a consumer never shows up in measured latencies.
 
@@ -35,7 +35,6 @@ import asyncio
 import contextlib
 import itertools
 import threading
-from collections import deque
 from collections.abc import AsyncIterator, Callable, Hashable
 from concurrent.futures import Future
 from dataclasses import replace
@@ -44,8 +43,8 @@ from typing import Protocol, TypeVar
 import numpy as np
 
 from radixinfer.api import LLM
-from radixinfer.engine.prompts import PromptChecker
-from radixinfer.engine_core import (
+from radixinfer.async_stream import AsyncStream, StreamRouter
+from radixinfer.core_messages import (
     Abort,
     AddRequest,
     Call,
@@ -53,12 +52,14 @@ from radixinfer.engine_core import (
     CoreFailed,
     CoreInput,
     CoreOutput,
-    EngineProcess,
-    ProcessCore,
+    Sink,
     StepOutput,
+    StreamEvents,
     StreamFailure,
-    ThreadCore,
 )
+from radixinfer.engine.prompts import PromptChecker
+from radixinfer.engine_core import ThreadCore
+from radixinfer.engine_process import EngineProcess, ProcessCore
 from radixinfer.outputs import StreamDelta, TokenBatch
 from radixinfer.sampling_params import SamplingParams
 from radixinfer.tokenizer import IncrementalDetokenizer
@@ -72,22 +73,6 @@ class EngineLoopError(RuntimeError):
 
 class QueueFullError(RuntimeError):
     """The waiting queue holds ``max_waiting`` requests already (a server answers 429)."""
-
-
-class RequestTimeoutError(TimeoutError):
-    """A request ran past its timeout and was aborted."""
-
-
-StreamEvent = StreamDelta | TokenBatch | StreamFailure
-# what a sink receives: one step's events for its requests, in order
-StreamEvents = list[StreamEvent]
-
-
-class Sink(Protocol):
-    """Where a step's events of the requests submitted with it go. ``put`` runs on the thread that
-    delivers the engine's outputs: it must not block (``queue.SimpleQueue.put`` qualifies)."""
-
-    def put(self, events: StreamEvents) -> None: ...
 
 
 class _Core(Protocol):
@@ -135,7 +120,7 @@ class AsyncLLM:
         self._lock = threading.Lock()  # what submitting threads and the delivering thread share
         self._sinks: dict[str, Sink] = {}  # open requests
         self._calls: dict[int, Future] = {}
-        self._routers: dict[asyncio.AbstractEventLoop, _Router] = {}
+        self._routers: dict[asyncio.AbstractEventLoop, StreamRouter] = {}
         self._ids = itertools.count()
         self._call_ids = itertools.count()
         self._num_submitted = 0
@@ -172,7 +157,7 @@ class AsyncLLM:
         router = self._routers.get(loop)
         if router is None:  # a new event loop: forget the routers of closed ones
             self._routers = {old: r for old, r in self._routers.items() if not old.is_closed()}
-            router = self._routers[loop] = _Router(loop)
+            router = self._routers[loop] = StreamRouter(loop)
         prompt_ids = self._prompts.token_ids(prompt)
         params = _checked_params(params)
         timeout = self.request_timeout if timeout is None else timeout
@@ -387,141 +372,3 @@ def _reset_prefix_cache(llm: LLM) -> None:
 def _stats(llm: LLM) -> dict[str, float | int]:
     engine = llm.engine
     return {**llm.cache_stats(), "running": len(engine.active), "waiting": len(engine.waiting)}
-
-
-class _Router:
-    """The sink of every stream opened on one asyncio event loop: the loop thread hands it a step's
-    events with one ``call_soon_threadsafe``, and the event loop routes them to their streams."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.streams: dict[str, AsyncStream] = {}
-
-    def open(
-        self,
-        owner: AsyncLLM,
-        request_id: str,
-        prompt_ids: np.ndarray,
-        timeout: float | None,
-        detokenizer: IncrementalDetokenizer | None,
-    ) -> AsyncStream:
-        stream = AsyncStream(owner, self, request_id, prompt_ids, detokenizer)
-        self.streams[request_id] = stream
-        if timeout is not None:
-            stream._timer = self.loop.call_later(timeout, stream._expire, timeout)
-        return stream
-
-    def put(self, events: StreamEvents) -> None:  # loop thread
-        try:
-            self.loop.call_soon_threadsafe(self._dispatch, events)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            pass
-
-    def _dispatch(self, events: StreamEvents) -> None:  # event loop
-        streams = self.streams
-        for event in events:
-            if type(event) is TokenBatch:
-                for delta in event.deltas():
-                    stream = streams.get(delta.request_id)
-                    if stream is not None:
-                        stream._push(delta)
-                continue
-            stream = streams.get(event.request_id)
-            if stream is not None:
-                stream._push(event)
-
-
-class AsyncStream:
-    """One request's deltas, as an async iterator (the last delta has ``finished`` set); iteration
-    raises the request's error instead when it fails (`RequestTimeoutError` past its timeout).
-    ``prompt_token_ids`` is the prompt as the engine runs it. Use it on the event loop that opened
-    it."""
-
-    def __init__(
-        self,
-        owner: AsyncLLM,
-        router: _Router,
-        request_id: str,
-        prompt_ids: np.ndarray,
-        detokenizer: IncrementalDetokenizer | None,
-    ) -> None:
-        self.request_id = request_id
-        self.prompt_token_ids = prompt_ids
-        self.finished = False
-        self._owner = owner
-        self._router = router
-        self._events: deque[StreamDelta | StreamFailure] = deque()
-        self._waiter: asyncio.Future | None = None
-        self._timer: asyncio.TimerHandle | None = None
-        self._detokenizer = detokenizer
-
-    def __aiter__(self) -> AsyncStream:
-        return self
-
-    async def __anext__(self) -> StreamDelta:
-        if not self._events:
-            if self.finished:
-                raise StopAsyncIteration
-            await self._wait()
-        return self._take([self._events.popleft()])[0]
-
-    async def next_deltas(self) -> list[StreamDelta]:
-        """Every delta that has arrived since the last call, waiting for at least one (a consumer
-        that fell behind takes several steps' tokens at once, and their text, decoded at once, is
-        on the last of them); ``[]`` once the stream has ended."""
-        if not self._events:
-            if self.finished:
-                return []
-            await self._wait()
-        events, self._events = self._events, deque()
-        return self._take(list(events))
-
-    def close(self) -> None:
-        """Stop listening; abort the request if it has not finished. Idempotent."""
-        if self._timer is not None:
-            self._timer.cancel()
-        self._router.streams.pop(self.request_id, None)
-        if not self.finished:
-            self.finished = True
-            self._owner.abort(self.request_id)
-
-    async def _wait(self) -> None:
-        self._waiter = self._router.loop.create_future()
-        try:
-            await self._waiter
-        finally:
-            self._waiter = None
-
-    def _take(self, events: list[StreamDelta | StreamFailure]) -> list[StreamDelta]:
-        """Hand ``events`` to the consumer: a failure raises its error instead. When the stream
-        detokenizes, the text of all their tokens goes on the last delta."""
-        for event in events:
-            if type(event) is StreamFailure:
-                self.close()
-                raise event.error
-        last = events[-1]
-        if last.finished:
-            self.finished = True
-            self.close()
-        if self._detokenizer is not None:
-            ids = last.token_ids if len(events) == 1 else [t for d in events for t in d.token_ids]
-            text = self._detokenizer.add_many(ids)
-            if last.finished:
-                text += self._detokenizer.flush()
-            events[-1] = replace(last, text=text)
-        return events
-
-    def _push(self, event: StreamDelta | StreamFailure) -> None:
-        if event.finished:
-            self._router.streams.pop(self.request_id, None)
-        self._events.append(event)
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    def _expire(self, timeout: float) -> None:
-        self._timer = None
-        if self.request_id in self._router.streams:
-            error = RequestTimeoutError(f"the request ran past its timeout of {timeout:g} s")
-            self._push(StreamFailure(self.request_id, error))
-            self._owner.abort(self.request_id)  # now, not when the consumer reads the failure

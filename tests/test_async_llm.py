@@ -14,12 +14,9 @@ import time
 import pytest
 
 from radixinfer import LLM, AsyncLLM, EngineProcess, SamplingParams
-from radixinfer.async_llm import (
-    EngineLoopError,
-    QueueFullError,
-    RequestTimeoutError,
-    StreamFailure,
-)
+from radixinfer.async_llm import EngineLoopError, QueueFullError
+from radixinfer.async_stream import RequestTimeoutError
+from radixinfer.core_messages import StreamFailure
 from radixinfer.outputs import TokenBatch
 
 PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)

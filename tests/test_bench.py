@@ -13,11 +13,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from radixinfer.async_llm import StreamFailure
 from radixinfer.bench import backends, runner
 from radixinfer.bench.metrics import RequestRecord, cache_delta, latency_ms, summarize
 from radixinfer.bench.report import comparisons, format_report, speedups
-from radixinfer.bench.runner import Variant, open_backend, plan_variants, round_orders, run_workload
+from radixinfer.bench.run_loop import run_workload
+from radixinfer.bench.runner import Variant, open_backend, plan_variants, round_orders
 from radixinfer.bench.workloads import (
     arrival_offsets,
     build_workload,
@@ -26,6 +26,7 @@ from radixinfer.bench.workloads import (
     parse_repeats,
 )
 from radixinfer.cli import parse_args
+from radixinfer.core_messages import StreamFailure
 from radixinfer.outputs import StreamDelta
 from radixinfer.sampling_params import SamplingParams
 from radixinfer.tokenizer import ByteTokenizer, HFTokenizer

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from radixinfer.bench.hf import export_checkpoint
-from radixinfer.bench.runner import Variant, open_backend, run_workload
+from radixinfer.bench.run_loop import run_workload
+from radixinfer.bench.runner import Variant, open_backend
 from radixinfer.bench.workloads import build_workload
 from radixinfer.cli import main, parse_args
 

@@ -9,7 +9,8 @@ import json
 import pytest
 
 from radixinfer import LLM
-from radixinfer.bench.runner import Variant, open_backend, run_workload
+from radixinfer.bench.run_loop import run_workload
+from radixinfer.bench.runner import Variant, open_backend
 from radixinfer.bench.workloads import build_workload
 from radixinfer.cli import main, parse_args
 from tests.http_server import running_server

@@ -1,6 +1,6 @@
 """What the benchmark runs against: a streaming backend that takes token ids and delivers `StreamDelta`s.
 
-The run loop (`radixinfer.bench.runner`) is written once against `Backend`; radixinfer and the
+The run loop (`radixinfer.bench.run_loop`) is written once against `Backend`; radixinfer and the
 transformers baseline (`radixinfer.bench.hf`) differ only here. Every delta's ``timestamp`` must be the
 time its token was produced, in ``time.perf_counter`` seconds, so the loop's own queueing never counts.
 """
@@ -15,7 +15,8 @@ import numpy as np
 
 import radixinfer
 from radixinfer.api import LLM
-from radixinfer.async_llm import AsyncLLM, StreamEvents
+from radixinfer.async_llm import AsyncLLM
+from radixinfer.core_messages import StreamEvents
 from radixinfer.engine_args import llm_kwargs
 from radixinfer.sampling_params import SamplingParams
 from radixinfer.tokenizer import Tokenizer

@@ -26,7 +26,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 from transformers.generation.streamers import BaseStreamer
 
-from radixinfer.async_llm import StreamEvents, StreamFailure
+from radixinfer.core_messages import StreamEvents, StreamFailure
 from radixinfer.models import resolve_dtype
 from radixinfer.models.loader import RANDOM_INIT_STD
 from radixinfer.models.presets import preset_config

@@ -30,8 +30,8 @@ from typing import Any
 
 import httpx
 
-from radixinfer.async_llm import StreamEvents, StreamFailure
 from radixinfer.bench.sse_client import post_events
+from radixinfer.core_messages import StreamEvents, StreamFailure
 from radixinfer.models import load_tokenizer
 from radixinfer.outputs import StreamDelta
 from radixinfer.sampling_params import SamplingParams

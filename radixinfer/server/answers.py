@@ -10,7 +10,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixinfer.async_llm import AsyncStream
+from radixinfer.async_stream import AsyncStream
 from radixinfer.outputs import PositionLogprobs, StreamDelta
 from radixinfer.server.protocol import SamplingRequest, chat_logprobs, completion_logprobs
 

@@ -28,13 +28,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from radixinfer.async_llm import (
-    AsyncLLM,
-    AsyncStream,
-    EngineLoopError,
-    QueueFullError,
-    RequestTimeoutError,
-)
+from radixinfer.async_llm import AsyncLLM, EngineLoopError, QueueFullError
+from radixinfer.async_stream import AsyncStream, RequestTimeoutError
 from radixinfer.chat import chat_prompt_ids
 from radixinfer.outputs import StreamDelta
 from radixinfer.server.answers import ChatChunks, CompletionChunks, Run

@@ -93,7 +93,7 @@ def serve(args: argparse.Namespace) -> None:
     import uvicorn
 
     from radixinfer.async_llm import AsyncLLM
-    from radixinfer.engine_core import EngineProcess
+    from radixinfer.engine_process import EngineProcess
     from radixinfer.server.app import ServerConfig, build_app
 
     config = ServerConfig(

@@ -1,0 +1,125 @@
+"""The values that pass between a front (`radixinfer.AsyncLLM`) and its engine core, over either
+channel (a thread's inbox, or an engine process's pipe), and the sinks a front hands each step's
+events to::
+
+    front -> core   AddRequest, Abort, Call, Close          (`CoreInput`)
+    core -> front   StepOutput, CoreReady, CoreFailed       (`CoreOutput`)
+    front -> sink   one step's events of the sink's requests (`StreamEvents`)
+
+Every message pickles when what it carries does (an engine process sends them over a pipe).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+import numpy as np
+
+from radixinfer.api import LLM
+from radixinfer.engine.prompts import PromptChecker
+from radixinfer.outputs import EngineEvent, StreamDelta, TokenBatch
+from radixinfer.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class StreamFailure:
+    """Put on a request's sink instead of further deltas when the request cannot go on."""
+
+    request_id: str
+    error: BaseException
+    # Like a delta's flag: nothing follows it. A consumer of many requests checks
+    # ``event.finished`` on every event and tells failures apart only then.
+    finished: ClassVar[bool] = True
+
+
+# ---------------------------------------------------------------------- front -> core
+@dataclass(slots=True)
+class AddRequest:
+    request_id: str
+    prompt: np.ndarray  # token ids, checked (`PromptChecker.token_ids`)
+    params: SamplingParams
+    cache_salt: Hashable
+
+
+@dataclass(slots=True)
+class Abort:
+    request_id: str  # a request that has finished already is ignored
+
+
+@dataclass(slots=True)
+class Call:
+    call_id: int
+    fn: Callable[[LLM], Any]  # run between two steps; in an engine process it must pickle
+
+
+@dataclass(slots=True)
+class Close:
+    """Abort every open request, report them, and stop."""
+
+
+CoreInput = AddRequest | Abort | Call | Close
+
+
+# ---------------------------------------------------------------------- core -> front
+@dataclass(slots=True)
+class CallResult:
+    call_id: int
+    value: Any
+    error: BaseException | None
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """Everything one pass of the loop has for the front. ``num_taken`` counts the `AddRequest`s the
+    core has taken so far, ``num_waiting`` the engine's requests queued for admission after the
+    step: the front's waiting count is ``submitted - num_taken + num_waiting``."""
+
+    events: list[EngineEvent | StreamFailure]
+    results: list[CallResult]
+    num_taken: int
+    num_waiting: int
+
+
+@dataclass(frozen=True)
+class CoreReady:
+    """An engine process has built its `LLM`: what its front needs to check prompts."""
+
+    prompts: PromptChecker
+
+
+@dataclass(frozen=True)
+class CoreFailed:
+    """The loop has ended on ``error`` (or its engine process has died); nothing follows."""
+
+    error: BaseException
+
+
+CoreOutput = StepOutput | CoreReady | CoreFailed
+
+
+class CoreChannel(Protocol):
+    """The core's end of a channel."""
+
+    def take(self, block: bool) -> list[CoreInput]:
+        """Every message the front has sent since the last call, in order; with ``block``, waits
+        for at least one. A front that has gone away reads as a `Close`."""
+        ...
+
+    def emit(self, output: CoreOutput) -> None:
+        """Hand ``output`` to the front without waiting for it to be read."""
+        ...
+
+
+# ---------------------------------------------------------------------- front -> sink
+StreamEvent = StreamDelta | TokenBatch | StreamFailure
+# what a sink receives: one step's events for its requests, in order
+StreamEvents = list[StreamEvent]
+
+
+class Sink(Protocol):
+    """Where a step's events of the requests submitted with it go. ``put`` runs on the thread that
+    delivers the engine's outputs: it must not block (``queue.SimpleQueue.put`` qualifies)."""
+
+    def put(self, events: StreamEvents) -> None: ...
