@@ -5,7 +5,12 @@ requests).
 
 The process starts in multiprocessing's spawn context; messages (`radixinfer.core_messages`) are
 pickled over one duplex pipe. Each end of the pipe writes from a sender thread fed by a queue: a
-slow reader never stalls a step, nor a busy engine the front's event loop. An engine process that
+slow reader never stalls a step, nor a busy engine the front's event loop. The sender writes every
+message queued so far as one frame: a thread that has done a pipe read or write must take the GIL
+back before its next one, and while the other thread is busy (the front's event loop streaming
+hundreds of requests) that waits up to the interpreter's switch interval (5 ms) each time; one
+frame per message made a burst of 512 requests reach the engine over more than a second. An engine
+process that
 dies (killed, crashed) closes its end of the pipe, which the front's reader turns into
 `CoreFailed`.
 """
@@ -50,8 +55,9 @@ class EngineProcess:
 
 class _PipeEnd:
     """One end of the duplex pipe: `send` pickles on the calling thread (what does not pickle fails
-    there) and a sender thread writes; `recv` reads one message. Sends after the other end has gone
-    are dropped: the reading side learns of it through ``EOFError``."""
+    there) and a sender thread writes what is queued, in order, a frame at a time; `recv` reads one
+    frame: one or more messages. Sends after the other end has gone are dropped: the reading side
+    learns of it through ``EOFError``."""
 
     def __init__(self, conn: Connection, name: str) -> None:
         self.conn = conn
@@ -62,8 +68,9 @@ class _PipeEnd:
     def send(self, message: object) -> None:
         self._outbox.put(pickle.dumps(message, pickle.HIGHEST_PROTOCOL))
 
-    def recv(self) -> Any:
-        return pickle.loads(self.conn.recv_bytes())
+    def recv(self) -> list[Any]:
+        """The messages of the next frame, in the order sent (blocks until one comes)."""
+        return [pickle.loads(payload) for payload in pickle.loads(self.conn.recv_bytes())]
 
     def close(self) -> None:
         """Write what is queued, then close the pipe."""
@@ -72,9 +79,21 @@ class _PipeEnd:
         self.conn.close()
 
     def _send_all(self) -> None:
-        while (payload := self._outbox.get()) is not None:
+        closing = False
+        while not closing:
+            frame: list[bytes] = []
+            payload = self._outbox.get()
+            while True:
+                if payload is None:  # `close`: what was queued before it goes, then nothing
+                    closing = True
+                    break
+                frame.append(payload)
+                if self._outbox.empty():
+                    break
+                payload = self._outbox.get()
             try:
-                self.conn.send_bytes(payload)
+                if frame:
+                    self.conn.send_bytes(pickle.dumps(frame, pickle.HIGHEST_PROTOCOL))
             except OSError:  # the other end has gone: drop the rest
                 return
 
@@ -88,9 +107,9 @@ class _CoreEnd:
     def take(self, block: bool) -> list[CoreInput]:
         conn = self._pipe.conn
         try:
-            messages = [self._pipe.recv()] if block else []
+            messages = self._pipe.recv() if block else []
             while conn.poll():
-                messages.append(self._pipe.recv())
+                messages += self._pipe.recv()
         except (EOFError, OSError):
             return [Close()]  # the front has gone
         return messages
@@ -155,6 +174,7 @@ class ProcessCore:
         self._process.start()
         child_conn.close()
         self._pipe = _PipeEnd(conn, "radixinfer-engine-writer")
+        self._early: list[CoreOutput] = []  # what came in the frame of `CoreReady`, after it
         try:
             self.prompts = self._wait_ready()
         except BaseException:
@@ -185,7 +205,7 @@ class ProcessCore:
 
     def _wait_ready(self) -> PromptChecker:
         try:
-            output = self._pipe.recv()
+            output, *self._early = self._pipe.recv()
         except (EOFError, OSError):
             self._process.join(timeout=10)
             raise RuntimeError(
@@ -197,11 +217,13 @@ class ProcessCore:
 
     def _read_all(self) -> None:
         try:
+            outputs, self._early = self._early, []
             while True:
-                output = self._pipe.recv()
-                self._on_output(output)
-                if isinstance(output, CoreFailed):
-                    return
+                for output in outputs:
+                    self._on_output(output)
+                    if isinstance(output, CoreFailed):
+                        return
+                outputs = self._pipe.recv()
         except (EOFError, OSError):
             self._process.join(timeout=5)
             code = self._process.exitcode
