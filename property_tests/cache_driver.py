@@ -43,6 +43,7 @@ from property_tests.kv_model import (
     tree_paths,
 )
 from radixinfer.cache.kv_manager import DecodeLanes, KVCacheManager, ReservePlan, SeqKV
+from radixinfer.cache.tree_node import path_tokens
 
 TOKENS = st.integers(0, 2)
 SALTS = st.sampled_from([None, "tenant-a", "tenant-b"])
@@ -317,7 +318,7 @@ class CacheDriver(RuleBasedStateMachine):
     def _evict_host(self, num_blocks: int) -> None:
         host = self.mgr.host.pool
         free = host.num_free
-        freed = self.mgr.tree.evict_host(num_blocks)
+        freed = self.mgr.tree.tiers.evict(num_blocks)
         event(f"host evict: freed {'some' if freed else 'nothing'}")
         assert host.num_free == free + freed
         assert freed >= num_blocks or self.mgr.tree.num_host_evictable_leaves == 0
@@ -350,9 +351,7 @@ class CacheDriver(RuleBasedStateMachine):
             )
             node = req.seq.node
             if node is not None:
-                assert len(self.mgr.tree.path_tokens(node)) == node.end, (
-                    f"locked {node} was detached"
-                )
+                assert len(path_tokens(node)) == node.end, f"locked {node} was detached"
                 assert not node.host, f"locked {node} was written back to the host"
         for salt, paths in self.paths.items():
             for path in tree[salt]:

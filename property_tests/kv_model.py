@@ -5,7 +5,7 @@
   tokens ``[0..p]``), tagged with the request's cache salt. Real KV would not differ between tenants; the tag
   makes any cross-salt sharing visible as a wrong read (invariant 8).
 * **Readers.** Who can read a slot right now: every tree node reads its whole path through
-  ``tree.path_blocks(node)``, every live sequence its positions ``[0, num_kv)`` through its table. A write may
+  ``path_blocks(node, block_size)``, every live sequence its positions ``[0, num_kv)`` through its table. A write may
   only land on a slot nobody reads (invariant 2).
 * **Cached paths.** Plain Python sets of token tuples per salt; the longest match is computed here, never by
   asking the tree.
@@ -21,6 +21,7 @@ from collections import Counter, defaultdict
 from collections.abc import Hashable, Iterable, Sequence
 
 from radixinfer.cache.kv_manager import KVCacheManager, SeqKV, TransferBatch
+from radixinfer.cache.tree_node import path_blocks, path_tokens
 
 Holder = tuple[str, int]  # ("node", node.id) or ("seq", request id)
 
@@ -95,7 +96,7 @@ def tree_paths(mgr: KVCacheManager, gpu_only: bool = False) -> dict[Hashable, se
     paths: dict[Hashable, set[tuple[int, ...]]] = defaultdict(set)
     for salt, node in mgr.tree.nodes():
         if not (gpu_only and node.host):
-            paths[salt].add(tuple(mgr.tree.path_tokens(node).tolist()))
+            paths[salt].add(tuple(path_tokens(node).tolist()))
     return paths
 
 
@@ -106,7 +107,7 @@ def readers(mgr: KVCacheManager, seqs: dict[int, tuple[SeqKV, int]]) -> dict[int
     for _, node in tree.nodes():
         if node.host:  # it reads host slots only
             continue
-        blocks = tree.path_blocks(node)
+        blocks = path_blocks(node, bs)
         for p in range(node.end):
             out[slot_of(blocks, p, bs)].add(("node", node.id))
     for rid, (seq, num_read) in seqs.items():
@@ -122,7 +123,7 @@ def check_tree_reads_back(mgr: KVCacheManager, kv: FakeKV) -> None:
     KV)."""
     tree, bs = mgr.tree, mgr.block_size
     for salt, node in tree.nodes():
-        path = tree.path_tokens(node).tolist()
+        path = path_tokens(node).tolist()
         assert len(path) == node.end
         if node.host:
             shift = node.start // bs * bs  # a node's blocks start at its first position's block
@@ -130,7 +131,7 @@ def check_tree_reads_back(mgr: KVCacheManager, kv: FakeKV) -> None:
             got = [kv.host.get(slot_of(node.blocks, p - shift, bs)) for p in own]
             want = [kv_value(salt, path[: p + 1]) for p in own]
         else:
-            got = kv.read(tree.path_blocks(node), node.end)
+            got = kv.read(path_blocks(node, bs), node.end)
             want = [kv_value(salt, path[: p + 1]) for p in range(node.end)]
         assert got == want, f"{node} (salt {salt!r}) reads {got}, its path is {path}"
 
