@@ -122,7 +122,9 @@ def check_tree_reads_back(mgr: KVCacheManager, kv: FakeKV) -> None:
     (so whatever round trips a block made between the tiers, it came back with its own path's
     KV)."""
     tree, bs = mgr.tree, mgr.block_size
+    salt_of = {}
     for salt, node in tree.nodes():
+        salt_of[node] = salt
         path = path_tokens(node).tolist()
         assert len(path) == node.end
         if node.host:
@@ -134,18 +136,30 @@ def check_tree_reads_back(mgr: KVCacheManager, kv: FakeKV) -> None:
             got = kv.read(path_blocks(node, bs), node.end)
             want = [kv_value(salt, path[: p + 1]) for p in range(node.end)]
         assert got == want, f"{node} (salt {salt!r}) reads {got}, its path is {path}"
+    copies = mgr.tree.tiers.copies if mgr.tree.tiers is not None else {}
+    for node, copy in copies.items():  # a write-through copy holds the node's own positions' KV
+        path = path_tokens(node).tolist()
+        shift = node.start // bs * bs
+        got = [kv.host.get(slot_of(copy, p - shift, bs)) for p in range(node.start, node.end)]
+        want = [kv_value(salt_of[node], path[: p + 1]) for p in range(node.start, node.end)]
+        assert got == want, f"{node}'s host copy holds {got}, its path is {path}"
 
 
 def check_holders(mgr: KVCacheManager, live: dict[int, tuple[Hashable, SeqKV]]) -> None:
-    """Invariants 1 and 8, counted literally: refcount = holders, free = unheld, salts hold disjoint blocks.
-    ``live`` maps request id -> (salt, seq)."""
+    """Invariants 1 and 8, counted literally: refcount = holders, free = unheld, salts hold disjoint blocks
+    (in both pools; a node's write-through copy holds host blocks). ``live`` maps request id -> (salt,
+    seq)."""
     held: Counter[int] = Counter()
     host_held: Counter[int] = Counter()
     by_salt: dict[Hashable, set[int]] = defaultdict(set)
     host_by_salt: dict[Hashable, set[int]] = defaultdict(set)
+    copies = mgr.tree.tiers.copies if mgr.tree.tiers is not None else {}
     for salt, node in mgr.tree.nodes():
         (host_held if node.host else held).update(node.blocks)
         (host_by_salt if node.host else by_salt)[salt].update(node.blocks)
+        if node in copies:  # a write-through copy holds host blocks too
+            host_held.update(copies[node])
+            host_by_salt[salt].update(copies[node])
     if mgr.host is not None:  # both pools: refcount = holders, free = unheld
         host_pool = mgr.host.pool
         for b in range(host_pool.num_blocks):

@@ -7,6 +7,13 @@ A node lives in one of two tiers: GPU-resident (its ``blocks`` are GPU block ids
 (`radixinfer.cache.radix_tree` draws the picture). Every move keeps that: an offload takes the tail
 of a GPU-frontier node, a load takes the top of a host-resident path. The copies a move implies are
 queued on the `HostTier`; nothing is copied here.
+
+Write-through (``write_through_hits`` k, off when None): a GPU-resident node matched by more than k
+admissions gets a host copy of its blocks while it stays on the GPU (``copies``, when the host pool
+has the blocks free), so its later eviction is a change of tier with no copy. The copy mirrors the
+node's blocks one for one: a split divides it as it divides the blocks, an eviction that drops the
+node (rather than writing it back) drops it, and the host tier's eviction takes copies before
+host-resident nodes (their data is still on the GPU).
 """
 
 from __future__ import annotations
@@ -22,11 +29,19 @@ if TYPE_CHECKING:
 
 
 class HostResidency:
-    """The tier moves of ``tree``'s nodes, over the GPU pool and ``host``'s pool."""
+    """The tier moves of ``tree``'s nodes, over the GPU pool and ``host``'s pool, and the
+    write-through policy's state beside the tree: admissions per GPU-resident node (``hits``, while
+    write-through is on) and host copies (``copies``: node -> host blocks, one per GPU block)."""
 
-    def __init__(self, tree: RadixTree, host: HostTier) -> None:
+    def __init__(self, tree: RadixTree, host: HostTier, write_through_hits: int | None) -> None:
+        hits = write_through_hits
+        if hits is not None and (not isinstance(hits, int) or isinstance(hits, bool) or hits < 0):
+            raise ValueError(f"host_write_through_hits must be an int >= 0 or None, got {hits!r}")
         self.tree = tree
         self.host = host
+        self.write_through_hits = write_through_hits
+        self.hits: dict[Node, int] = {}
+        self.copies: dict[Node, list[int]] = {}
 
     def _retier(self, node: Node, blocks: list[int], host: bool) -> None:
         """Move ``node`` to the other tier, holding ``blocks`` there (their references are taken;
@@ -41,7 +56,8 @@ class HostResidency:
         """Make the host-resident ``node`` (whose parent is GPU-resident) GPU-resident in
         ``gpu_blocks`` (fresh: one reference each, as many as it lists). The host-to-GPU copies are
         queued on the host tier; the node's host blocks are dropped (a split's shared boundary block
-        stays with the host-resident child holding it too)."""
+        stays with the host-resident child holding it too), or kept as its copy with
+        write-through on (they hold its KV: a later eviction moves nothing)."""
         assert node.host and not node.parent.host, f"load of {node}, not the top of a host path"
         pool = self.tree.pool
         bs, fill = pool.block_size, pool.fill
@@ -50,7 +66,10 @@ class HostResidency:
         host_blocks = node.blocks
         self.host.queue(False, host_blocks, gpu_blocks)
         self._retier(node, gpu_blocks, host=False)
-        self.host.pool.decref(host_blocks)
+        if self.write_through_hits is None:
+            self.host.pool.decref(host_blocks)
+        else:
+            self.copies[node] = host_blocks
         counters = self.host.counters
         counters.loaded_blocks += len(gpu_blocks)
         counters.loaded_tokens += node.end - node.start
@@ -113,6 +132,8 @@ class HostResidency:
         tree, host_pool = self.tree, self.host.pool
         bs = tree.block_size
         count = min(num_blocks, len(node.blocks))
+        if node in self.copies:
+            return self._evict_to_copy(node, count)
         if host_pool.num_free < count:
             self.evict(count - host_pool.num_free)
         count = min(count, host_pool.num_free)
@@ -128,16 +149,87 @@ class HostResidency:
         host_blocks = host_pool.allocate(len(gpu_blocks))
         self.host.queue(True, gpu_blocks, host_blocks)
         self._retier(node, host_blocks, host=True)
+        self.hits.pop(node, None)
         counters = self.host.counters
         counters.offloaded_blocks += len(gpu_blocks)
         counters.offloaded_tokens += node.end - node.start
         return tree.pool.decref(gpu_blocks)
 
+    def _evict_to_copy(self, node: Node, count: int) -> int:
+        """`offload_tail` of a node with a host copy: its last ``count`` blocks' positions become a
+        host-resident node holding the copy's blocks; nothing is copied."""
+        tree = self.tree
+        bs = tree.block_size
+        first_index = (node.end - 1) // bs - count + 1
+        if first_index * bs > node.start:
+            tree.split_at(node, first_index * bs)  # the copy splits with it
+        gpu_blocks = node.blocks
+        self._retier(node, self.copies.pop(node), host=True)
+        self.hits.pop(node, None)
+        self.host.counters.evicted_to_copy_tokens += node.end - node.start
+        return tree.pool.decref(gpu_blocks)
+
+    def count_hit(self, node: Node, unwritten: dict[int, int]) -> None:
+        """An admission matched the GPU-resident path down to ``node``: count a hit on each node of
+        it, and copy to the host those hit more than ``write_through_hits`` times that have no copy
+        yet, as far as free host blocks go. A node with a block the forward being planned has yet
+        to write (``unwritten``: block -> slots written) waits for a later hit."""
+        limit, hits, copies = self.write_through_hits, self.hits, self.copies
+        host_pool = self.host.pool
+        bs = self.tree.block_size
+        while node.parent is not None:
+            count = hits[node] = hits.get(node, 0) + 1
+            if count > limit and node not in copies and len(node.blocks) <= host_pool.num_free:
+                first = node.start // bs
+                written = all(
+                    unwritten.get(block, bs) >= min(bs, node.end - index * bs)
+                    for index, block in enumerate(node.blocks, start=first)
+                )
+                if written:
+                    copy = host_pool.allocate(len(node.blocks))
+                    self.host.queue(True, node.blocks, copy)
+                    copies[node] = copy
+                    self.host.counters.written_through_blocks += len(copy)
+                    self.host.counters.written_through_tokens += node.end - node.start
+            node = node.parent
+
+    def split(self, lower: Node, upper: Node, num_upper: int, lower_dropped: int) -> None:
+        """`RadixTree.split_at` made ``upper`` (``num_upper`` blocks) above ``lower``, which dropped
+        its first ``lower_dropped`` blocks: divide ``lower``'s copy and hits the same way."""
+        if lower in self.hits:
+            self.hits[upper] = self.hits[lower]
+        copy = self.copies.get(lower)
+        if copy is not None:
+            self.copies[upper] = copy[:num_upper]
+            self.host.pool.incref(copy[:num_upper])
+            self.host.pool.decref(copy[:lower_dropped])  # never frees: the upper copy holds them
+            self.copies[lower] = copy[lower_dropped:]
+
+    def forget(self, node: Node) -> None:
+        """``node`` is being dropped from the GPU (trimmed, not written back): drop its copy and
+        hits."""
+        self.hits.pop(node, None)
+        copy = self.copies.pop(node, None)
+        if copy is not None:
+            self.host.counters.host_evicted_blocks += self.host.pool.decref(copy)
+
+    def reset(self) -> None:
+        """Drop every copy and hit count (the tree is dropping every node)."""
+        for copy in self.copies.values():
+            self.host.pool.decref(copy)
+        self.copies.clear()
+        self.hits.clear()
+
     def evict(self, num_blocks: int) -> int:
-        """Free up to ``num_blocks`` host blocks by trimming unlocked host-resident leaves from
-        their tails, least recently used first, as `RadixTree.evict` does on the GPU. Returns the
-        host blocks freed."""
+        """Free up to ``num_blocks`` host blocks: first write-through copies (oldest first: their
+        data is still on the GPU), then by trimming unlocked host-resident leaves from their tails,
+        least recently used first, as `RadixTree.evict` does on the GPU. Returns the host blocks
+        freed."""
         freed = 0
+        copies = self.copies
+        while freed < num_blocks and copies:
+            node = next(iter(copies))
+            freed += self.host.pool.decref(copies.pop(node))
         lru = self.tree.lru
         while freed < num_blocks and lru.host:
             self.tree.version += 1

@@ -71,13 +71,16 @@ class KVCacheManager:
 
     With ``enable_prefix_cache=False`` nothing is matched or published: every sequence computes and
     owns all of its blocks. ``host_blocks > 0`` (prefix cache on) puts a host tier of that many
-    blocks under the GPU pool (``host``; None without one).
+    blocks under the GPU pool (``host``; None without one); ``host_write_through_hits`` k (None:
+    off) copies a prefix to it while still on the GPU once more than k admissions matched it
+    (`HostResidency`).
     """
 
     num_blocks: int
     block_size: int
     enable_prefix_cache: bool = True
     host_blocks: int = 0
+    host_write_through_hits: int | None = None
     pool: BlockPool = field(init=False)
     tree: RadixTree = field(init=False)
     host: HostTier | None = field(init=False, default=None)
@@ -94,9 +97,12 @@ class KVCacheManager:
             raise ValueError(f"host_blocks must be >= 0, got {self.host_blocks}")
         if self.host_blocks and not self.enable_prefix_cache:
             raise ValueError("a host tier (host_blocks > 0) needs the prefix cache enabled")
+        hits = self.host_write_through_hits
+        if hits is not None and not self.host_blocks:
+            raise ValueError("host_write_through_hits needs a host tier (host_blocks > 0)")
         if self.host_blocks:
             self.host = HostTier(self.host_blocks, self.block_size)
-        self.tree = RadixTree(self.pool, self.host)
+        self.tree = RadixTree(self.pool, self.host, hits)
 
     # ------------------------------------------------------------------ admission
     def admit(
@@ -131,6 +137,8 @@ class KVCacheManager:
         self.tree.lock(match.node)
         self.pool.incref(match.blocks)
         node = match.node if match.length else None  # an empty match reaches only the root
+        if node is not None and self.host_write_through_hits is not None:
+            self.tree.tiers.count_hit(node, self._written_fill)
         return SeqKV(
             salt,
             list(match.blocks),
@@ -242,6 +250,11 @@ class KVCacheManager:
         copy or forward); empty without a host tier."""
         return self.host.take_transfers() if self.host is not None else []
 
+    def is_loading(self, seq: SeqKV) -> bool:
+        """Whether a block ``seq`` reads may still be arriving from the host tier: no forward or
+        copy may read its blocks until `HostTier.finish_loads` says its loads completed."""
+        return self.host is not None and self.host.is_loading(seq.table)
+
     # ------------------------------------------------------------------ publishing
     def publish(
         self, seq: SeqKV, tokens: Sequence[int] | TokenArray, *, prompt_end: bool = False
@@ -254,9 +267,11 @@ class KVCacheManager:
         if not self.enable_prefix_cache or len(tokens) == 0:
             return 0
         result = self._insert(seq, tokens, prompt_end=prompt_end, lock=True)
-        # A duplicate the current forward still has to write stays until a later publish: freed now, it could
-        # be handed out again and written twice by one forward.
+        # A duplicate the current forward still has to write stays until a later publish (freed now, it could
+        # be handed out again and written twice by one forward); a loading tree block replaces nothing.
         remap = [(k, b) for k, b in result.remap if seq.table[k] not in self._written_fill]
+        if remap and self.host is not None:
+            remap = [(k, b) for k, b in remap if not self.host.is_loading((b,))]
         if remap:
             old = [seq.table[k] for k, _ in remap]
             self.pool.incref([b for _, b in remap])

@@ -66,9 +66,11 @@ class TreeCounters:
 
 class RadixTree:
     """The tree over ``pool`` (GPU blocks) and, when ``host`` is given, a host tier under it (its
-    moves: ``tiers``)."""
+    moves: ``tiers``; ``write_through_hits``: `HostResidency`'s write-through, off when None)."""
 
-    def __init__(self, pool: BlockPool, host: HostTier | None = None) -> None:
+    def __init__(
+        self, pool: BlockPool, host: HostTier | None = None, write_through_hits: int | None = None
+    ) -> None:
         self.pool = pool
         self.host = host
         self.block_size = pool.block_size
@@ -77,7 +79,7 @@ class RadixTree:
         self._roots: dict[Hashable, Node] = {}
         # Unlocked GPU-frontier nodes (GPU-resident, no GPU-resident child), unlocked host leaves.
         self.lru = LRUOrder(two_tiers=host is not None)
-        self.tiers = HostResidency(self, host) if host is not None else None
+        self.tiers = None if host is None else HostResidency(self, host, write_through_hits)
         # Bumped by every change of what a walk finds (insert, split, evict, reset; not locks or LRU times):
         # a walk taken at the current version is still exact, so callers may reuse it (see `insert`).
         self.version = 0
@@ -231,6 +233,8 @@ class RadixTree:
         node.blocks = node.blocks[lower_dropped:]
         upper.lock_count = node.lock_count
         upper.last_access = node.last_access
+        if self.tiers is not None:
+            self.tiers.split(node, upper, len(upper_blocks), lower_dropped)
         upper.children[int(node.key[split])] = node
         node.parent.children[int(node.key[0])] = upper
         node.key = node.key[split:].copy()
@@ -271,6 +275,7 @@ class RadixTree:
                     continue
                 if leaf.children:
                     self.tiers.drop_descendants(leaf)
+                self.tiers.forget(leaf)
             self.version += 1
             freed += self.lru.trim_tail(leaf, self.pool)
         self.counters.evicted_blocks += freed
@@ -293,7 +298,8 @@ class RadixTree:
                 node.payload = None
         self._roots.clear()
         self.lru.clear()
-        if self.host is not None:
+        if self.tiers is not None:
+            self.tiers.reset()
             self.host.reset()
         self.version += 1
 
@@ -314,12 +320,14 @@ class RadixTree:
 
     def block_holders(self, host: bool = False) -> dict[int, int]:
         """Block id -> number of tree nodes that hold it, of the GPU pool (``host``: of the host
-        pool)."""
+        pool, write-through copies included)."""
+        held = [node.blocks for _, node in self.nodes() if node.host == host]
+        if host and self.tiers is not None:
+            held += self.tiers.copies.values()
         holders: dict[int, int] = {}
-        for _, node in self.nodes():
-            if node.host == host:
-                for b in node.blocks:
-                    holders[b] = holders.get(b, 0) + 1
+        for blocks in held:
+            for b in blocks:
+                holders[b] = holders.get(b, 0) + 1
         return holders
 
     def check_integrity(self) -> None:
@@ -349,3 +357,6 @@ class RadixTree:
                 if not tier_children and node.lock_count == 0:
                     expected[node.host].add(node.id)
         self.lru.check_integrity(expected)
+        for node, copy in self.tiers.copies.items() if self.tiers is not None else ():
+            assert node.parent is not None and not node.host, f"a copy of {node}"
+            assert len(copy) == len(node.blocks), f"{node}'s copy {copy} is not one per block"
