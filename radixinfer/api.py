@@ -48,8 +48,9 @@ class LLM:
     (``prefill_max_batch_size``, ``prefill_max_tokens``, ``prefill_admission_policy``,
     ``prefill_admission_lookahead``, ``prefill_force_fifo_every``, ``chunked_prefill``,
     ``decode_first``, ``gpu_memory_utilization``, ``max_model_len``, ``max_num_seqs``,
-    ``host_cache_gb``, ``freeze_gc``) are keyword-only. ``max_batch_size`` caps the sequences
-    decoded per step; ``max_num_seqs`` (default: KV memory) caps the requests holding KV at once.
+    ``host_cache_gb``, ``host_write_through_hits``, ``freeze_gc``) are keyword-only.
+    ``max_batch_size`` caps the sequences decoded per step; ``max_num_seqs`` (default: KV memory)
+    caps the requests holding KV at once.
 
     Memory (`radixinfer.engine.memory`): on CUDA the engine may use ``gpu_memory_utilization`` of
     the whole GPU (vLLM's meaning; two engines in one process take a share each). Weights, the
