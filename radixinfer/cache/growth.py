@@ -1,8 +1,8 @@
 """The planning of a `KVCacheManager.reserve`: which slots each sequence of a batch writes, which
 fresh blocks it takes and which boundary blocks it copies first (copy-on-write, by
-`BlockPool.must_copy`; `radixinfer.cache.kv_manager` draws the boundary block). A dry run of the same
-planning counts the fresh blocks without taking them, so the capacity check and the reservation
-never disagree."""
+`BlockPool.must_copy`; `radixinfer.cache.kv_manager` draws the boundary block). A dry run of the
+same planning counts the fresh blocks without taking them, so the capacity check and the
+reservation never disagree."""
 
 from __future__ import annotations
 
@@ -24,10 +24,11 @@ def plan_growth(
     blocks taken (copies included). ``written_fill``: the manager's blocks touched since the last
     forward was issued -> slots written before it; the plan adds the blocks it hands out or writes.
 
-    A sequence's decision depends on the ones before it in the batch: one that claims the next slot of a
-    shared block makes a later one at the same offset copy it, and one that copies leaves the block with
-    one holder fewer. So a ``dry_run`` (no plan, only the count) makes those two changes to the pool's
-    counters too, decides each sequence by the same `BlockPool.must_copy`, and puts the counters back."""
+    A sequence's decision depends on the ones before it in the batch: one that claims the next slot
+    of a shared block makes a later one at the same offset copy it, and one that copies leaves the
+    block with one holder fewer. So a ``dry_run`` (no plan, only the count) makes those two changes
+    to the pool's counters too, decides each sequence by the same `BlockPool.must_copy`, and puts
+    the counters back."""
     bs = pool.block_size
     fill, refcount = pool.fill, pool.refcount
     one_each = new_lens is None  # a decode step: the loop derives each new length, no list built
@@ -64,7 +65,8 @@ def plan_growth(
                 table[-1] = last = copy
                 written_fill[copy] = 0  # even its first `offset` slots arrive only with the copy
             elif written_fill.get(last, bs) > offset:
-                # Slots from `offset` on are written by this forward (a sole holder may rewrite stale ones).
+                # Slots from `offset` on are written by this forward (a sole holder may rewrite
+                # stale ones).
                 written_fill[last] = offset
             end = offset + new_len - start
             if end <= bs:  # the growth stays inside the boundary block (a decode step, 15 in 16)

@@ -28,8 +28,9 @@ def common_prefix_len(a: TokenArray, b: TokenArray) -> int:
 
 
 class Node:
-    """One edge of the tree and the node at its lower end. Kept deliberately small: policy state (the LRU
-    sets) lives beside the tree (`LRUOrder`), not here."""
+    """One edge of the tree and the node at its lower end. Kept deliberately small: policy state
+    (the LRU sets, write-through hits and copies) lives beside the tree (`LRUOrder`,
+    `HostResidency`)."""
 
     __slots__ = (
         "key",
@@ -96,9 +97,10 @@ class MatchResult:
 
 @dataclass(frozen=True)
 class InsertResult:
-    """``node`` is the deepest node of the inserted path (ends at or after the path's end). ``remap`` lists
-    ``(block_index, tree_block)`` pairs the caller must point its table at before releasing its own
-    duplicates (docs/invariants.md, invariant 7). ``new_tokens`` counts tokens the tree did not hold before."""
+    """``node`` is the deepest node of the inserted path (ends at or after the path's end).
+    ``remap`` lists ``(block_index, tree_block)`` pairs the caller must point its table at before
+    releasing its own duplicates (docs/invariants.md, invariant 7). ``new_tokens`` counts tokens
+    the tree did not hold before."""
 
     node: Node
     remap: list[tuple[int, int]]
