@@ -27,7 +27,8 @@ import numpy as np
 
 from radixinfer.cache.block_pool import BlockPool
 from radixinfer.cache.kv_manager import KVCacheManager
-from radixinfer.cache.radix_tree import RadixTree, as_token_array
+from radixinfer.cache.radix_tree import RadixTree
+from radixinfer.cache.tree_node import as_token_array
 
 BLOCK_SIZE = 16
 PROMPT_LEN = 8192

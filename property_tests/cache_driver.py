@@ -43,6 +43,7 @@ from property_tests.kv_model import (
     tree_paths,
 )
 from radixinfer.cache.kv_manager import DecodeLanes, KVCacheManager, ReservePlan, SeqKV
+from radixinfer.cache.tree_node import path_tokens
 
 TOKENS = st.integers(0, 2)
 SALTS = st.sampled_from([None, "tenant-a", "tenant-b"])
@@ -90,14 +91,20 @@ class CacheDriver(RuleBasedStateMachine):
         block_size=st.integers(1, 8),
         capacity_tokens=st.integers(4, 48),
         host_blocks=st.integers(0, 8),
+        write_through=st.sampled_from([None, 0, 1]),
     )
-    def make_cache(self, block_size: int, capacity_tokens: int, host_blocks: int) -> None:
+    def make_cache(
+        self, block_size: int, capacity_tokens: int, host_blocks: int, write_through: int | None
+    ) -> None:
         """Pools of 4..48 tokens: small enough that eviction and out-of-memory run all the time;
-        host pools of 0..8 blocks, small enough that the host tier evicts too."""
+        host pools of 0..8 blocks, small enough that the host tier evicts too, with write-through
+        after ``write_through`` hits or without."""
+        host_blocks = host_blocks if self.host_tier else 0
         self.mgr = KVCacheManager(
             num_blocks=-(-capacity_tokens // block_size),
             block_size=block_size,
-            host_blocks=host_blocks if self.host_tier else 0,
+            host_blocks=host_blocks,
+            host_write_through_hits=write_through if host_blocks else None,
         )
         self.bs = block_size
         self.kv = FakeKV(block_size)
@@ -200,6 +207,8 @@ class CacheDriver(RuleBasedStateMachine):
         """Run the host tier's queued copies on the fake stores (before the step's copies and
         writes)."""
         self.kv.apply_transfers(self.mgr.take_transfers())
+        if self.mgr.host is not None:  # the fake copies are done at once
+            self.mgr.host.finish_loads(self.mgr.host.tickets_taken)
 
     def _reserve(
         self, reqs: list[Req], new_tokens: list[list[int]], lanes: bool = False
@@ -317,7 +326,7 @@ class CacheDriver(RuleBasedStateMachine):
     def _evict_host(self, num_blocks: int) -> None:
         host = self.mgr.host.pool
         free = host.num_free
-        freed = self.mgr.tree.evict_host(num_blocks)
+        freed = self.mgr.tree.tiers.evict(num_blocks)
         event(f"host evict: freed {'some' if freed else 'nothing'}")
         assert host.num_free == free + freed
         assert freed >= num_blocks or self.mgr.tree.num_host_evictable_leaves == 0
@@ -350,9 +359,7 @@ class CacheDriver(RuleBasedStateMachine):
             )
             node = req.seq.node
             if node is not None:
-                assert len(self.mgr.tree.path_tokens(node)) == node.end, (
-                    f"locked {node} was detached"
-                )
+                assert len(path_tokens(node)) == node.end, f"locked {node} was detached"
                 assert not node.host, f"locked {node} was written back to the host"
         for salt, paths in self.paths.items():
             for path in tree[salt]:

@@ -5,7 +5,7 @@
   tokens ``[0..p]``), tagged with the request's cache salt. Real KV would not differ between tenants; the tag
   makes any cross-salt sharing visible as a wrong read (invariant 8).
 * **Readers.** Who can read a slot right now: every tree node reads its whole path through
-  ``tree.path_blocks(node)``, every live sequence its positions ``[0, num_kv)`` through its table. A write may
+  ``path_blocks(node, block_size)``, every live sequence its positions ``[0, num_kv)`` through its table. A write may
   only land on a slot nobody reads (invariant 2).
 * **Cached paths.** Plain Python sets of token tuples per salt; the longest match is computed here, never by
   asking the tree.
@@ -21,6 +21,7 @@ from collections import Counter, defaultdict
 from collections.abc import Hashable, Iterable, Sequence
 
 from radixinfer.cache.kv_manager import KVCacheManager, SeqKV, TransferBatch
+from radixinfer.cache.tree_node import path_blocks, path_tokens
 
 Holder = tuple[str, int]  # ("node", node.id) or ("seq", request id)
 
@@ -95,7 +96,7 @@ def tree_paths(mgr: KVCacheManager, gpu_only: bool = False) -> dict[Hashable, se
     paths: dict[Hashable, set[tuple[int, ...]]] = defaultdict(set)
     for salt, node in mgr.tree.nodes():
         if not (gpu_only and node.host):
-            paths[salt].add(tuple(mgr.tree.path_tokens(node).tolist()))
+            paths[salt].add(tuple(path_tokens(node).tolist()))
     return paths
 
 
@@ -106,7 +107,7 @@ def readers(mgr: KVCacheManager, seqs: dict[int, tuple[SeqKV, int]]) -> dict[int
     for _, node in tree.nodes():
         if node.host:  # it reads host slots only
             continue
-        blocks = tree.path_blocks(node)
+        blocks = path_blocks(node, bs)
         for p in range(node.end):
             out[slot_of(blocks, p, bs)].add(("node", node.id))
     for rid, (seq, num_read) in seqs.items():
@@ -121,8 +122,10 @@ def check_tree_reads_back(mgr: KVCacheManager, kv: FakeKV) -> None:
     (so whatever round trips a block made between the tiers, it came back with its own path's
     KV)."""
     tree, bs = mgr.tree, mgr.block_size
+    salt_of = {}
     for salt, node in tree.nodes():
-        path = tree.path_tokens(node).tolist()
+        salt_of[node] = salt
+        path = path_tokens(node).tolist()
         assert len(path) == node.end
         if node.host:
             shift = node.start // bs * bs  # a node's blocks start at its first position's block
@@ -130,21 +133,33 @@ def check_tree_reads_back(mgr: KVCacheManager, kv: FakeKV) -> None:
             got = [kv.host.get(slot_of(node.blocks, p - shift, bs)) for p in own]
             want = [kv_value(salt, path[: p + 1]) for p in own]
         else:
-            got = kv.read(tree.path_blocks(node), node.end)
+            got = kv.read(path_blocks(node, bs), node.end)
             want = [kv_value(salt, path[: p + 1]) for p in range(node.end)]
         assert got == want, f"{node} (salt {salt!r}) reads {got}, its path is {path}"
+    copies = mgr.tree.tiers.copies if mgr.tree.tiers is not None else {}
+    for node, copy in copies.items():  # a write-through copy holds the node's own positions' KV
+        path = path_tokens(node).tolist()
+        shift = node.start // bs * bs
+        got = [kv.host.get(slot_of(copy, p - shift, bs)) for p in range(node.start, node.end)]
+        want = [kv_value(salt_of[node], path[: p + 1]) for p in range(node.start, node.end)]
+        assert got == want, f"{node}'s host copy holds {got}, its path is {path}"
 
 
 def check_holders(mgr: KVCacheManager, live: dict[int, tuple[Hashable, SeqKV]]) -> None:
-    """Invariants 1 and 8, counted literally: refcount = holders, free = unheld, salts hold disjoint blocks.
-    ``live`` maps request id -> (salt, seq)."""
+    """Invariants 1 and 8, counted literally: refcount = holders, free = unheld, salts hold disjoint blocks
+    (in both pools; a node's write-through copy holds host blocks). ``live`` maps request id -> (salt,
+    seq)."""
     held: Counter[int] = Counter()
     host_held: Counter[int] = Counter()
     by_salt: dict[Hashable, set[int]] = defaultdict(set)
     host_by_salt: dict[Hashable, set[int]] = defaultdict(set)
+    copies = mgr.tree.tiers.copies if mgr.tree.tiers is not None else {}
     for salt, node in mgr.tree.nodes():
         (host_held if node.host else held).update(node.blocks)
         (host_by_salt if node.host else by_salt)[salt].update(node.blocks)
+        if node in copies:  # a write-through copy holds host blocks too
+            host_held.update(copies[node])
+            host_by_salt[salt].update(copies[node])
     if mgr.host is not None:  # both pools: refcount = holders, free = unheld
         host_pool = mgr.host.pool
         for b in range(host_pool.num_blocks):

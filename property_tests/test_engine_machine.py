@@ -35,9 +35,12 @@ MAX_NEW = 6
 
 
 @functools.cache
-def _llm(block_size: int, num_blocks: int, prefill_max_tokens: int, host_blocks: int) -> LLM:
+def _llm(
+    block_size: int, num_blocks: int, prefill_max_tokens: int, host_blocks: int, write_through: bool
+) -> LLM:
     """Engines are reused across examples (a fresh one costs a model load); `setup` resets them.
-    ``host_blocks``: the size of the host KV tier under the pool, in blocks (0: none)."""
+    ``host_blocks``: the size of the host KV tier under the pool, in blocks (0: none), with
+    write-through after one hit or without."""
     block_bytes = LLM("tiny", block_size=block_size, num_blocks=1).memory_plan.bytes_per_block
     return LLM(
         "tiny",
@@ -47,6 +50,7 @@ def _llm(block_size: int, num_blocks: int, prefill_max_tokens: int, host_blocks:
         prefill_max_tokens=prefill_max_tokens,
         prefill_max_batch_size=3,
         host_cache_gb=host_blocks * block_bytes / (1 << 30),
+        host_write_through_hits=1 if write_through else None,
     )
 
 
@@ -56,10 +60,15 @@ class EngineMachine(RuleBasedStateMachine):
         spare=st.integers(0, 4),
         budget=st.sampled_from([8, 64]),
         host_blocks=st.sampled_from([0, 8]),
+        write_through=st.booleans(),
     )
-    def setup(self, block_size: int, spare: int, budget: int, host_blocks: int) -> None:
+    def setup(
+        self, block_size: int, spare: int, budget: int, host_blocks: int, write_through: bool
+    ) -> None:
         need = -(-(MAX_PROMPT + MAX_NEW) // block_size) + 1
-        self.llm = _llm(block_size, need + spare, budget, host_blocks)
+        self.llm = _llm(
+            block_size, need + spare, budget, host_blocks, write_through and host_blocks
+        )
         self.engine = self.llm.engine
         for request_id in list(self.engine.requests):  # a previous example's leftovers
             self.engine.abort(request_id)

@@ -48,8 +48,9 @@ class LLM:
     (``prefill_max_batch_size``, ``prefill_max_tokens``, ``prefill_admission_policy``,
     ``prefill_admission_lookahead``, ``prefill_force_fifo_every``, ``chunked_prefill``,
     ``decode_first``, ``gpu_memory_utilization``, ``max_model_len``, ``max_num_seqs``,
-    ``host_cache_gb``, ``freeze_gc``) are keyword-only. ``max_batch_size`` caps the sequences
-    decoded per step; ``max_num_seqs`` (default: KV memory) caps the requests holding KV at once.
+    ``host_cache_gb``, ``host_write_through_hits``, ``freeze_gc``) are keyword-only.
+    ``max_batch_size`` caps the sequences decoded per step; ``max_num_seqs`` (default: KV memory)
+    caps the requests holding KV at once.
 
     Memory (`radixinfer.engine.memory`): on CUDA the engine may use ``gpu_memory_utilization`` of
     the whole GPU (vLLM's meaning; two engines in one process take a share each). Weights, the
@@ -68,7 +69,9 @@ class LLM:
     ``host_cache_gb`` > 0 (prefix cache on) puts a host-memory tier of that many GiB of KV blocks
     (pinned on CUDA) under the KV pool: prefixes evicted from the pool are written back there and
     loaded back when a prompt reuses them (`radixinfer.cache.host_tier`). 0 (the default): none. Not
-    with tensor parallelism yet.
+    with tensor parallelism yet. ``host_write_through_hits`` k (with a host tier; None, the default:
+    off) also copies a prefix there while it is still in the pool once more than k prompts matched
+    it, so its eviction later moves nothing.
 
     ``freeze_gc=True`` is for long-running front ends (a server, a benchmark): everything alive
     once the engine is built (torch, transformers, the model's modules, the graphs) lives as long
@@ -100,6 +103,7 @@ class LLM:
         max_model_len: int | None = None,
         max_num_seqs: int | None = None,
         host_cache_gb: float = 0.0,
+        host_write_through_hits: int | None = None,
         freeze_gc: bool = False,
         tensor_parallel_size: int = 1,
     ) -> None:
@@ -112,7 +116,7 @@ class LLM:
             prefill_force_fifo_every=prefill_force_fifo_every, chunked_prefill=chunked_prefill,
             decode_first=decode_first, gpu_memory_utilization=gpu_memory_utilization,
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, freeze_gc=freeze_gc, host_cache_gb=host_cache_gb,
-            tensor_parallel_size=tensor_parallel_size,
+            host_write_through_hits=host_write_through_hits, tensor_parallel_size=tensor_parallel_size,
         )  # fmt: skip
         self._close: Callable[[], None] = lambda: None
         if tensor_parallel_size == 1:
@@ -139,8 +143,9 @@ class LLM:
             logger.info("host KV tier: %d blocks (%.2f GiB)", host_kv.num_blocks, host_cache_gb)
         host_blocks = host_kv.num_blocks if host_kv is not None else 0
         cache = KVCacheManager(
-            self.memory_plan.num_blocks, block_size, enable_prefix_cache, host_blocks
-        )
+            self.memory_plan.num_blocks, block_size, enable_prefix_cache, host_blocks,
+            host_write_through_hits,
+        )  # fmt: skip
         self.tokenizer = loaded.tokenizer
         self.engine = LLMEngine(
             runner, cache, loaded.tokenizer, loaded.eos_token_ids, config, host_kv

@@ -111,6 +111,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "written back there and loaded back on reuse (0 = none) [0]",
     )
     model.add_argument(
+        "--host-write-through-hits",
+        type=int,
+        default=None,
+        metavar="K",
+        help="with --host-cache-gb: copy a prefix to the host tier while still on the GPU once "
+        "more than K prompts matched it, so its eviction moves nothing [off]",
+    )
+    model.add_argument(
         "--seed",
         type=int,
         default=0,
@@ -133,6 +141,7 @@ def check_engine_arguments(parser: argparse.ArgumentParser, args: argparse.Names
         ("seed", 0),
         ("max_model_len", 1),
         ("tensor_parallel_size", 1),
+        ("host_write_through_hits", 0),
     ):
         value = getattr(args, name)
         if value is not None and value < low:  # None: the flag's default, left to the engine
@@ -143,6 +152,8 @@ def check_engine_arguments(parser: argparse.ArgumentParser, args: argparse.Names
         parser.error("--host-cache-gb must be a number >= 0")
     if args.host_cache_gb and args.no_prefix_cache:
         parser.error("--host-cache-gb needs the prefix cache (drop --no-prefix-cache)")
+    if args.host_write_through_hits is not None and not args.host_cache_gb:
+        parser.error("--host-write-through-hits needs --host-cache-gb > 0")
     try:
         checks.device(args.device)
         checkpoint_dir(args.model)
@@ -173,6 +184,7 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         host_cache_gb=args.host_cache_gb,
+        host_write_through_hits=args.host_write_through_hits,
         freeze_gc=True,
         tensor_parallel_size=args.tensor_parallel_size,
     )

@@ -84,6 +84,7 @@ def engine_options(
     max_num_seqs: int | None,
     freeze_gc: bool,
     host_cache_gb: float,
+    host_write_through_hits: int | None,
     tensor_parallel_size: int,
 ) -> tuple[EngineConfig, RunnerSpec, torch.device]:
     """`LLM`'s arguments checked (``ValueError`` naming the argument), as the engine's config, the
@@ -118,6 +119,9 @@ def engine_options(
         raise ValueError("host_cache_gb needs enable_prefix_cache=True (it holds cached KV)")
     if host_cache_gb and tensor_parallel_size > 1:
         raise ValueError("host_cache_gb: the host tier does not run with tensor parallelism yet")
+    checks.optional_integer("host_write_through_hits", host_write_through_hits, 0)
+    if host_write_through_hits is not None and not host_cache_gb:
+        raise ValueError("host_write_through_hits needs a host tier (host_cache_gb > 0)")
     admission = AdmissionConfig(
         policy=prefill_admission_policy,
         max_requests=max_batch_size if prefill_max_batch_size is None else prefill_max_batch_size,

@@ -74,6 +74,9 @@ def test_summary_percentiles_throughput_and_cache_counters():
         "host_hit_tokens": 0,
         "loaded_tokens": 0,
         "offloaded_tokens": 0,
+        "written_through_tokens": 0,
+        "loaded_bytes": 0,
+        "load_seconds": 0.0,
         "free_blocks": 9,
     }
     after = {**before, "prompt_tokens": 105, "cached_tokens": 81, "computed_prompt_tokens": 24}

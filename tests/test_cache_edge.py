@@ -10,7 +10,7 @@ import pytest
 
 from radixinfer.cache.block_pool import BlockPool, OutOfBlocks
 from radixinfer.cache.kv_manager import KVCacheManager, SeqKV
-from radixinfer.cache.radix_tree import as_token_array
+from radixinfer.cache.tree_node import as_token_array
 
 
 def run_prompt(mgr: KVCacheManager, tokens: list[int], salt=None, *, publish: bool = True) -> SeqKV:

@@ -1,7 +1,8 @@
 """The host KV tier through the public API (CPU: the KV pool and the host pool are both in RAM, the
 engine's logic is the one a GPU runs): multi-turn chat whose history is many times the KV pool gives
-the same greedy tokens as the engine without a prefix cache, and its hits come from the host
-tier."""
+the same greedy tokens as the engine without a prefix cache, with write-through or without, and its
+hits come from the host tier; the tier's counters move by exactly what moved; a request whose
+prefix is loading waits for it while the others go on."""
 
 from __future__ import annotations
 
@@ -18,15 +19,20 @@ HOST_BLOCKS = 256
 
 
 @functools.cache
-def _llm(prefix_cache: bool, host_blocks: int) -> LLM:
-    bytes_per_block = LLM("tiny", block_size=BLOCK_SIZE, num_blocks=1).memory_plan.bytes_per_block
+def _bytes_per_block() -> int:
+    return LLM("tiny", block_size=BLOCK_SIZE, num_blocks=1).memory_plan.bytes_per_block
+
+
+@functools.cache
+def _llm(prefix_cache: bool, host_blocks: int, write_through_hits: int | None = None) -> LLM:
     return LLM(
         "tiny",
         block_size=BLOCK_SIZE,
         num_blocks=NUM_BLOCKS,
         enable_prefix_cache=prefix_cache,
         max_batch_size=8,
-        host_cache_gb=host_blocks * bytes_per_block / (1 << 30),
+        host_cache_gb=host_blocks * _bytes_per_block() / (1 << 30),
+        host_write_through_hits=write_through_hits,
     )
 
 
@@ -46,7 +52,10 @@ def _chat(llm: LLM, conversations: int, turns: int, seed: int) -> list[list[int]
     return answers
 
 
-def test_multi_turn_history_many_times_the_pool_matches_no_cache_with_host_hits():
+@pytest.mark.parametrize("write_through_hits", [None, 1])
+def test_multi_turn_history_many_times_the_pool_matches_no_cache_with_host_hits(
+    write_through_hits,
+):
     conversations, turns = 6, 4
     # 6 conversations of up to 4 x 16 = 64 tokens: 384 tokens of history for an 80-token pool
     want = _chat(_llm(False, 0), conversations, turns, seed=1)
@@ -54,7 +63,7 @@ def test_multi_turn_history_many_times_the_pool_matches_no_cache_with_host_hits(
     gpu_only.reset_prefix_cache()
     before_gpu = gpu_only.cache_stats()
     assert _chat(gpu_only, conversations, turns, seed=1) == want
-    tiered = _llm(True, HOST_BLOCKS)
+    tiered = _llm(True, HOST_BLOCKS, write_through_hits)
     tiered.reset_prefix_cache()
     before = tiered.cache_stats()
     assert _chat(tiered, conversations, turns, seed=1) == want
@@ -63,12 +72,20 @@ def test_multi_turn_history_many_times_the_pool_matches_no_cache_with_host_hits(
     delta = {k: stats[k] - before[k] for k in keys}
     moved = {k: stats[k] - before[k] for k in ("loaded_tokens", "offloaded_tokens")}
     assert delta["host_hit_tokens"] > 0 and moved["loaded_tokens"] >= delta["host_hit_tokens"]
-    assert moved["offloaded_tokens"] >= moved["loaded_tokens"]
+    # every loaded position went to the host first: written back, or evicted onto its copy
+    onto_copies = stats["evicted_to_copy_tokens"] - before["evicted_to_copy_tokens"]
+    assert moved["offloaded_tokens"] + onto_copies >= moved["loaded_tokens"]
     assert delta["cached_tokens"] == delta["host_hit_tokens"] + delta["gpu_hit_tokens"]
     # the evicted histories come back from the host instead of being computed again
     gpu_cached = gpu_stats["cached_tokens"] - before_gpu["cached_tokens"]
     assert delta["cached_tokens"] > gpu_cached
     assert stats["host_total_blocks"] == HOST_BLOCKS
+    written_through = stats["written_through_tokens"] - before["written_through_tokens"]
+    if write_through_hits is None:
+        assert written_through == onto_copies == 0
+    else:  # histories loaded back kept their host blocks, and evictions took those copies
+        assert onto_copies > 0
+    tiered.engine.cache.check_integrity([])  # both pools: every block held by the tree, once
     tiered.reset_prefix_cache()
     after_reset = tiered.cache_stats()
     assert after_reset["free_blocks"] == NUM_BLOCKS
@@ -102,8 +119,111 @@ def test_without_the_option_there_is_no_host_tier():
         (dict(host_cache_gb=1e-9), "host_cache_gb"),  # holds no block
         (dict(host_cache_gb=0.001, enable_prefix_cache=False), "host_cache_gb"),
         (dict(host_cache_gb=0.001, tensor_parallel_size=2), "host_cache_gb"),  # not yet
+        (dict(host_cache_gb=0.001, host_write_through_hits=-1), "host_write_through_hits"),
+        (dict(host_cache_gb=0.001, host_write_through_hits=1.5), "host_write_through_hits"),
+        (dict(host_write_through_hits=1), "host_write_through_hits"),  # no host tier
     ],
 )
 def test_bad_host_cache_gb_is_a_value_error_naming_it(kwargs, field):
     with pytest.raises(ValueError, match=field):
         LLM("tiny", block_size=BLOCK_SIZE, num_blocks=8, **kwargs)
+
+
+P = list(range(10, 50))  # 40 tokens: 10 blocks, half the pool
+Q = list(range(100, 172))  # 72 tokens: 18 blocks (the most a request may hold with its answer)
+ONE = SamplingParams(max_tokens=1, temperature=0.0)
+
+
+def _moved(before: dict, after: dict) -> dict:
+    return {k: v - before[k] for k, v in after.items() if isinstance(v, (int, float))}
+
+
+def test_the_counters_move_by_what_moved_and_the_load_bandwidth_is_bytes_over_time():
+    """P is computed, Q's admission writes 8 blocks of P's tail (32 tokens) back to the host, and P
+    again reads its first 8 tokens where they are and loads the 32 back, after writing 8 blocks of
+    Q back: every counter by exactly that much."""
+    llm = _llm(True, HOST_BLOCKS)
+    llm.reset_prefix_cache()
+    before = llm.cache_stats()
+    for prompt in (P, Q, P):
+        llm.generate([prompt], ONE)
+    moved = _moved(before, llm.cache_stats())
+    assert moved["offloaded_tokens"] == 32 + 32 and moved["loaded_tokens"] == 32
+    assert moved["host_hit_tokens"] == 32 and moved["gpu_hit_tokens"] == 8
+    assert moved["cached_tokens"] == 40 and moved["written_through_tokens"] == 0
+    assert moved["loaded_bytes"] == 8 * _bytes_per_block() and moved["load_seconds"] > 0
+    stats = llm.cache_stats()
+    assert stats["load_gb_per_s"] == pytest.approx(
+        stats["loaded_bytes"] / stats["load_seconds"] / 1e9
+    )
+
+
+def test_with_write_through_the_hit_prefix_is_copied_once_and_its_eviction_moves_nothing():
+    llm = _llm(True, HOST_BLOCKS, 0)
+    llm.reset_prefix_cache()
+    before = llm.cache_stats()
+    for prompt in (P, P, Q, P):  # the second P hits it: it is copied to the host
+        llm.generate([prompt], ONE)
+    moved = _moved(before, llm.cache_stats())
+    assert moved["written_through_tokens"] == 40
+    assert moved["evicted_to_copy_tokens"] == 32  # Q's admission evicts P's tail onto its copy
+    assert moved["offloaded_tokens"] == 32  # only Q's tail, for P's load: P moved nothing
+    assert moved["loaded_tokens"] == moved["host_hit_tokens"] == 32
+    assert moved["gpu_hit_tokens"] == 40 + 8  # the second P, and the third's head
+    # the loaded tail kept its host blocks as its copy: nothing more was written through
+    llm.engine.cache.check_integrity([])
+
+
+def test_a_request_waits_for_its_load_while_the_others_go_on_and_aborting_it_leaks_nothing():
+    want = _llm(False, 0).generate([P + [7, 8], list(range(200, 230))], ONE)
+    llm = _llm(True, HOST_BLOCKS)
+    llm.reset_prefix_cache()
+    llm.generate([P], ONE)
+    llm.generate([Q], ONE)  # P is host-resident now
+    engine = llm.engine
+    loading = engine.add_request(P + [7, 8], ONE)
+    fresh = engine.add_request(list(range(200, 230)), ONE)
+    engine.step()  # both admitted: P's load is queued and run, the fresh prompt is computed
+    assert engine.requests[fresh].prompt_done == 30
+    assert engine.requests[loading].prompt_done == 0  # it waited for its load
+    while engine.has_unfinished():
+        engine.step()
+    got = [engine.pop_finished(r).output_ids for r in (loading, fresh)]
+    assert got == [w.token_ids for w in want]
+    assert llm.cache_stats()["host_hit_tokens"] > 0
+    # a request aborted while it waits for its load releases everything
+    llm.generate([Q], ONE)
+    held = engine.add_request(P + [9], ONE)
+    engine.step()
+    assert engine.requests[held].prompt_done == 0
+    engine.abort(held)
+    engine.pop_finished(held)
+    assert llm.generate([P + [7, 8]], ONE)[0].token_ids == want[0].token_ids
+    engine.cache.check_integrity([])
+    llm.reset_prefix_cache()
+    stats = llm.cache_stats()
+    assert (stats["free_blocks"], stats["host_free_blocks"]) == (NUM_BLOCKS, HOST_BLOCKS)
+
+
+def test_the_server_metrics_carry_the_tier_counters():
+    from radixinfer.server.metrics import ServerMetrics
+
+    llm = _llm(True, HOST_BLOCKS)
+    llm.reset_prefix_cache()
+    for prompt in (P, Q, P):
+        llm.generate([prompt], ONE)
+    stats = llm.cache_stats()
+    text = ServerMetrics().render({**stats, "running": 0, "waiting": 0}).decode()
+    values = dict(line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
+    expected = {
+        "radixinfer_prefix_cache_gpu_hit_tokens_total": stats["gpu_hit_tokens"],
+        "radixinfer_prefix_cache_host_hit_tokens_total": stats["host_hit_tokens"],
+        "radixinfer_host_cache_loaded_tokens_total": stats["loaded_tokens"],
+        "radixinfer_host_cache_offloaded_tokens_total": stats["offloaded_tokens"],
+        "radixinfer_host_cache_written_through_tokens_total": stats["written_through_tokens"],
+        "radixinfer_host_cache_loaded_bytes_total": stats["loaded_bytes"],
+        "radixinfer_host_cache_load_seconds_total": stats["load_seconds"],
+        "radixinfer_host_cache_load_bandwidth_bytes_per_second": stats["load_gb_per_s"] * 1e9,
+    }
+    assert {k: float(values[k]) for k in expected} == pytest.approx(expected)
+    assert stats["gpu_hit_tokens"] > 0 and stats["loaded_bytes"] > 0

@@ -4,6 +4,8 @@ one's place (the property machines cover random interleavings)."""
 
 from __future__ import annotations
 
+import pytest
+
 from radixinfer.cache.kv_manager import KVCacheManager
 
 A = list(range(1, 9))  # 8 tokens: 4 blocks of 2
@@ -75,3 +77,119 @@ def test_a_recomputed_prefix_takes_the_host_resident_nodes_place():
     mgr.release(holder)
     mgr.reset()
     assert mgr.host.pool.num_free == 8 and mgr.num_free_blocks == 6
+
+
+def test_write_through_copies_a_prefix_hit_more_than_k_times_and_its_eviction_moves_nothing():
+    mgr = KVCacheManager(num_blocks=6, block_size=2, host_blocks=8, host_write_through_hits=1)
+    _publish(mgr, A)
+    mgr.release(mgr.admit(A))  # one hit: not more than 1
+    assert _moved(mgr) == [] and mgr.host.counters.written_through_tokens == 0
+    mgr.release(mgr.admit(A))  # the second
+    assert _moved(mgr) == [("offload", 4)]  # copied while it stays on the GPU
+    counters = mgr.host.counters
+    assert (counters.written_through_blocks, counters.written_through_tokens) == (4, 8)
+    mgr.release(mgr.admit(A))  # a third hit copies nothing more
+    assert _moved(mgr) == []
+    mgr.check_integrity([])
+    assert mgr.tree.evict(4) == 4
+    assert _moved(mgr) == []  # the eviction took the copy: nothing moved
+    assert (counters.evicted_to_copy_tokens, counters.offloaded_tokens) == (8, 0)
+    seq = mgr.admit(A)
+    assert (seq.num_cached, seq.num_loaded) == (8, 8)
+    assert _moved(mgr) == [("load", 4)]
+    mgr.release(seq)
+    mgr.check_integrity([])
+
+
+def _copied(num_blocks: int, host_blocks: int) -> KVCacheManager:
+    """A cache with write-through after 0 hits, where A was published and hit once: copied."""
+    mgr = KVCacheManager(num_blocks, 2, host_blocks=host_blocks, host_write_through_hits=0)
+    _publish(mgr, A)
+    mgr.release(mgr.admit(A))
+    assert _moved(mgr) == [("offload", 4)]
+    return mgr
+
+
+def test_a_split_divides_the_copy_and_a_partial_eviction_takes_its_tail():
+    mgr = _copied(num_blocks=8, host_blocks=8)
+    seq = mgr.admit(A[:5])  # ends mid-node: the node and its copy split at position 5
+    assert seq.num_cached == 5
+    mgr.check_integrity([seq])
+    mgr.release(seq)
+    assert mgr.tree.evict(1) == 1  # the tail block goes onto its copy
+    assert _moved(mgr) == []
+    assert mgr.host.counters.evicted_to_copy_tokens == 2
+    assert mgr.cached_prefix_len(A) == 8
+    mgr.check_integrity([])
+    mgr.reset()
+    assert mgr.host.pool.num_free == 8 and mgr.num_free_blocks == 8
+
+
+def test_write_through_waits_for_blocks_the_forward_has_yet_to_write():
+    mgr = KVCacheManager(num_blocks=8, block_size=2, host_blocks=8, host_write_through_hits=0)
+    writer = mgr.admit(A)
+    assert mgr.reserve([writer], [8]) is not None
+    mgr.publish(writer, A, prompt_end=True)  # published before the forward that writes it
+    reader = mgr.admit(A)  # a hit on unwritten blocks: no copy yet
+    assert reader.num_cached == 8 and _moved(mgr) == []
+    mgr.mark_written()
+    mgr.release(mgr.admit(A))  # the next hit copies it
+    assert _moved(mgr) == [("offload", 4)]
+    mgr.release(reader)
+    mgr.release(writer)
+    mgr.check_integrity([])
+
+
+def test_the_host_tier_gives_up_copies_before_host_resident_prefixes():
+    mgr = _copied(num_blocks=6, host_blocks=4)  # the host pool is all A's copy
+    _publish(mgr, [50, 51, 52, 53])
+    mgr.release(mgr.admit(A))  # A is used more recently than the new prefix
+    _publish(mgr, [60, 61, 62, 63])  # evicts [50..53], which has no copy: it is written back
+    assert _moved(mgr) == [("offload", 2)]
+    assert mgr.host.counters.host_evicted_blocks == 4  # room made by dropping A's copy
+    assert mgr.cached_prefix_len(A) == 8 and mgr.cached_prefix_len([50, 51, 52, 53]) == 4
+    mgr.check_integrity([])
+
+
+def test_loaded_blocks_are_loading_until_their_ticket_finishes():
+    mgr = KVCacheManager(num_blocks=8, block_size=2, host_blocks=8)
+    _publish(mgr, A)
+    mgr.tree.evict(4)
+    seq = mgr.admit(A)
+    assert seq.num_loaded == 8 and mgr.is_loading(seq)
+    mgr.take_transfers()
+    ticket = mgr.host.tickets_taken
+    mgr.host.finish_loads(ticket - 1)  # an earlier take's loads finishing frees nothing here
+    assert mgr.is_loading(seq)
+    twin = mgr.admit(A)  # a hit on the loaded blocks reads them too
+    assert twin.num_loaded == 0 and mgr.is_loading(twin)
+    mgr.host.finish_loads(ticket)
+    assert not mgr.is_loading(seq) and not mgr.is_loading(twin)
+    for s in (seq, twin):
+        mgr.release(s)
+    mgr.check_integrity([])
+
+
+def test_publishing_does_not_remap_onto_blocks_still_loading():
+    mgr = KVCacheManager(num_blocks=12, block_size=2, host_blocks=8)
+    computer = mgr.admit(A)  # computes A itself
+    assert mgr.reserve([computer], [8]) is not None
+    mgr.mark_written()
+    _publish(mgr, A)  # publishes A from other blocks: the tree holds those
+    mgr.tree.evict(4)  # ... and writes them back
+    loader = mgr.admit(A)  # loads A into fresh blocks, still loading
+    assert loader.num_loaded == 8
+    mgr.publish(computer, A)  # the tree's blocks are loading: the computer keeps its own
+    assert not mgr.is_loading(computer)
+    mgr.check_integrity([computer, loader])
+    for s in (computer, loader):
+        mgr.release(s)
+    mgr.check_integrity([])
+
+
+def test_bad_write_through_settings_are_value_errors_naming_them():
+    for bad in (-1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="host_write_through_hits"):
+            KVCacheManager(num_blocks=4, block_size=2, host_blocks=4, host_write_through_hits=bad)
+    with pytest.raises(ValueError, match="host_write_through_hits"):
+        KVCacheManager(num_blocks=4, block_size=2, host_write_through_hits=1)  # no host tier

@@ -111,7 +111,7 @@ def open_radixinfer(
     kwargs = llm_kwargs(args)
     kwargs.update(model=model, enable_prefix_cache=prefix_cache, prefill_admission_policy=policy)
     if not prefix_cache or host_cache is False:
-        kwargs["host_cache_gb"] = 0.0
+        kwargs.update(host_cache_gb=0.0, host_write_through_hits=None)
     if gpu_memory_utilization is not None:
         kwargs["gpu_memory_utilization"] = gpu_memory_utilization
     if num_blocks is not None:

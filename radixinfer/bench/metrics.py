@@ -95,6 +95,9 @@ def cache_delta(before: dict | None, after: dict | None) -> dict | None:
         "host_hit_tokens",
         "loaded_tokens",
         "offloaded_tokens",
+        "written_through_tokens",
+        "loaded_bytes",
+        "load_seconds",
     )
     return {k: after[k] - before[k] for k in keys}
 
@@ -128,6 +131,11 @@ def summarize(records: Sequence[RequestRecord], wall_s: float, cache: dict | Non
         "host_hit_tokens": cache["host_hit_tokens"] if cache else None,
         "loaded_tokens": cache["loaded_tokens"] if cache else None,
         "offloaded_tokens": cache["offloaded_tokens"] if cache else None,
+        "written_through_tokens": cache["written_through_tokens"] if cache else None,
+        # host-to-device bandwidth of the host tier's loads (their device time)
+        "load_gb_per_s": cache["loaded_bytes"] / cache["load_seconds"] / 1e9
+        if cache and cache["load_seconds"]
+        else None,
         "ttft_ms": latency_ms(r.ttft for r in timed),
         "tpot_ms": latency_ms(t for t in (r.tpot for r in timed) if t is not None),
         "itl_ms": latency_ms(gap for r in timed for gap in r.itls),

@@ -23,7 +23,7 @@ Copies are returned to the caller, who performs all of a step's copies in one ba
 the step's K/V writes.
 
 With a host tier (``host_blocks > 0``), eviction writes LRU tails back to host blocks and `admit`
-loads a match's host-resident part back into GPU blocks (`RadixTree.evict`, `RadixTree.load`). The
+loads a match's host-resident part back into GPU blocks (`RadixTree.evict`, `HostResidency.load`). The
 copies between the tiers are queued: the caller runs `take_transfers` before the step's block
 copies.
 """
@@ -36,15 +36,16 @@ from typing import Any
 
 from radixinfer.cache.block_pool import BlockPool
 from radixinfer.cache.decode_step import DecodeLanes, reserve_step
+from radixinfer.cache.growth import plan_growth
 from radixinfer.cache.host_tier import HostTier, TransferBatch
-from radixinfer.cache.radix_tree import (
+from radixinfer.cache.radix_tree import RadixTree
+from radixinfer.cache.sequence import ReservePlan, SeqKV, TreeWalk
+from radixinfer.cache.tree_node import (
     InsertResult,
     MatchResult,
-    RadixTree,
     TokenArray,
     as_token_array,
 )
-from radixinfer.cache.sequence import ReservePlan, SeqKV, TreeWalk
 
 __all__ = [
     "CacheCounters",
@@ -70,13 +71,16 @@ class KVCacheManager:
 
     With ``enable_prefix_cache=False`` nothing is matched or published: every sequence computes and
     owns all of its blocks. ``host_blocks > 0`` (prefix cache on) puts a host tier of that many
-    blocks under the GPU pool (``host``; None without one).
+    blocks under the GPU pool (``host``; None without one); ``host_write_through_hits`` k (None:
+    off) copies a prefix to it while still on the GPU once more than k admissions matched it
+    (`HostResidency`).
     """
 
     num_blocks: int
     block_size: int
     enable_prefix_cache: bool = True
     host_blocks: int = 0
+    host_write_through_hits: int | None = None
     pool: BlockPool = field(init=False)
     tree: RadixTree = field(init=False)
     host: HostTier | None = field(init=False, default=None)
@@ -93,9 +97,12 @@ class KVCacheManager:
             raise ValueError(f"host_blocks must be >= 0, got {self.host_blocks}")
         if self.host_blocks and not self.enable_prefix_cache:
             raise ValueError("a host tier (host_blocks > 0) needs the prefix cache enabled")
+        hits = self.host_write_through_hits
+        if hits is not None and not self.host_blocks:
+            raise ValueError("host_write_through_hits needs a host tier (host_blocks > 0)")
         if self.host_blocks:
             self.host = HostTier(self.host_blocks, self.block_size)
-        self.tree = RadixTree(self.pool, self.host)
+        self.tree = RadixTree(self.pool, self.host, hits)
 
     # ------------------------------------------------------------------ admission
     def admit(
@@ -121,7 +128,7 @@ class KVCacheManager:
         num_loaded = 0
         if match.host_node is not None:
             gpu_length = match.length
-            match = self._load(match, len(tokens))
+            match = self.tree.tiers.load_match(match, len(tokens), self.ensure_free)
             num_loaded = match.length - gpu_length
         elif match.length and match.length < match.node.end:
             match = MatchResult(
@@ -129,9 +136,9 @@ class KVCacheManager:
             )
         self.tree.lock(match.node)
         self.pool.incref(match.blocks)
-        node = (
-            match.node if match.length else None
-        )  # an empty match reaches only the root: nothing to lock
+        node = match.node if match.length else None  # an empty match reaches only the root
+        if node is not None and self.host_write_through_hits is not None:
+            self.tree.tiers.count_hit(node, self._written_fill)
         return SeqKV(
             salt,
             list(match.blocks),
@@ -142,34 +149,6 @@ class KVCacheManager:
             match=TreeWalk(match, len(tokens), self.tree.version),
             num_loaded=num_loaded,
         )
-
-    def _load(self, match: MatchResult, query_len: int) -> MatchResult:
-        """Load the host-resident part of ``match`` (of a query of ``query_len`` tokens) into GPU
-        blocks, node by node from the top, while blocks can be made free. The path is locked
-        meanwhile, so making room evicts neither it nor the host nodes still to load. Returns the
-        match as far as it is GPU-resident now, with the host-resident rest (if loading stopped
-        short) as its host part."""
-        tree = self.tree
-        end = tree.split_at(match.host_node, match.host_length)
-        tree.lock(end)
-        chain, node = [], end
-        while node.host:
-            chain.append(node)
-            node = node.parent
-        loaded = None
-        for node in reversed(chain):
-            count = len(node.blocks)
-            if not self.ensure_free(count):
-                break  # the rest is computed again
-            tree.load(node, self.pool.allocate(count))
-            loaded = node
-        tree.unlock(end)
-        rest = (end, end.end) if end.host else (None, 0)
-        if loaded is None:
-            return MatchResult(match.length, match.blocks, match.node, None, *rest)
-        length = loaded.end
-        payload = loaded.payload if length == query_len else None
-        return MatchResult(length, tree.path_blocks(loaded), loaded, payload, *rest)
 
     def cached_prefix_len(self, tokens: Sequence[int] | TokenArray, salt: Hashable = None) -> int:
         """How many leading tokens `admit` would find cached right now (changes nothing, counts nothing)."""
@@ -230,114 +209,16 @@ class KVCacheManager:
             )
         if self.pool.num_free < most and not self.ensure_free(self.blocks_needed(seqs, new_lens)):
             return None
-        plan, _ = self._grow(seqs, new_lens, dry_run=False)
+        plan, _ = plan_growth(self.pool, self._written_fill, seqs, new_lens, dry_run=False)
+        self.counters.cow_copies += len(plan.copies)
         return plan
 
     def blocks_needed(self, seqs: Sequence[SeqKV], new_lens: Sequence[int] | None = None) -> int:
         """Fresh blocks ``reserve(seqs, new_lens)`` would take, copies included; changes nothing. A dry run
         of `reserve`'s own planning. (Eviction between this count and the allocations only drops holders, so
         it can only save copies.)"""
-        _, need = self._grow(seqs, new_lens, dry_run=True)
+        _, need = plan_growth(self.pool, self._written_fill, seqs, new_lens, dry_run=True)
         return need
-
-    def _grow(
-        self, seqs: Sequence[SeqKV], new_lens: Sequence[int] | None, dry_run: bool
-    ) -> tuple[ReservePlan | None, int]:
-        """`reserve`'s planning: serve the batch in order, and return the plan and the fresh blocks taken.
-
-        A sequence's decision depends on the ones before it in the batch: one that claims the next slot of a
-        shared block makes a later one at the same offset copy it, and one that copies leaves the block with
-        one holder fewer. So a ``dry_run`` (no plan, only the count) makes those two changes to the pool's
-        counters too, decides each sequence by the same `BlockPool.must_copy`, and puts the counters back."""
-        bs = self.block_size
-        pool = self.pool
-        fill, refcount = pool.fill, pool.refcount
-        one_each = (
-            new_lens is None
-        )  # a decode step: the loop derives each new length, no list built
-        slots: list[int] = []
-        copies: list[tuple[int, int]] = []
-        changed: list[int] = []
-        written_fill = self._written_fill
-        touched: dict[
-            int, tuple[int, int]
-        ] = {}  # a dry run's boundary blocks -> (fill, refcount) before
-        need = 0
-        for i, seq in enumerate(seqs):
-            start = seq.num_kv
-            new_len = start + 1 if one_each else new_lens[i]
-            if new_len <= start:
-                continue
-            table = seq.table
-            offset = start % bs
-            if dry_run:
-                need += -(-new_len // bs) - len(table)
-                if offset:
-                    last = table[-1]
-                    if last not in touched:
-                        touched[last] = (fill[last], refcount[last])
-                    if pool.must_copy(last, offset):
-                        need += 1
-                        refcount[last] -= 1  # its reference moves to the copy
-                    else:
-                        fill[last] = min(bs, offset + new_len - start)
-                continue
-            if offset:
-                last = table[-1]
-                if pool.must_copy(last, offset):
-                    copy = pool.fork(last)
-                    copies.append((last, copy))
-                    changed.append(i)
-                    table[-1] = last = copy
-                    written_fill[copy] = (
-                        0  # even its first `offset` slots arrive only with the copy
-                    )
-                elif written_fill.get(last, bs) > offset:
-                    # Slots from `offset` on are written by this forward (a sole holder may rewrite stale ones).
-                    written_fill[last] = offset
-                end = offset + new_len - start
-                if (
-                    end <= bs
-                ):  # the growth stays inside the boundary block (a decode step, 15 times in 16)
-                    fill[last] = end
-                    base = last * bs
-                    if end - offset == 1:
-                        slots.append(base + offset)
-                    else:
-                        slots.extend(range(base + offset, base + end))
-                    seq.num_kv = new_len
-                    continue
-                fill[last] = bs
-            num_fresh = -(-new_len // bs) - len(table)
-            if num_fresh:
-                need += num_fresh
-                if not changed or changed[-1] != i:
-                    changed.append(i)
-                first_new = len(table)
-                fresh = pool.allocate(num_fresh)
-                table.extend(fresh)
-                for k, b in enumerate(fresh):
-                    fill[b] = min(bs, new_len - (first_new + k) * bs)
-                    written_fill[b] = 0
-            if new_len - start == 1:
-                slots.append(table[start // bs] * bs + offset)
-            else:  # one run of consecutive slots per block
-                for index in range(start // bs, (new_len - 1) // bs + 1):
-                    shift = (
-                        table[index] - index
-                    ) * bs  # slot of position p in this block: p + shift
-                    slots.extend(
-                        range(
-                            max(start, index * bs) + shift, min(new_len, (index + 1) * bs) + shift
-                        )
-                    )
-            seq.num_kv = new_len
-        if dry_run:
-            for block, (block_fill, holders) in touched.items():
-                fill[block], refcount[block] = block_fill, holders
-            return None, need
-        self.counters.cow_copies += len(copies)
-        return ReservePlan(slots, copies, changed), need + len(copies)
 
     def reserve_step(self, lanes: DecodeLanes) -> ReservePlan | None:
         """``reserve(lanes.seqs)`` for a decode batch that runs again and again, in a few array operations
@@ -369,6 +250,11 @@ class KVCacheManager:
         copy or forward); empty without a host tier."""
         return self.host.take_transfers() if self.host is not None else []
 
+    def is_loading(self, seq: SeqKV) -> bool:
+        """Whether a block ``seq`` reads may still be arriving from the host tier: no forward or
+        copy may read its blocks until `HostTier.finish_loads` says its loads completed."""
+        return self.host is not None and self.host.is_loading(seq.table)
+
     # ------------------------------------------------------------------ publishing
     def publish(
         self, seq: SeqKV, tokens: Sequence[int] | TokenArray, *, prompt_end: bool = False
@@ -381,9 +267,11 @@ class KVCacheManager:
         if not self.enable_prefix_cache or len(tokens) == 0:
             return 0
         result = self._insert(seq, tokens, prompt_end=prompt_end, lock=True)
-        # A duplicate the current forward still has to write stays until a later publish: freed now, it could
-        # be handed out again and written twice by one forward.
+        # A duplicate the current forward still has to write stays until a later publish (freed now, it could
+        # be handed out again and written twice by one forward); a loading tree block replaces nothing.
         remap = [(k, b) for k, b in result.remap if seq.table[k] not in self._written_fill]
+        if remap and self.host is not None:
+            remap = [(k, b) for k, b in remap if not self.host.is_loading((b,))]
         if remap:
             old = [seq.table[k] for k, _ in remap]
             self.pool.incref([b for _, b in remap])

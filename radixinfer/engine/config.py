@@ -71,9 +71,10 @@ class EngineCounters:
 
     def count_preemption(self, req: Request) -> None:
         """A preempted request. One preempted before its first token is admitted afresh later, so
-        its prompt's counts are taken back (what it computed becomes recomputed work)."""
+        its prompt's counts are taken back (what it computed becomes recomputed work); one that
+        never had a pass planned (it waited for loads) counted nothing yet."""
         self.preemptions += 1
-        if req.num_sampled:
+        if req.num_sampled or req.num_cached_tokens is None:
             return
         self.prompt_tokens -= len(req.prompt_ids)
         self.cached_tokens -= req.num_cached_tokens

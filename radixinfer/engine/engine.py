@@ -24,7 +24,7 @@ from radixinfer.cache.host_tier import HostCounters
 from radixinfer.cache.kv_manager import KVCacheManager
 from radixinfer.engine.config import EngineConfig, EngineCounters
 from radixinfer.engine.decode_batch import DecodeBatch
-from radixinfer.engine.host_kv import HostKVPool
+from radixinfer.engine.host_kv import NO_LOADS, HostKVPool
 from radixinfer.engine.intake import RequestIntake
 from radixinfer.engine.logprobs import (
     collect_prompt_logprobs,
@@ -62,7 +62,8 @@ class LLMEngine:
         host_kv: HostKVPool | None = None,
     ) -> None:
         """``host_kv``: the host tier's blocks, when ``cache`` has a host tier (its queued transfers
-        run before every block copy and forward)."""
+        run before every block copy and forward; a request reading loaded blocks joins a forward
+        once their loads completed)."""
         self.runner = runner
         self.cache = cache
         self.host_kv = host_kv
@@ -127,6 +128,8 @@ class LLMEngine:
         first = self.requests.get(request_id)
         if first is None or first.group_finished():
             return None
+        if any(r.seq is not None and self.cache.is_loading(r.seq) for r in first.group):
+            self._finish_loads(wait=True)  # its blocks may be handed out again at once
         last = None
         for req in first.group:
             if req.status is Status.FINISHED:
@@ -164,6 +167,7 @@ class LLMEngine:
         steady decode step's tokens come as one `TokenBatch` (`radixinfer.outputs.deltas_of` gives
         deltas only)."""
         events: list[EngineEvent] = []
+        self._finish_loads()
         previous = self.pipeline.next_step()
         if self.config.decode_first:
             decoded = self._decode(previous, events)
@@ -172,10 +176,13 @@ class LLMEngine:
             prefilled = self._prefill_round()
             decoded = self._decode(previous, events)
         if not (prefilled or decoded or previous) and self.scheduler.active:
-            # Chunked prompts hold the memory that each of them needs to go on, and nothing runs
-            # that could free some: preempt the newest (its computed prefix stays cached), so the
-            # oldest always proceeds.
-            self.scheduler.preempt_newest()
+            if self.scheduler.held_for_loads:  # nothing else runs: wait for their loads
+                self._finish_loads(wait=True)
+            else:
+                # Chunked prompts hold the memory that each of them needs to go on, and nothing
+                # runs that could free some: preempt the newest (its computed prefix stays
+                # cached), so the oldest always proceeds.
+                self.scheduler.preempt_newest()
         return events
 
     def _prefill_round(self) -> bool:
@@ -190,10 +197,10 @@ class LLMEngine:
     def _run_prefill_pass(self, pass_: PrefillPass) -> None:
         """Copy the pass's blocks, run its ragged forward, and launch the first token of every
         request whose prompt it completes."""
+        self._copy_blocks(pass_.copies)  # the loads of requests held for them start here too
         items = pass_.items
         if not items:
             return
-        self._copy_blocks(pass_.copies)
         computed = [it for it in items if it.computes]
         hidden = None
         if computed:
@@ -255,8 +262,10 @@ class LLMEngine:
         batch, repeated = scheduler.decode_batch()
         plan = self.cache.reserve_step(batch.lanes) if batch is not None else None
         if batch is not None and plan is None:
-            # Preemption publishes each victim's tokens: read back every launch first.
+            # Preemption publishes each victim's tokens: read back every launch first (and a
+            # victim's blocks may be handed out at once: let its loads complete).
             self.output.read_back(self.pipeline.take_all(), events)
+            self._finish_loads(wait=True)
             previous, repeated = [], False
             batch, plan = scheduler.preempt_until_reserved()
         scheduler.last_decode = batch
@@ -283,8 +292,15 @@ class LLMEngine:
         forward reads or writes is where the cache says once this returns (in stream order)."""
         if self.host_kv is not None:
             kv = self.runner.kv
-            self.host_kv.run(self.cache.take_transfers(), kv.k, kv.v)
+            batches = self.cache.take_transfers()
+            self.host_kv.run(batches, kv.k, kv.v, self.cache.host.tickets_taken)
         self.runner.copy_blocks(copies)
+
+    def _finish_loads(self, wait: bool = False) -> None:
+        """Tell the cache which of the host tier's loads have completed (``wait``: wait for all of
+        them first), so the requests held for them join the next pass."""
+        if self.host_kv is not None:
+            self.cache.host.finish_loads(self.host_kv.finished_ticket(wait))
 
     # ------------------------------------------------------------------ cache control and stats
     def reset_prefix_cache(self) -> None:
@@ -297,11 +313,15 @@ class LLMEngine:
     def cache_stats(self) -> dict[str, float | int]:
         """The engine's counters and the pools' state. ``cached_tokens`` = ``gpu_hit_tokens`` (read
         where they were) + ``host_hit_tokens`` (loaded back from the host tier first);
-        ``loaded_tokens`` / ``offloaded_tokens``: positions moved between the tiers (the ``host_*``
-        entries are 0 without a host tier)."""
+        ``loaded_tokens`` / ``offloaded_tokens``: positions moved between the tiers, at a load and at
+        an eviction; ``written_through_tokens``: copied to the host ahead of eviction,
+        ``evicted_to_copy_tokens``: evicted onto such a copy, moving nothing; ``loaded_bytes`` over
+        ``load_seconds`` (the completed loads' device time): ``load_gb_per_s`` (the ``host_*``,
+        tier and load entries are 0 without a host tier)."""
         c = self.counters
         host = self.cache.host
         host_counters = host.counters if host is not None else HostCounters()
+        loads = self.host_kv.load_stats() if self.host_kv is not None else NO_LOADS
         return {
             "prompt_tokens": c.prompt_tokens,
             "cached_tokens": c.cached_tokens,
@@ -310,6 +330,9 @@ class LLMEngine:
             "host_hit_tokens": c.host_hit_tokens,
             "loaded_tokens": host_counters.loaded_tokens,
             "offloaded_tokens": host_counters.offloaded_tokens,
+            "written_through_tokens": host_counters.written_through_tokens,
+            "evicted_to_copy_tokens": host_counters.evicted_to_copy_tokens,
+            **loads,
             "host_free_blocks": host.pool.num_free if host is not None else 0,
             "host_total_blocks": host.num_blocks if host is not None else 0,
             "computed_prompt_tokens": c.computed_prompt_tokens,

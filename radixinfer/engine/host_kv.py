@@ -10,18 +10,29 @@ batch of blocks is gathered on the GPU into a staging tensor of the host layout 
 scattered (one ``index_copy_`` per K and V), never one copy per block per layer.
 
 Streams. On CUDA the host pool is pinned and the copies run on a side stream: it waits for the work
-queued before it (an offload reads what earlier forwards wrote), and the current stream waits for it
-(the next forward reads loaded blocks and overwrites offloaded ones), so a forward never overlaps a
-copy of a block it touches. The host side returns as soon as the copies are queued.
+queued before it (an offload reads what earlier forwards wrote, a load may write a block a finished
+request held). The current stream waits for the offloads (the next forward may write the blocks
+they free), not for the loads: the forwards of the step go on while loads run, and only requests
+that read a loaded block wait, in the cache, until `finished_ticket` reports their take's loads
+completed (an event on the side stream; the cache then lets them join). The host side returns as
+soon as the copies are queued.
+
+Load bandwidth: each load batch is timed on the side stream with CUDA events (wall time on a CPU)
+and counted once complete: ``loaded_bytes`` over ``load_seconds``.
 """
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from collections.abc import Sequence
 
 import torch
 
 from radixinfer.cache.host_tier import TransferBatch
+
+# `HostKVPool.load_stats` without a host tier.
+NO_LOADS = {"loaded_bytes": 0, "load_seconds": 0.0, "load_gb_per_s": 0.0}
 
 # Staging tensors on the GPU hold at most this much (a long batch is moved in pieces).
 MAX_STAGED_BYTES = 64 << 20
@@ -61,30 +72,84 @@ class HostKVPool:
             dtype=k.dtype,
             pin_memory=cuda,
         )
-        block_bytes = self.blocks[0].numel() * self.blocks.element_size()
-        self.max_staged_blocks = max(1, MAX_STAGED_BYTES // block_bytes)
+        self.block_bytes = self.blocks[0].numel() * self.blocks.element_size()
+        self.max_staged_blocks = max(1, MAX_STAGED_BYTES // self.block_bytes)
         self._stream = torch.cuda.Stream(self.device) if cuda else None
+        # Takes whose loads may be in flight, oldest first: (ticket, done event, load batch timings
+        # as (start event, end event, bytes)).
+        self._in_flight: deque[tuple[int, torch.cuda.Event, list]] = deque()
+        self._finished = 0  # every take up to this ticket has its loads completed
+        self.loaded_bytes = 0
+        self.load_seconds = 0.0
 
     @property
     def num_blocks(self) -> int:
         return self.blocks.shape[0]
 
     @torch.inference_mode()
-    def run(self, batches: Sequence[TransferBatch], k: torch.Tensor, v: torch.Tensor) -> None:
-        """Run ``batches`` in order against the GPU tensors ``k`` and ``v`` (on CUDA: queued on the
-        side stream, ordered against the current stream as the module says)."""
-        if not batches:
-            return
+    def run(
+        self, batches: Sequence[TransferBatch], k: torch.Tensor, v: torch.Tensor, ticket: int
+    ) -> None:
+        """Run ``batches`` (take ``ticket`` of the cache) in order against the GPU tensors ``k`` and
+        ``v``: on CUDA queued on the side stream, the current stream waiting for the offloads only
+        (the module says why); on a CPU at once."""
         if self._stream is None:
             for batch in batches:
+                begin = time.perf_counter()
                 self._run(batch, k, v)
+                if not batch.offload:
+                    self.load_seconds += time.perf_counter() - begin
+                    self.loaded_bytes += len(batch.src) * self.block_bytes
+            self._finished = ticket
+            return
+        if not batches:
             return
         current = torch.cuda.current_stream(self.device)
         self._stream.wait_stream(current)
+        offloaded = None
+        timings = []
         with torch.cuda.stream(self._stream):
             for batch in batches:
+                if batch.offload:
+                    self._run(batch, k, v)
+                    offloaded = torch.cuda.Event()
+                    offloaded.record()
+                    continue
+                start, end = (
+                    torch.cuda.Event(enable_timing=True),
+                    torch.cuda.Event(enable_timing=True),
+                )
+                start.record()
                 self._run(batch, k, v)
-        current.wait_stream(self._stream)
+                end.record()
+                timings.append((start, end, len(batch.src) * self.block_bytes))
+            if timings:
+                done = torch.cuda.Event()
+                done.record()
+                self._in_flight.append((ticket, done, timings))
+        if offloaded is not None:
+            current.wait_event(offloaded)
+
+    def finished_ticket(self, wait: bool = False) -> int:
+        """The latest take whose loads, and every earlier take's, have completed (``wait``: wait
+        for every load in flight first); counts the completed loads' bytes and time."""
+        in_flight = self._in_flight
+        while in_flight and (wait or in_flight[0][1].query()):
+            ticket, done, timings = in_flight.popleft()
+            done.synchronize()
+            for start, end, nbytes in timings:
+                self.load_seconds += start.elapsed_time(end) / 1e3
+                self.loaded_bytes += nbytes
+            self._finished = ticket
+        return self._finished
+
+    def load_stats(self) -> dict[str, float]:
+        """The completed loads (those completed since the last step counted first): bytes, device
+        seconds and their ratio (`NO_LOADS`' keys)."""
+        self.finished_ticket()
+        seconds = self.load_seconds
+        rate = self.loaded_bytes / seconds / 1e9 if seconds else 0.0
+        return {"loaded_bytes": self.loaded_bytes, "load_seconds": seconds, "load_gb_per_s": rate}
 
     def _run(self, batch: TransferBatch, k: torch.Tensor, v: torch.Tensor) -> None:
         gpu_ids, host_ids = (batch.src, batch.dst) if batch.offload else (batch.dst, batch.src)

@@ -26,6 +26,7 @@ class Planned(enum.Enum):
     ADMITTED = "admitted"  # it is in the pass
     DEFERRED = "deferred"  # it must wait for the pass's K/V writes: nothing held
     NO_MEMORY = "no memory"  # KV memory is short: left where it was
+    LOADING = "loading"  # admitted, but it reads blocks still arriving from the host tier
 
 
 class Scheduler:
@@ -33,7 +34,8 @@ class Scheduler:
 
     ``epoch`` counts changes to the set of running requests (a decode batch holds while it is
     unchanged); ``departures`` counts requests that stopped running (a launch's tokens all go to
-    running requests while it is unchanged)."""
+    running requests while it is unchanged); ``held_for_loads``: the last round's prefilling
+    requests that waited for loads from the host tier."""
 
     def __init__(self, cache: KVCacheManager, config: EngineConfig, counters: EngineCounters):
         self.cache = cache
@@ -45,6 +47,7 @@ class Scheduler:
         self.epoch = 0
         self.departures = 0
         self.last_decode: DecodeBatch | None = None
+        self.held_for_loads = 0
         self._round = itertools.count()
 
     # ------------------------------------------------------------------ prefill
@@ -52,12 +55,19 @@ class Scheduler:
         """Admit what the policy grants into one pass, after the chunked prompts in progress (they
         hold blocks and a locked path). Requests that would copy a block this pass is still writing
         (they extend a prefix another request of the pass computes) are deferred to a second pass
-        (`plan_deferred`, once this one's forward is issued)."""
+        (`plan_deferred`, once this one's forward is issued). Requests that read blocks still being
+        loaded from the host tier are admitted but wait, holding them, while the others go on."""
         admission = self.config.admission
         first = PrefillPass()
         budget = admission.max_tokens
+        self.held_for_loads = 0
         for req in self.prefilling:
-            if budget <= 0 or self._plan_item(first, req, budget, False) is not Planned.ADMITTED:
+            outcome = Planned.NO_MEMORY
+            if budget > 0:
+                outcome = self._plan_item(first, req, budget, False)
+            if outcome is Planned.LOADING:
+                continue
+            if outcome is not Planned.ADMITTED:
                 break
             budget -= first.items[-1].end - first.items[-1].start
         deferred: list[Grant[Request]] = []
@@ -109,20 +119,29 @@ class Scheduler:
         may_defer: bool = False,
     ) -> Planned:
         """Admit (when ``fresh``), reserve and publish up to ``num_tokens`` prompt positions of
-        ``req`` into ``pass_``. Leaves the request where it was unless it returns ``ADMITTED``;
-        ``DEFERRED`` only with ``may_defer``."""
+        ``req`` into ``pass_``. Leaves the request where it was unless it returns ``ADMITTED`` or
+        ``LOADING`` (admitted, nothing planned: it reads blocks still being loaded); ``DEFERRED``
+        only with ``may_defer``."""
         tokens = req.token_array()
         n = len(tokens)
         cache = self.cache
         if fresh:
             # prompt logprobs need the logits of every prompt position: no cached positions
             seq = cache.admit(tokens, req.salt, use_cache=not req.needs_prompt_logprobs())
+            if cache.is_loading(seq):
+                req.seq = seq
+                self._enter(req)
+                self.held_for_loads += 1
+                return Planned.LOADING
             end = min(n, seq.num_kv + max(num_tokens, 1))
             if may_defer and cache.needs_copy_of_unwritten(seq, end):
                 cache.release(seq)
                 return Planned.DEFERRED
             req.seq = seq
         seq = req.seq
+        if not fresh and cache.is_loading(seq):
+            self.held_for_loads += 1
+            return Planned.LOADING
         start = seq.num_kv
         if start >= n:  # the whole prompt is cached
             leader = None
@@ -156,15 +175,19 @@ class Scheduler:
             if end == n:
                 pass_.leaders.setdefault((req.salt, tokens.tobytes()), item)
         pass_.items.append(item)
+        if req.num_cached_tokens is None:  # its first admission planned
+            cached = item.start if item.computes else n
+            self.counters.count_admission(req, cached, min(seq.num_loaded, cached))
         if fresh:
-            if req.num_cached_tokens is None:  # its first admission
-                cached = item.start if item.computes else n
-                self.counters.count_admission(req, cached, min(seq.num_loaded, cached))
-            self.waiting.remove(req)
-            self.active.append(req)
-            self.prefilling.append(req)
-            req.status = Status.PREFILLING
+            self._enter(req)
         return Planned.ADMITTED
+
+    def _enter(self, req: Request) -> None:
+        """Move an admitted request from ``waiting`` to ``active``, prefilling."""
+        self.waiting.remove(req)
+        self.active.append(req)
+        self.prefilling.append(req)
+        req.status = Status.PREFILLING
 
     def start_running(self, reqs: list[Request]) -> None:
         """These requests' prompts are complete: they decode from their first token on."""

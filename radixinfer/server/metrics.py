@@ -14,9 +14,14 @@ Counters and gauges:
 - ``radixinfer_kv_blocks_used`` (held by requests or the prefix cache),
   ``radixinfer_kv_blocks_free``: gauges
 - ``radixinfer_preemptions_total``: requests preempted under memory pressure
-- ``radixinfer_prefix_cache_host_hit_tokens_total``: of the hit tokens, loaded back from the host
-  KV tier; ``radixinfer_host_cache_loaded_tokens_total`` / ``..._offloaded_tokens_total``: positions
-  moved between the tiers; ``radixinfer_host_kv_blocks_free``: gauge (all 0 without a host tier)
+- ``radixinfer_prefix_cache_gpu_hit_tokens_total`` / ``..._host_hit_tokens_total``: of the hit
+  tokens, read where they were in the KV pool / loaded back from the host KV tier;
+  ``radixinfer_host_cache_loaded_tokens_total`` / ``..._offloaded_tokens_total`` /
+  ``..._written_through_tokens_total``: positions moved between the tiers (at a load, at an
+  eviction, ahead of eviction); ``radixinfer_host_cache_loaded_bytes_total`` and
+  ``radixinfer_host_cache_load_seconds_total`` (device time of the completed loads), and their
+  ratio, ``radixinfer_host_cache_load_bandwidth_bytes_per_second`` (gauge);
+  ``radixinfer_host_kv_blocks_free``: gauge (all 0 without a host tier)
 
 Histograms (seconds): ``radixinfer_time_to_first_token_seconds`` (first token - arrival),
 ``radixinfer_inter_token_latency_seconds`` (the gap between two engine steps that gave a request
@@ -71,15 +76,37 @@ class _EngineCollector:
             "radixinfer_preemptions", "requests preempted under memory pressure", s["preemptions"]
         )
         yield _counter(
+            "radixinfer_prefix_cache_gpu_hit_tokens",
+            "prompt tokens found in the prefix cache's KV pool",
+            s["gpu_hit_tokens"],
+        )
+        yield _counter(
             "radixinfer_prefix_cache_host_hit_tokens",
             "prompt tokens found in the prefix cache's host tier (loaded back)",
             s["host_hit_tokens"],
         )
-        for what in ("loaded", "offloaded"):
+        yield _counter(
+            "radixinfer_host_cache_loaded_bytes",
+            "KV bytes loaded from the host tier",
+            s["loaded_bytes"],
+        )
+        yield _counter(
+            "radixinfer_host_cache_load_seconds",
+            "device time of the loads from the host tier",
+            s["load_seconds"],
+        )
+        yield _gauge(
+            "radixinfer_host_cache_load_bandwidth_bytes_per_second",
+            "loaded bytes over the loads' device time",
+            s["load_gb_per_s"] * 1e9,
+        )
+        for what, how in (
+            ("loaded", "loaded back from the host KV tier"),
+            ("offloaded", "written back to the host KV tier at an eviction"),
+            ("written_through", "copied to the host KV tier ahead of eviction"),
+        ):
             yield _counter(
-                f"radixinfer_host_cache_{what}_tokens",
-                f"token positions {what} between the GPU and the host KV tier",
-                s[f"{what}_tokens"],
+                f"radixinfer_host_cache_{what}_tokens", f"positions {how}", s[f"{what}_tokens"]
             )
         yield _gauge("radixinfer_host_kv_blocks_free", "host KV blocks free", s["host_free_blocks"])
 
