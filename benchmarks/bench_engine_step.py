@@ -98,7 +98,9 @@ class StubLM(PagedCausalLM):
         )
         super().__init__(config, TensorParallel.single())
         gen = torch.Generator().manual_seed(0)
-        self.hidden = torch.randn(max_tokens, 8, generator=gen).to(device)  # [max_tokens, hidden]
+        # [max_tokens, hidden]; a parameter, so the runner reads the model's dtype from it
+        hidden = torch.randn(max_tokens, 8, generator=gen).to(device)
+        self.hidden = torch.nn.Parameter(hidden, requires_grad=False)
         logits = torch.randn(max_rows, vocab_size, generator=gen)
         logits[:, 32:127] += 4.0
         self.all_logits = logits.to(device)  # [max_rows, vocab] float32
@@ -110,8 +112,9 @@ class StubLM(PagedCausalLM):
             self.tick.add_(1)
         return self.hidden[: input_ids.shape[0]]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.all_logits[: hidden.shape[0]]
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        logits = self.all_logits[: hidden.shape[0]]
+        return logits if out is None else out.copy_(logits)
 
 
 def build_stub_engine(
