@@ -34,7 +34,10 @@ With ``--model NAME`` on CUDA the same decode batches run on a real model (`api.
 of 600 tokens) and the GPU time of each step's decode graph replay and `sample` call is taken with CUDA events;
 ``host_us`` = step - those two, i.e. the host time not hidden behind the GPU (host work between the replay and
 the ``.tolist()`` sync overlaps it). The decode floor is (weight bytes + KV bytes the step reads) /
-``--hbm-tbps``; the fraction achieved is that floor over the graph's GPU time and over the whole step.
+``--hbm-tbps`` (measured by a 2 GiB device copy when not given); with ``--tensor-parallel-size N``
+the model is sharded over N GPUs, the times are rank 0's (its graph holds the all-reduces) and the
+weights and KV are rank 0's shard: the floor per GPU. The fraction achieved is that floor over
+the graph's GPU time and over the whole step.
 """
 
 from __future__ import annotations
@@ -459,6 +462,25 @@ def bench_model_decode(
     }
 
 
+def measured_hbm_tbps(device: torch.device, nbytes: int = 2**31) -> float:
+    """HBM bandwidth in TB/s: bytes read plus bytes written by a ``nbytes`` device-to-device copy,
+    the median of 10 after a warm-up."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(11):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        torch.cuda.synchronize(device)
+        if i:
+            times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / statistics.median(times) / 1e12
+
+
 # ---------------------------------------------------------------------------------------------- report
 def machine() -> dict[str, str]:
     info = {
@@ -536,7 +558,13 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--model-steps", type=int, default=100)
     parser.add_argument(
-        "--hbm-tbps", type=float, default=4.25, help="HBM bandwidth for the decode floor"
+        "--tensor-parallel-size", type=int, default=1, help="--model over this many GPUs [1]"
+    )
+    parser.add_argument(
+        "--hbm-tbps",
+        type=float,
+        default=None,
+        help="HBM bandwidth for the decode floor (default: measured, a 2 GiB device copy)",
     )
     parser.add_argument("--skip-stub", action="store_true")
     parser.add_argument(
@@ -582,10 +610,15 @@ def main() -> None:
 
         context = PROMPT_LEN + args.warmup + 2 * args.model_steps + 16
         t0 = time.perf_counter()
+        if args.hbm_tbps is None and device.type == "cuda":
+            args.hbm_tbps = measured_hbm_tbps(device)
+            print(f"HBM bandwidth for the floor: {args.hbm_tbps:.2f} TB/s (measured)")
+        result["hbm_tbps"] = args.hbm_tbps
         llm = LLM(
             args.model,
             device=args.device,
             dtype=args.dtype,
+            tensor_parallel_size=args.tensor_parallel_size,
             max_batch_size=max(batches),
             freeze_gc=True,
             num_blocks=max(batches) * -(-context // BLOCK_SIZE) + 64,
@@ -615,6 +648,7 @@ def main() -> None:
                 print(json.dumps(rows[-1]))
                 result[f"model_decode:{args.model}"] = rows
                 dump()
+        llm.close()
     if args.json == "-":
         print(json.dumps(result, indent=1))
 
