@@ -155,6 +155,19 @@ class SamplingParams:
         return checked
 
     @property
+    def needs_engine_text(self) -> bool:
+        """Whether the engine itself must decode this request's text: it has text (``detokenize``)
+        and the engine reads that text (``stop`` strings match it, ``logprobs`` and
+        ``prompt_logprobs`` carry decoded tokens) or streams several samples under one id
+        (``n > 1``). Otherwise a front end may stream ids and decode them itself (`AsyncLLM`)."""
+        return self.detokenize and (
+            self.n > 1
+            or bool(self.stop)
+            or self.logprobs is not None
+            or self.prompt_logprobs is not None
+        )
+
+    @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
