@@ -60,9 +60,10 @@ class PagedBatch(NamedTuple):
     v_cache: torch.Tensor
     meta: AttentionMetadata
 
-    def ref(self, scale: float) -> torch.Tensor:
+    def args(self, scale: float) -> tuple:
+        """The arguments `paged_attention_ref` and `paged_attention_triton` take for this batch."""
         m = self.meta
-        return paged_attention_ref(
+        return (
             self.q,
             self.k_cache,
             self.v_cache,
@@ -73,6 +74,9 @@ class PagedBatch(NamedTuple):
             m.max_context_len,
             scale,
         )
+
+    def ref(self, scale: float) -> torch.Tensor:
+        return paged_attention_ref(*self.args(scale))
 
 
 def make_batch(
@@ -123,21 +127,8 @@ def check_attention(batch: PagedBatch, dtype, num_splits=None):
         check_decode(batch, dtype, num_splits)
         return
     scale = batch.q.shape[-1] ** -0.5
-    m = batch.meta
     out = nan_like(batch.q)
-    paged_attention_triton(
-        batch.q,
-        batch.k_cache,
-        batch.v_cache,
-        m.block_tables,
-        m.context_lens,
-        m.query_start_loc,
-        m.max_query_len,
-        m.max_context_len,
-        scale,
-        out=out,
-        extend_work=m.extend_work,
-    )
+    paged_attention_triton(*batch.args(scale), out=out, extend_work=batch.meta.extend_work)
     err = rel_err(out, batch.ref(scale))
     assert err < TOLERANCE[dtype], err
 
