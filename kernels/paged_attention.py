@@ -168,70 +168,52 @@ def _attend_kv_range(
 
 @triton.jit
 def _attend_kv_span(
-    acc,
-    row_max,
-    row_sum,
-    q,
-    row_limit,
-    k_head_ptr,
-    v_head_ptr,
-    table_ptr,
+    q,  # [ROWS, BLOCK_D] query rows (unscaled)
+    row_limit,  # [ROWS] int32; last KV position each row may see (inclusive), read in the tail
+    k_cache_ptr,
+    v_cache_ptr,  # the whole layer's cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    kv_head,
+    block_tables_ptr,
+    table_row,  # the block-table row of the sequence whose blocks hold the span
     lo,
     full_end,
     hi,  # [lo, full_end): every row sees every position; [full_end, hi): masked by row_limit
     qk_scale,
     stride_cb,
     stride_cs,
+    stride_ch,
+    stride_bt,
+    ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """`_attend_kv_range` over a span whose unmasked part is a whole number of KV tiles and whose tail (at
-    most a tile or a causal diagonal) is masked: the one loop shape every kernel here runs."""
+    """The online-softmax state ``(acc, row_max, row_sum)`` of ``q``'s rows over the KV positions
+    ``[lo, hi)`` of KV head ``kv_head``, from an empty start: `_attend_kv_range` over the unmasked
+    part (a whole number of KV tiles), then over the masked tail (at most a tile or a causal
+    diagonal). The one loop shape, and its address setup, that every kernel here runs.
+
+    Must hold: ``full_end - lo`` is a multiple of BLOCK_N, and `_attend_kv_range`'s invariant for
+    each part. Speed: inlined into each kernel, as every Triton function a kernel calls, so the
+    kernels compile to the same code as with this setup written out in each."""
+    acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+    row_max = tl.full([ROWS], float("-inf"), tl.float32)
+    row_sum = tl.zeros([ROWS], tl.float32)
+    k_head_ptr = k_cache_ptr + kv_head * stride_ch
+    v_head_ptr = v_cache_ptr + kv_head * stride_ch
+    table_ptr = block_tables_ptr + table_row.to(tl.int64) * stride_bt
     acc, row_max, row_sum = _attend_kv_range(
-        acc,
-        row_max,
-        row_sum,
-        q,
-        row_limit,
-        k_head_ptr,
-        v_head_ptr,
-        table_ptr,
-        lo,
-        full_end,
-        qk_scale,
-        stride_cb,
-        stride_cs,
-        False,
-        BLOCK_SIZE,
-        BLOCK_N,
-        HEAD_DIM,
-        BLOCK_D,
-        DOT_PRECISION,
-    )
+        acc, row_max, row_sum, q, row_limit, k_head_ptr, v_head_ptr, table_ptr, lo, full_end,
+        qk_scale, stride_cb, stride_cs,
+        False, BLOCK_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION,
+    )  # fmt: skip
     return _attend_kv_range(
-        acc,
-        row_max,
-        row_sum,
-        q,
-        row_limit,
-        k_head_ptr,
-        v_head_ptr,
-        table_ptr,
-        full_end,
-        hi,
-        qk_scale,
-        stride_cb,
-        stride_cs,
-        True,
-        BLOCK_SIZE,
-        BLOCK_N,
-        HEAD_DIM,
-        BLOCK_D,
-        DOT_PRECISION,
-    )
+        acc, row_max, row_sum, q, row_limit, k_head_ptr, v_head_ptr, table_ptr, full_end, hi,
+        qk_scale, stride_cb, stride_cs,
+        True, BLOCK_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -300,36 +282,12 @@ def _decode_split_kernel(
         other=0.0,
     )
 
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    row_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    row_sum = tl.zeros([BLOCK_G], tl.float32)
-    row_limit = (
-        tl.zeros([BLOCK_G], tl.int32) + hi - 1
-    )  # the only mask decode needs: the range's tail
-    k_head_ptr = k_cache_ptr + kv_head * stride_ch
-    v_head_ptr = v_cache_ptr + kv_head * stride_ch
-    table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    row_limit = tl.zeros([BLOCK_G], tl.int32) + hi - 1  # decode's only mask: the range's tail
     acc, row_max, row_sum = _attend_kv_span(
-        acc,
-        row_max,
-        row_sum,
-        q,
-        row_limit,
-        k_head_ptr,
-        v_head_ptr,
-        table_ptr,
-        lo,
-        full_end,
-        hi,
-        qk_scale,
-        stride_cb,
-        stride_cs,
-        BLOCK_SIZE,
-        BLOCK_N,
-        HEAD_DIM,
-        BLOCK_D,
-        DOT_PRECISION,
-    )
+        q, row_limit, k_cache_ptr, v_cache_ptr, kv_head, block_tables_ptr, seq, lo, full_end, hi,
+        qk_scale, stride_cb, stride_cs, stride_ch, stride_bt,
+        BLOCK_G, BLOCK_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION,
+    )  # fmt: skip
 
     out, lse = _partial_result(acc, row_max, row_sum)
     part = seq * stride_pt + heads[:, None] * stride_ph + split * stride_ps + offs_d[None, :]
@@ -410,37 +368,14 @@ def _shared_prefix_kernel(
         other=0.0,
     )
 
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    row_sum = tl.zeros([BLOCK_M], tl.float32)
     row_limit = tl.zeros([BLOCK_M], tl.int32) + hi - 1
     full_end = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
-    k_head_ptr = k_cache_ptr + kv_head * stride_ch
-    v_head_ptr = v_cache_ptr + kv_head * stride_ch
-    table_ptr = (
-        block_tables_ptr + tl.load(tile_seqs_ptr + tile * SEQS_PER_TILE).to(tl.int64) * stride_bt
-    )
+    first_seq = tl.load(tile_seqs_ptr + tile * SEQS_PER_TILE)  # its block table serves the tile
     acc, row_max, row_sum = _attend_kv_span(
-        acc,
-        row_max,
-        row_sum,
-        q,
-        row_limit,
-        k_head_ptr,
-        v_head_ptr,
-        table_ptr,
-        lo,
-        full_end,
-        hi,
-        qk_scale,
-        stride_cb,
-        stride_cs,
-        BLOCK_SIZE,
-        BLOCK_N,
-        HEAD_DIM,
-        BLOCK_D,
-        DOT_PRECISION,
-    )
+        q, row_limit, k_cache_ptr, v_cache_ptr, kv_head, block_tables_ptr, first_seq,
+        lo, full_end, hi, qk_scale, stride_cb, stride_cs, stride_ch, stride_bt,
+        BLOCK_M, BLOCK_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION,
+    )  # fmt: skip
     slot = num_slots - SHARED_CHUNKS + chunk_id
     out, lse = _partial_result(acc, row_max, row_sum)
     tl.store(
@@ -555,37 +490,14 @@ def _extend_kernel(
         other=0.0,
     )
 
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    row_sum = tl.zeros([BLOCK_M], tl.float32)
     row_limit = prefix_len + offs_m  # causal: query m sits at position prefix_len + m
     full_end = (prefix_len + m_start + 1) // BLOCK_N * BLOCK_N
     hi = tl.minimum(context_len, prefix_len + m_start + BLOCK_M)
-    kv_head = head // GROUP
-    k_head_ptr = k_cache_ptr + kv_head * stride_ch
-    v_head_ptr = v_cache_ptr + kv_head * stride_ch
-    table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     acc, row_max, row_sum = _attend_kv_span(
-        acc,
-        row_max,
-        row_sum,
-        q,
-        row_limit,
-        k_head_ptr,
-        v_head_ptr,
-        table_ptr,
-        0,
-        full_end,
-        hi,
-        qk_scale,
-        stride_cb,
-        stride_cs,
-        BLOCK_SIZE,
-        BLOCK_N,
-        HEAD_DIM,
-        BLOCK_D,
-        DOT_PRECISION,
-    )
+        q, row_limit, k_cache_ptr, v_cache_ptr, head // GROUP, block_tables_ptr, seq, 0, full_end,
+        hi, qk_scale, stride_cb, stride_cs, stride_ch, stride_bt,
+        BLOCK_M, BLOCK_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION,
+    )  # fmt: skip
     out = acc / row_sum[:, None]  # padded rows (not stored) may divide by 0
     tl.store(
         out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :], out, mask=row_mask

@@ -162,16 +162,8 @@ class AsyncLLM:
         params = _checked_params(params)
         timeout = self.request_timeout if timeout is None else timeout
         # The engine streams ids only (a steady decode step is one TokenBatch) and the stream decodes
-        # what its consumer takes, all of it at once; except where the engine needs the text itself
-        # (stop strings, logprobs' decoded tokens) or one id streams several samples (n > 1): there
-        # the engine decodes.
-        front_decodes = (
-            params.detokenize
-            and params.n == 1
-            and not params.stop
-            and params.logprobs is None
-            and params.prompt_logprobs is None
-        )
+        # what its consumer takes, all of it at once; except where the engine needs the text itself.
+        front_decodes = params.detokenize and not params.needs_engine_text
         detokenizer = IncrementalDetokenizer(self.tokenizer) if front_decodes else None
         if front_decodes:
             params = replace(params, detokenize=False)

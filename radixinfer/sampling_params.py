@@ -31,13 +31,6 @@ class SamplingParams:
     ``prompt_logprobs=k`` the same for every prompt token after the first (such a request computes
     its whole prompt: cached positions have no logits).
 
-    Holds after construction: every field has its annotated type (numpy integers and floats become
-    Python ones, ``top_k == -1`` becomes 0, ``stop_token_ids`` and ``stop`` tuples, an empty
-    ``stop`` None). Raises ``ValueError`` naming the field on any invalid value. Stop token ids
-    past the model's vocabulary are refused when the request is added (`LLMEngine.add_request`),
-    where the vocabulary is known; so are ``logprobs`` and ``prompt_logprobs`` larger than the
-    vocabulary.
-
     Penalties and filters, with vLLM's meanings: ``repetition_penalty`` (> 0; 1 is off) divides the
     positive logits and multiplies the negative ones of every token seen in the prompt or the output;
     ``presence_penalty`` and ``frequency_penalty`` (in [-2, 2]; 0 is off) subtract once per token
@@ -49,10 +42,11 @@ class SamplingParams:
     argmax of the processed logits.
 
     Holds after construction: every field has its annotated type (numpy integers and floats become
-    Python ones, ``top_k == -1`` becomes 0, ``stop_token_ids`` a tuple, ``logit_bias`` a dict of int to
-    float). Raises ``ValueError`` naming the field on any invalid value. Stop token ids and logit bias
-    ids past the model's vocabulary are refused when the request is added (`LLMEngine.add_request`),
-    where the vocabulary is known.
+    Python ones, ``top_k == -1`` becomes 0, ``stop_token_ids`` and ``stop`` tuples, an empty
+    ``stop`` None, ``logit_bias`` a dict of int to float). Raises ``ValueError`` naming the field on
+    any invalid value. Stop token ids and logit bias ids past the model's vocabulary are refused
+    when the request is added (`LLMEngine.add_request`), where the vocabulary is known; so are
+    ``logprobs`` and ``prompt_logprobs`` larger than the vocabulary.
     """
 
     max_tokens: int = 16
@@ -153,6 +147,19 @@ class SamplingParams:
                 raise ValueError(f"logit_bias[{token_id}] must be in [-100, 100], got {value}")
             checked[token_id] = value
         return checked
+
+    @property
+    def needs_engine_text(self) -> bool:
+        """Whether the engine itself must decode this request's text: it has text (``detokenize``)
+        and the engine reads that text (``stop`` strings match it, ``logprobs`` and
+        ``prompt_logprobs`` carry decoded tokens) or streams several samples under one id
+        (``n > 1``). Otherwise a front end may stream ids and decode them itself (`AsyncLLM`)."""
+        return self.detokenize and (
+            self.n > 1
+            or bool(self.stop)
+            or self.logprobs is not None
+            or self.prompt_logprobs is not None
+        )
 
     @property
     def greedy(self) -> bool:

@@ -167,22 +167,12 @@ def test_fit_to_context():
 
 def test_workloads_shapes():
     tok = ByteTokenizer()
-    random_ = build_workload(
-        bench_args(
-            "--dataset",
-            "random",
-            "--num-requests",
-            "50",
-            "--input-len",
-            "40",
-            "--output-len",
-            "8",
-            "--range-ratio",
-            "0.5",
-        ),
-        tok,
-        300,
-    )
+
+    def random_workload():
+        args = "--dataset random --num-requests 50 --input-len 40 --output-len 8 --range-ratio 0.5"
+        return build_workload(bench_args(*args.split()), tok, 300)
+
+    random_ = random_workload()
     assert len(random_) == 50 and all(
         20 <= len(s.prompt) <= 40 and 4 <= s.max_tokens <= 8 for s in random_
     )
@@ -209,22 +199,7 @@ def test_workloads_shapes():
         bench_args("--dataset", "multi-turn", "--num-conversations", "2", "--turns", "3"), tok, 300
     )
     assert [s.num_turns for s in chats] == [3, 3]
-    again = build_workload(
-        bench_args(
-            "--dataset",
-            "random",
-            "--num-requests",
-            "50",
-            "--input-len",
-            "40",
-            "--output-len",
-            "8",
-            "--range-ratio",
-            "0.5",
-        ),
-        tok,
-        300,
-    )
+    again = random_workload()
     assert [s.prompt for s in again] == [s.prompt for s in random_]  # seeded
 
 
@@ -374,21 +349,15 @@ class ScriptedBackend:
         pass
 
 
+def short_chats(turns: int):
+    """Flags of a multi-turn workload of two conversations with 4-token first prompts, 2-token
+    follow-ups and 3-token answers."""
+    flags = "--dataset multi-turn --num-conversations 2 --input-len 4 --turn-len 2 --output-len 3"
+    return bench_args(*flags.split(), "--turns", str(turns))
+
+
 def test_multi_turn_prompts_extend_the_previous_prompt_and_answer():
-    args = bench_args(
-        "--dataset",
-        "multi-turn",
-        "--num-conversations",
-        "2",
-        "--turns",
-        "3",
-        "--input-len",
-        "4",
-        "--turn-len",
-        "2",
-        "--output-len",
-        "3",
-    )
+    args = short_chats(turns=3)
     backend = ScriptedBackend()
     sessions = build_workload(args, backend.tokenizer, backend.vocab_size)
     records, wall = run_workload(backend, sessions, [0.0, 0.0], args, "test")
@@ -409,20 +378,7 @@ def test_first_turns_go_in_the_backends_form_and_later_turns_as_built():
         def native_prompt(self, prompt):
             return tuple(prompt)
 
-    args = bench_args(
-        "--dataset",
-        "multi-turn",
-        "--num-conversations",
-        "2",
-        "--turns",
-        "2",
-        "--input-len",
-        "4",
-        "--turn-len",
-        "2",
-        "--output-len",
-        "3",
-    )
+    args = short_chats(turns=2)
     backend = TupleBackend()
     sessions = build_workload(args, backend.tokenizer, backend.vocab_size)
     run_workload(backend, sessions, [0.0, 0.0], args, "test")

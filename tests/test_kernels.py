@@ -60,9 +60,10 @@ class PagedBatch(NamedTuple):
     v_cache: torch.Tensor
     meta: AttentionMetadata
 
-    def ref(self, scale: float) -> torch.Tensor:
+    def args(self, scale: float) -> tuple:
+        """The arguments `paged_attention_ref` and `paged_attention_triton` take for this batch."""
         m = self.meta
-        return paged_attention_ref(
+        return (
             self.q,
             self.k_cache,
             self.v_cache,
@@ -73,6 +74,9 @@ class PagedBatch(NamedTuple):
             m.max_context_len,
             scale,
         )
+
+    def ref(self, scale: float) -> torch.Tensor:
+        return paged_attention_ref(*self.args(scale))
 
 
 def make_batch(
@@ -117,36 +121,39 @@ def make_batch(
 
 
 def check_attention(batch: PagedBatch, dtype, num_splits=None):
+    """The general launcher (``num_splits`` None) or the decode launcher with ``num_splits`` against
+    the reference."""
+    if num_splits is not None:
+        check_decode(batch, dtype, num_splits)
+        return
+    scale = batch.q.shape[-1] ** -0.5
+    out = nan_like(batch.q)
+    paged_attention_triton(*batch.args(scale), out=out, extend_work=batch.meta.extend_work)
+    err = rel_err(out, batch.ref(scale))
+    assert err < TOLERANCE[dtype], err
+
+
+def check_decode(
+    batch: PagedBatch, dtype, num_splits: int | None, shared: SharedPrefixTiles | None = None
+):
+    """The decode launcher (``num_splits`` None: its own choice), reading ``shared``'s tiles when
+    given, against the reference."""
     scale = batch.q.shape[-1] ** -0.5
     m = batch.meta
+    assert m.is_decode
     out = nan_like(batch.q)
-    if num_splits is None:
-        paged_attention_triton(
-            batch.q,
-            batch.k_cache,
-            batch.v_cache,
-            m.block_tables,
-            m.context_lens,
-            m.query_start_loc,
-            m.max_query_len,
-            m.max_context_len,
-            scale,
-            out=out,
-            extend_work=m.extend_work,
-        )
-    else:
-        assert m.is_decode
-        paged_decode_attention_triton(
-            batch.q,
-            batch.k_cache,
-            batch.v_cache,
-            m.block_tables,
-            m.context_lens,
-            m.max_context_len,
-            scale,
-            num_splits=num_splits,
-            out=out,
-        )
+    paged_decode_attention_triton(
+        batch.q,
+        batch.k_cache,
+        batch.v_cache,
+        m.block_tables,
+        m.context_lens,
+        m.max_context_len,
+        scale,
+        num_splits=num_splits,
+        out=out,
+        shared=shared,
+    )
     err = rel_err(out, batch.ref(scale))
     assert err < TOLERANCE[dtype], err
 
@@ -274,22 +281,7 @@ def test_decode_reads_shared_prefixes_once_with_the_same_result(dtype, num_split
     shared = plan_shared(batch, min_shared_len=8, dtype=dtype)
     assert shared is not None
     assert shared.kv_starts.tolist() == [300, 300, 300, 300, 27, 27, 0]
-    m = batch.meta
-    scale = 80**-0.5
-    out = nan_like(batch.q)
-    paged_decode_attention_triton(
-        batch.q,
-        batch.k_cache,
-        batch.v_cache,
-        m.block_tables,
-        m.context_lens,
-        m.max_context_len,
-        scale,
-        num_splits=num_splits,
-        out=out,
-        shared=shared,
-    )
-    assert rel_err(out, batch.ref(scale)) < TOLERANCE[dtype]
+    check_decode(batch, dtype, num_splits, shared)
 
 
 # ------------------------------------------------------------------------------------------------ extend
@@ -526,24 +518,9 @@ def test_decode_shared_prefix_gpu(dtype, heads, head_dim):
         and (shared.kv_starts[:290] > 0).all()
         and (shared.kv_starts[290:] == 0).all()
     )
-    m = batch.meta
-    scale = head_dim**-0.5
     for num_splits in (None, 4):
         poison_allocator()
-        out = nan_like(batch.q)
-        paged_decode_attention_triton(
-            batch.q,
-            batch.k_cache,
-            batch.v_cache,
-            m.block_tables,
-            m.context_lens,
-            m.max_context_len,
-            scale,
-            num_splits=num_splits,
-            out=out,
-            shared=shared,
-        )
-        assert rel_err(out, batch.ref(scale)) < TOLERANCE[dtype]
+        check_decode(batch, dtype, num_splits, shared)
 
 
 @gpu_test

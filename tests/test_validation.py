@@ -127,6 +127,22 @@ def test_sampling_params_normalise_what_they_accept():
     assert type(q.min_p) is float
 
 
+@pytest.mark.parametrize(
+    "kwargs, engine_text",
+    [
+        ({}, False),  # plain text: a front end may decode it
+        ({"n": 2}, True),
+        ({"stop": "x"}, True),
+        ({"logprobs": 0}, True),
+        ({"prompt_logprobs": 1}, True),
+        ({"detokenize": False}, False),  # no text at all
+        ({"detokenize": False, "n": 2, "logprobs": 1}, False),
+    ],
+)
+def test_the_engine_decodes_text_only_where_it_reads_it(kwargs, engine_text):
+    assert SamplingParams(**kwargs).needs_engine_text is engine_text
+
+
 # ------------------------------------------------------------------------------------ seeds
 def test_64_bit_seeds_give_distinct_reproducible_streams(llm):
     base = 12345

@@ -3,8 +3,9 @@ per-forward context the model layers call into."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 import torch
@@ -89,6 +90,57 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor: ...  # [num_tokens, num_heads, head_dim]
+
+
+class KernelBackend:
+    """An `AttentionBackend` made of two functions of `kernels/`: `store` (`store_kv_ref`'s
+    arguments) and `attention` (`paged_attention_ref`'s arguments, read from the metadata, then the
+    keyword arguments `attention_options` gives). Subclasses set `name` and both functions (as
+    static methods), and write `planner`."""
+
+    name: ClassVar[str]
+    store: Callable[..., None]
+    attention: Callable[..., torch.Tensor]
+
+    def planner(
+        self, block_size: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype
+    ) -> AttentionPlanner:
+        raise NotImplementedError
+
+    def attention_options(self, meta: AttentionMetadata) -> dict[str, Any]:
+        """What `attention` reads of the metadata beyond the reference's arguments: nothing here."""
+        return {}
+
+    def store_kv(
+        self,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        self.store(k_cache, v_cache, k, v, slot_mapping)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        return self.attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.context_lens,
+            meta.query_start_loc,
+            meta.max_query_len,
+            meta.max_context_len,
+            scale,
+            **self.attention_options(meta),
+        )
 
 
 @dataclass(frozen=True)

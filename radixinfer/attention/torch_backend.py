@@ -7,7 +7,7 @@ import torch
 
 from kernels.paged_attention import paged_attention_ref
 from kernels.store_kv import store_kv_ref
-from radixinfer.attention.metadata import AttentionMetadata
+from radixinfer.attention.backend import KernelBackend
 from radixinfer.attention.shared_prefix import MIN_SHARED_LEN
 
 
@@ -40,36 +40,15 @@ class NothingToPlan:
         return 0
 
 
-class TorchAttentionBackend:
+class TorchAttentionBackend(KernelBackend):
     """Gathers each sequence's context from its block table and attends in plain PyTorch; ignores
     `AttentionMetadata.shared_prefix` and `.extend_work` (same result, one gather)."""
 
     name = "torch"
+    store = staticmethod(store_kv_ref)
+    attention = staticmethod(paged_attention_ref)
 
     def planner(
         self, block_size: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype
     ) -> NothingToPlan:
         return NothingToPlan()
-
-    def store_kv(self, k_cache, v_cache, k, v, slot_mapping) -> None:
-        store_kv_ref(k_cache, v_cache, k, v, slot_mapping)
-
-    def attend(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
-        return paged_attention_ref(
-            q,
-            k_cache,
-            v_cache,
-            meta.block_tables,
-            meta.context_lens,
-            meta.query_start_loc,
-            meta.max_query_len,
-            meta.max_context_len,
-            scale,
-        )

@@ -15,6 +15,8 @@ above 1 (it only picks the extend kernel over the decode one).
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -25,6 +27,7 @@ from kernels.paged_attention import (
     shared_prefix_seqs_per_tile,
 )
 from kernels.store_kv import store_kv_triton
+from radixinfer.attention.backend import KernelBackend
 from radixinfer.attention.metadata import AttentionMetadata
 from radixinfer.attention.shared_prefix import MIN_SHARED_LEN, SharedPrefixPlanner
 
@@ -70,40 +73,20 @@ class TritonAttentionPlanner:
         return self._tiles.plan(tables, context_lens, tile_seqs, tile_lens, kv_starts)
 
 
-class TritonAttentionBackend:
+class TritonAttentionBackend(KernelBackend):
     """Stores K/V and attends with the Triton kernels of `kernels/`; reads the planned extend work
     list and shared-prefix tiles."""
 
     name = "triton"
+    store = staticmethod(store_kv_triton)
+    attention = staticmethod(paged_attention_triton)
 
     def planner(
         self, block_size: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype
     ) -> TritonAttentionPlanner:
         return TritonAttentionPlanner(block_size, num_heads, num_kv_heads, dtype)
 
-    def store_kv(self, k_cache, v_cache, k, v, slot_mapping) -> None:
-        store_kv_triton(k_cache, v_cache, k, v, slot_mapping)
-
-    def attend(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
-        """The decode kernel when ``meta.is_decode`` (with ``meta.shared_prefix``'s tiles when set), the extend
-        kernel over ``meta.extend_work`` otherwise."""
-        return paged_attention_triton(
-            q,
-            k_cache,
-            v_cache,
-            meta.block_tables,
-            meta.context_lens,
-            meta.query_start_loc,
-            meta.max_query_len,
-            meta.max_context_len,
-            scale,
-            shared=meta.shared_prefix,
-            extend_work=meta.extend_work,
-        )
+    def attention_options(self, meta: AttentionMetadata) -> dict[str, Any]:
+        """The decode kernel runs when ``meta.is_decode`` (with ``meta.shared_prefix``'s tiles when
+        set), the extend kernel over ``meta.extend_work`` otherwise."""
+        return {"shared": meta.shared_prefix, "extend_work": meta.extend_work}

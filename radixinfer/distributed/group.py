@@ -175,6 +175,6 @@ class TensorParallel:
             if group is not None:
                 try:
                     getattr(group, end)()
-                except RuntimeError:  # a group whose peer is gone may fail to end cleanly
+                except RuntimeError:  # a group whose other ranks are gone may fail to end cleanly
                     pass
         self.device_group = self.control_group = self.store = None

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from radixinfer.attention import AttentionBackend, ForwardContext
+from radixinfer.attention import AttentionBackend, AttentionMetadata, ForwardContext
 from radixinfer.engine.cuda_graphs import (
     StepGraphs,
     graph_batch_sizes,
@@ -219,11 +219,7 @@ class ModelRunner:
         meta = buf.metadata(
             num_tokens, num_seqs, int(query_lens.max()), max(context_lens), num_work=num_work
         )
-        return self.model(
-            buf.dev64[0, :num_tokens],
-            buf.dev64[1, :num_tokens],
-            ForwardContext(meta, self.kv.k, self.kv.v, self.backend),
-        )
+        return self._forward(buf, num_tokens, meta)
 
     def _prefill_graph_forward(self, num_tokens: int, out: torch.Tensor) -> torch.Tensor:
         """The forward a prefill graph of ``num_tokens`` captures: every sequence slot of the buffers, the whole
@@ -234,9 +230,7 @@ class ModelRunner:
         meta = buf.metadata(
             num_tokens, buf.max_seqs, num_tokens, self.max_context_len, num_work=buf.max_work
         )
-        ctx = ForwardContext(meta, self.kv.k, self.kv.v, self.backend)
-        hidden = self.model(buf.dev64[0, :num_tokens], buf.dev64[1, :num_tokens], ctx)
-        return out.copy_(hidden)
+        return out.copy_(self._forward(buf, num_tokens, meta))
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         """Copy each ``(src, dst)`` KV block, every layer, K and V, in one launch, before the next
@@ -304,9 +298,13 @@ class ModelRunner:
         buf = self._decode_buffers
         num_tiles = self._planner.max_shared_prefix_tiles(num_seqs) if shared else 0
         meta = buf.metadata(num_seqs, num_seqs, 1, max_context_len, num_tiles)
+        return self.model.compute_logits(self._forward(buf, num_seqs, meta), out=logits)
+
+    def _forward(self, buf: StepBuffers, num_tokens: int, meta: AttentionMetadata) -> torch.Tensor:
+        """The model over the first ``num_tokens`` ids and positions uploaded to ``buf``, attending
+        through the KV pool with ``meta``: hidden states ``[num_tokens, hidden_size]``."""
         ctx = ForwardContext(meta, self.kv.k, self.kv.v, self.backend)
-        hidden = self.model(buf.dev64[0, :num_seqs], buf.dev64[1, :num_seqs], ctx)
-        return self.model.compute_logits(hidden, out=logits)
+        return self.model(buf.dev64[0, :num_tokens], buf.dev64[1, :num_tokens], ctx)
 
     @torch.inference_mode()
     def _capture_graphs(self) -> None:

@@ -29,6 +29,27 @@ def attention_window(config: PretrainedConfig) -> int | None:
     return window
 
 
+class AttentionLayer(nn.Module):
+    """The part of a decoder layer's attention every model shares: which layer it is (its slice of
+    the KV pool), this rank's head counts and head size, the softmax scale, and the step between
+    the projections (`attend`). Subclasses build the projections around it."""
+
+    def __init__(self, layer_idx: int, shards: AttentionShards, scale: float) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads = shards.num_heads, shards.num_kv_heads
+        self.head_dim = shards.head_dim
+        self.scale = scale
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        """Store this layer's new K/V and attend over the cache (`ForwardContext.attention`):
+        ``q [T, num_heads, head_dim]``, ``k``, ``v [T, num_kv_heads, head_dim]`` ->
+        ``[T, num_heads * head_dim]``, the heads side by side as the output projection reads them."""
+        return ctx.attention(self.layer_idx, q, k, v, self.scale).flatten(1)
+
+
 class PagedCausalLM(nn.Module):
     """A decoder-only LM over a ragged batch (all sequences' new tokens concatenated, no padding).
 

@@ -15,7 +15,7 @@ from transformers.activations import ACT2FN
 
 from radixinfer.attention import ForwardContext
 from radixinfer.distributed.group import TensorParallel
-from radixinfer.models.base import PagedCausalLM
+from radixinfer.models.base import AttentionLayer, PagedCausalLM
 from radixinfer.models.layers import LoadedTensor
 from radixinfer.models.parallel import (
     AttentionShards,
@@ -28,7 +28,7 @@ from radixinfer.models.parallel import (
 _CONV1D_MODULES = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 
 
-class GPT2Attention(nn.Module):
+class GPT2Attention(AttentionLayer):
     def __init__(
         self,
         config: PretrainedConfig,
@@ -36,13 +36,11 @@ class GPT2Attention(nn.Module):
         shards: AttentionShards,
         tp: TensorParallel,
     ) -> None:
-        super().__init__()
-        hidden = config.hidden_size
-        self.layer_idx = layer_idx
-        self.num_heads, self.head_dim = shards.num_heads, shards.head_dim
-        self.scale = self.head_dim**-0.5 if config.scale_attn_weights else 1.0
+        scale = shards.head_dim**-0.5 if config.scale_attn_weights else 1.0
         if config.scale_attn_by_inverse_layer_idx:
-            self.scale /= layer_idx + 1
+            scale /= layer_idx + 1
+        super().__init__(layer_idx, shards, scale)
+        hidden = config.hidden_size
         # q, k, v: one tensor in the checkpoint, this rank's heads of each
         qkv = {"q": shards.q, "k": shards.q, "v": shards.q}
         self.c_attn = ColumnParallelLinear(hidden, qkv, bias=True, checkpoint_shards=False)
@@ -54,8 +52,7 @@ class GPT2Attention(nn.Module):
         q, k, v = (
             self.c_attn(x).view(-1, 3, self.num_heads, self.head_dim).unbind(1)
         )  # 3 x [T, H, D]
-        out = ctx.attention(self.layer_idx, q, k, v, self.scale)  # [T, H, D]
-        return self.c_proj(out.flatten(1))
+        return self.c_proj(self.attend(q, k, v, ctx))
 
 
 # GPT-2's "gelu_new" is the tanh approximation of GELU written as seven element-wise ops (seven launches per

@@ -22,7 +22,7 @@ from transformers.activations import ACT2FN
 
 from radixinfer.attention import ForwardContext
 from radixinfer.distributed.group import TensorParallel
-from radixinfer.models.base import PagedCausalLM
+from radixinfer.models.base import AttentionLayer, PagedCausalLM
 from radixinfer.models.layers import RMSNorm, silu_and_mul
 from radixinfer.models.parallel import (
     AttentionShards,
@@ -34,7 +34,7 @@ from radixinfer.models.parallel import (
 from radixinfer.models.rotary import RotaryEmbedding, apply_rotary
 
 
-class LlamaAttention(nn.Module):
+class LlamaAttention(AttentionLayer):
     """Attention over this rank's query heads and the KV heads they read (all of them with one
     rank); ``o_proj`` sums the ranks' outputs."""
 
@@ -45,11 +45,7 @@ class LlamaAttention(nn.Module):
         shards: AttentionShards,
         tp: TensorParallel,
     ) -> None:
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads = shards.num_heads, shards.num_kv_heads
-        self.head_dim = head_dim = shards.head_dim
-        self.scale = head_dim**-0.5
+        super().__init__(layer_idx, shards, shards.head_dim**-0.5)
         attention_bias = getattr(config, "attention_bias", False)
         self.qkv_proj = ColumnParallelLinear(
             config.hidden_size,
@@ -60,8 +56,8 @@ class LlamaAttention(nn.Module):
             shards.q.size, config.hidden_size, attention_bias, tp, "num_attention_heads"
         )
         has_qk_norm = config.model_type == "qwen3"
-        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps) if has_qk_norm else None
-        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps) if has_qk_norm else None
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if has_qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if has_qk_norm else None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
@@ -73,8 +69,7 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         apply_rotary(q, k, cos, sin)  # in place
-        out = ctx.attention(self.layer_idx, q, k, v, self.scale)  # [T, H, D]
-        return self.o_proj(out.flatten(1))
+        return self.o_proj(self.attend(q, k, v, ctx))
 
 
 class LlamaMLP(nn.Module):

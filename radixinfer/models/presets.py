@@ -13,13 +13,39 @@ from transformers import GPT2Config, LlamaConfig, PretrainedConfig, Qwen2Config,
 
 from radixinfer.tokenizer import ByteTokenizer
 
-_LLAMA3_ROPE = {
-    "rope_type": "llama3",
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 8192,
-}
+# What the public checkpoints of one family share; each preset adds its own sizes.
+_QWEN = dict(
+    vocab_size=151936,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    use_sliding_window=False,
+    bos_token_id=151643,
+)
+_LLAMA3 = dict(
+    vocab_size=128256,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    max_position_embeddings=131072,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+    bos_token_id=128000,
+    eos_token_id=128001,
+)
 
+
+def _llama3_rope(factor: float) -> dict:
+    """Llama 3.1's rotary scaling, stretched by ``factor``."""
+    return {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+
+
+# name -> (config class, keyword arguments)
 _PRESETS: dict[str, tuple[type[PretrainedConfig], dict]] = {
     "tiny": (
         LlamaConfig,
@@ -41,25 +67,20 @@ _PRESETS: dict[str, tuple[type[PretrainedConfig], dict]] = {
     "qwen2.5-0.5b": (
         Qwen2Config,
         dict(  # 494M params
-            vocab_size=151936,
+            _QWEN,
             hidden_size=896,
             intermediate_size=4864,
             num_hidden_layers=24,
             num_attention_heads=14,
             num_key_value_heads=2,
             max_position_embeddings=32768,
-            rope_theta=1000000.0,
-            rms_norm_eps=1e-6,
-            tie_word_embeddings=True,
-            use_sliding_window=False,
-            bos_token_id=151643,
             eos_token_id=151643,
         ),
     ),
     "qwen3-0.6b": (
         Qwen3Config,
         dict(  # 596M params
-            vocab_size=151936,
+            _QWEN,
             hidden_size=1024,
             intermediate_size=3072,
             num_hidden_layers=28,
@@ -67,50 +88,31 @@ _PRESETS: dict[str, tuple[type[PretrainedConfig], dict]] = {
             num_key_value_heads=8,
             head_dim=128,
             max_position_embeddings=40960,
-            rope_theta=1000000.0,
-            rms_norm_eps=1e-6,
-            tie_word_embeddings=True,
-            use_sliding_window=False,
-            bos_token_id=151643,
             eos_token_id=151645,
         ),
     ),
     "llama-3.2-1b": (
         LlamaConfig,
         dict(  # 1.24B params
-            vocab_size=128256,
+            _LLAMA3,
             hidden_size=2048,
             intermediate_size=8192,
             num_hidden_layers=16,
-            num_attention_heads=32,
-            num_key_value_heads=8,
             head_dim=64,
-            max_position_embeddings=131072,
-            rope_theta=500000.0,
-            rope_scaling={**_LLAMA3_ROPE, "factor": 32.0},
-            rms_norm_eps=1e-5,
+            rope_scaling=_llama3_rope(32.0),
             tie_word_embeddings=True,
-            bos_token_id=128000,
-            eos_token_id=128001,
         ),
     ),
     "llama-3.1-8b": (
         LlamaConfig,
         dict(  # 8.03B params
-            vocab_size=128256,
+            _LLAMA3,
             hidden_size=4096,
             intermediate_size=14336,
             num_hidden_layers=32,
-            num_attention_heads=32,
-            num_key_value_heads=8,
             head_dim=128,
-            max_position_embeddings=131072,
-            rope_theta=500000.0,
-            rope_scaling={**_LLAMA3_ROPE, "factor": 8.0},
-            rms_norm_eps=1e-5,
+            rope_scaling=_llama3_rope(8.0),
             tie_word_embeddings=False,
-            bos_token_id=128000,
-            eos_token_id=128001,
         ),
     ),
     "gpt2": (
