@@ -1,8 +1,8 @@
 """The sorting-free sampling kernel against its sorting PyTorch reference, and both against the
 filtered softmax they sample from (min-p, top-k, top-p as vLLM applies them).
 
-Without CUDA the kernel runs in Triton's interpreter at tiny sizes; the ``gpu`` test repeats the
-comparison at a real batch and vocabulary."""
+Without CUDA the kernels run in Triton's interpreter at tiny sizes (tiny blocks, so rows split into
+several chunks); the ``gpu`` test repeats the comparison at a real batch and vocabulary."""
 
 from __future__ import annotations
 
@@ -11,10 +11,18 @@ import math
 import pytest
 import torch
 
-from kernels.sampling import gumbel_from_keys, sample_ref, sample_triton
+from kernels.sampling import (
+    Tiles,
+    gumbel_from_keys,
+    sample_ref,
+    sample_triton,
+    sample_triton_rowwise,
+)
 from tests import _triton_env  # noqa: F401  (without CUDA, Triton runs interpreted)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# 4 chunks of 64 logits a row at a vocabulary of 203 (the last one 11 long), 2 blocks a chunk
+SPLIT = Tiles(block=32, search_block=32, chunks=4)
 
 
 def random_rows(rows: int, vocab: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, ...]:
@@ -37,6 +45,43 @@ def random_rows(rows: int, vocab: int, dtype: torch.dtype, seed: int) -> tuple[t
 def test_kernel_draws_the_reference_tokens(dtype):
     args = random_rows(32, 203, dtype, seed=hash(str(dtype)) % 1000)
     assert sample_triton(*args).tolist() == sample_ref(*args).tolist()
+    assert sample_triton_rowwise(*args).tolist() == sample_ref(*args).tolist()
+
+
+@pytest.mark.parametrize(
+    ("dtype", "tiles"),
+    [
+        (torch.bfloat16, SPLIT),
+        (torch.bfloat16, Tiles(block=32, search_block=16, chunks=3, histogram=False)),
+        (torch.float32, SPLIT),
+    ],
+)
+def test_split_rows_draw_the_reference_tokens(dtype, tiles):
+    """Rows cut into chunks (the vocabulary not a multiple of the chunk), with greedy rows, each
+    filter alone and combined, top-k counted by histogram or by bucket sums."""
+    args = random_rows(14, 203, dtype, seed=7)
+    assert sample_triton(*args, tiles=tiles).tolist() == sample_ref(*args).tolist()
+
+
+@pytest.mark.parametrize(
+    "filters",
+    [(False, False, False), (True, False, False), (False, True, False), (False, False, True)],
+)
+def test_launch_plans_for_the_filters_in_use(filters):
+    """A batch whose sampled rows use only the filters named (greedy rows beside them): the kernel
+    launches only those filters' passes and still draws the reference's tokens, also for rows that
+    keep every token (top-k at the vocabulary, min-p and top-p too small to cut)."""
+    logits, inv_t, top_k, top_p, min_p, keys = random_rows(10, 203, torch.bfloat16, seed=9)
+    use_k, use_p, use_min_p = filters
+    top_k = torch.where(torch.tensor(use_k, device=DEVICE), top_k.clamp(min=1), 0)
+    top_k[1] = 203 if use_k else 0
+    top_p = torch.where(torch.tensor(use_p, device=DEVICE), top_p.clamp(max=0.9), 1.0)
+    top_p[2] = 0.999999 if use_p else 1.0
+    min_p = torch.where(torch.tensor(use_min_p, device=DEVICE), min_p.clamp(min=0.05), 0.0)
+    min_p[3] = 1e-30 if use_min_p else 0.0
+    args = (logits, inv_t, top_k, top_p, min_p, keys)
+    ref = sample_ref(*args).tolist()
+    assert sample_triton(*args, filters=filters, tiles=SPLIT).tolist() == ref
 
 
 def test_kernel_handles_ties_infinities_and_signed_zeros():
@@ -53,7 +98,11 @@ def test_kernel_handles_ties_infinities_and_signed_zeros():
     min_p = torch.tensor([0, 0, 0, 0, 0.2, 0, 0.5, 0, 0, 0.9, 0, 0.0], device=DEVICE)
     keys = torch.arange(12, device=DEVICE) * 7919
     args = (logits, inv_t, top_k, top_p, min_p, keys)
-    assert sample_triton(*args).tolist() == sample_ref(*args).tolist()
+    ref = sample_ref(*args).tolist()
+    assert sample_triton(*args).tolist() == ref
+    # chunks of 16 logits: every chunk boundary falls inside some tie group
+    tiles = Tiles(block=16, search_block=16, chunks=4)
+    assert sample_triton(*args, tiles=tiles).tolist() == ref
 
 
 def filtered_softmax(logits: list[float], top_k: int, top_p: float, min_p: float) -> list[float]:
