@@ -9,9 +9,10 @@ N(0, 2^2). Configurations as `bench_sampling.py` runs them end to end: greedy (t
 temperature 0.8 with top-p 0.95, top-k 50, min-p 0.05, all three, and temperature 1.0 alone; each
 call gets the filter flags its batch would (`SamplingBatch.filters`).
 
-1. ``check``: tokens of the new kernel (default settings, and with top-k counted by bucket sums
-   instead of ``tl.histogram``) and of the old one against `sample_ref` on 256 rows mixing greedy
-   rows, each filter alone and combined, with fresh keys per row; also each configuration's rows.
+1. ``check``: tokens of the new kernel (default settings; the other choice of each of
+   ``histogram``, ``digit_bits``, ``buckets_first``; every pass launched whatever the filters) and
+   of the old one against `sample_ref` on 256 rows mixing greedy rows, each filter alone and
+   combined, with fresh keys per row; also each configuration's rows.
    Top-p masses are float sums in another order, so a boundary token may flip on a rare row: up to
    2 mismatches per 256 rows pass, more fail (the script still goes on, exit status 1 at the end).
 2. ``time``: per shape and configuration, microseconds per call (median; one CUDA graph replay per
@@ -19,9 +20,10 @@ call gets the filter flags its batch would (`SamplingBatch.filters`).
    cleared, host launches included) of the new kernel, the old one (block 512, 16 warps: its best)
    and greedy's argmax; ``floor`` is one read of the logits at the measured HBM bandwidth
    (`bench_kernels.ceilings`: the better of a copy and a sum); ``x floor`` the new kernel's ratio.
-3. ``sweep`` (at ``[256, 151936]``): the digit passes' ``search_block`` x ``search_warps`` on top-p,
-   ``programs_per_sm`` (chunks per row), the streaming passes' ``block`` x ``warps`` on min-p, and
-   ``histogram`` on top-k, one axis at a time from the defaults, each axis's best kept; then every
+3. ``sweep`` (at ``[256, 151936]``): on top-p the bucket sums' layout (``buckets_first``), the
+   digit width (``digit_bits`` 4 or 2), the digit passes' ``search_block`` x ``search_warps``,
+   ``programs_per_sm`` (chunks per row); the streaming passes' ``block`` x ``warps`` on min-p;
+   ``histogram`` on top-k; one axis at a time from the defaults, each axis's best kept; then every
    configuration again with the best settings. The last line prints them as the value of
    ``RADIXINFER_SAMPLING_TILES``, which the engine reads at import (`bench_sampling.py` end to end
    takes them the same way).
@@ -109,11 +111,16 @@ def random_logits(rows: int, vocab: int, seed: int = 0) -> torch.Tensor:
 def check() -> tuple[list[dict], bool]:
     """Mismatches against `sample_ref` per kernel and batch; whether all are within the bound."""
     results, ok = [], True
-    no_histogram = dataclasses.replace(TILES, histogram=False)
+    other = dataclasses.replace(
+        TILES,
+        histogram=not TILES.histogram,
+        digit_bits=6 - TILES.digit_bits,
+        buckets_first=not TILES.buckets_first,
+    )
     kernels = {
         "new": lambda x, b: sample_triton(x, *tensors(b), filters=b.filters),
-        "new, no histogram": lambda x, b: sample_triton(
-            x, *tensors(b), filters=b.filters, tiles=no_histogram
+        "new, other tiles": lambda x, b: sample_triton(
+            x, *tensors(b), filters=b.filters, tiles=other
         ),
         "new, all passes": lambda x, b: sample_triton(x, *tensors(b)),
         "old": lambda x, b: sample_triton_rowwise(x, *tensors(b), block=512, num_warps=16),
@@ -187,6 +194,8 @@ def sweep(quick: bool) -> tuple[Tiles, list[dict]]:
     """One axis at a time from the defaults, keeping each axis's best."""
     rows, vocab = SHAPES[0]
     axes = [
+        ("T0.8 top-p 0.95", [{"buckets_first": f} for f in (True, False)]),
+        ("T0.8 top-p 0.95", [{"digit_bits": d} for d in (4, 2)]),
         ("T0.8 top-p 0.95", [
             {"search_block": b, "search_warps": w}
             for b, w in ((512, 8), (256, 4), (256, 8), (512, 4), (512, 16), (1024, 8), (1024, 16))

@@ -39,7 +39,7 @@ from kernels.argmax import _argmax_merge_kernel
 from kernels.device import num_sms
 
 _MIX = 0x45D9F3B
-DIGIT_BITS = 4  # bits of the threshold key found per pass: 16 buckets
+DIGIT_BITS = 4  # bits of the threshold key found per pass of the rowwise kernel: 16 buckets
 # significant high bits of a float32 key per logit dtype (its float32 value's low bits are zero)
 KEY_BITS = {torch.bfloat16: 16, torch.float16: 19, torch.float32: 32}
 
@@ -118,9 +118,12 @@ def _gumbel(row_key, cols):
 
 
 @triton.jit
-def _digits(row_ptr, cols, valid, scale, row_max, base, min_key, min_s, shift, MASS: tl.constexpr):
-    """Each logit's digit of its key in the window ``[base, base + 16 << shift)`` (16 above it) and
-    its weight: 1 (count) or ``exp(s - row_max)`` (``MASS``) for a candidate (key ``>=``
+def _digits(
+    row_ptr, cols, valid, scale, row_max, base, min_key, min_s, shift, MASS: tl.constexpr,
+    BUCKETS: tl.constexpr,
+):  # fmt: skip
+    """Each logit's digit of its key in the window ``[base, base + BUCKETS << shift)`` (``BUCKETS``
+    above it) and its weight: 1 (count) or ``exp(s - row_max)`` (``MASS``) for a candidate (key ``>=``
     ``base`` and ``min_key``, scaled logit ``>= min_s``), 0 for any other."""
     key, s = _row_values(row_ptr, cols, valid, scale)
     inside = valid & (key >= base) & (key >= min_key) & (s >= min_s)
@@ -129,14 +132,15 @@ def _digits(row_ptr, cols, valid, scale, row_max, base, min_key, min_s, shift, M
     else:
         weight = tl.where(inside, 1.0, 0.0)
     digit = (key - base) >> shift
-    return tl.where(digit < 16, digit, 16).to(tl.int32), weight, inside
+    return tl.where(digit < BUCKETS, digit, BUCKETS).to(tl.int32), weight, inside
 
 
 @triton.jit
-def _choose_digit(hist, above, target):
-    """The largest bucket of a window's 16 sums ``hist`` whose suffix, plus ``above`` (what lies
-    above the window), still meets ``target``; and ``above`` plus the sums above that bucket."""
-    buckets = tl.arange(0, 16)
+def _choose_digit(hist, above, target, BUCKETS: tl.constexpr):
+    """The largest bucket of a window's ``BUCKETS`` sums ``hist`` whose suffix, plus ``above`` (what
+    lies above the window), still meets ``target``; and ``above`` plus the sums above that
+    bucket."""
+    buckets = tl.arange(0, BUCKETS)
     suffix = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
     best = tl.max(tl.where(above + suffix >= target, buckets, 0), axis=0)
     return best, above + tl.sum(tl.where(buckets > best, hist, 0.0), axis=0)
@@ -173,13 +177,13 @@ def _key_search(
         for off in range(0, vocab, BLOCK):
             cols = off + offs
             digit, weight, _ = _digits(
-                row_ptr, cols, cols < vocab, scale, row_max, base, min_key, min_s, shift, MASS
+                row_ptr, cols, cols < vocab, scale, row_max, base, min_key, min_s, shift, MASS, 16
             )
             acc += tl.where(digit[:, None] == buckets[None, :], weight[:, None], 0.0)
         hist = tl.sum(acc, axis=0)
         if MASS and i == 0:
             target = fraction * tl.sum(hist, axis=0)  # the first window covers every key
-        best, above = _choose_digit(hist, above, target)
+        best, above = _choose_digit(hist, above, target, 16)
         base += best.to(tl.uint32) << shift
     return base
 
@@ -292,7 +296,7 @@ def _row_setup(inv_temp_ptr, min_p_ptr, pmax_ptr, row, num_chunks, HAS_MAX: tl.c
 
 @triton.jit
 def _resolve(state_ptr, partial_ptr, row, rows, num_chunks, top_p, prev_par, has_prev,
-             prev_shift, CHUNKS: tl.constexpr):  # fmt: skip
+             prev_shift, CHUNKS: tl.constexpr, BUCKETS: tl.constexpr):  # fmt: skip
     """A row's search state ``(min_key, base, above, target)`` after the previous launch (none when
     ``has_prev`` is 0: all zero): the state that launch read, its digit chosen from its programs'
     bucket sums (a pending mass target, -1, becomes ``top_p`` times the first window's total; an
@@ -305,12 +309,12 @@ def _resolve(state_ptr, partial_ptr, row, rows, num_chunks, top_p, prev_par, has
     target = tl.load(sp + 3, mask=prev, other=0).to(tl.float32, bitcast=True)
     active = prev & (target != float("inf"))
     c = tl.arange(0, CHUNKS)
-    b = tl.arange(0, 16)
-    parts = partial_ptr + ((prev_par * rows + row) * num_chunks + c[:, None]) * 16 + b[None, :]
-    mask = tl.where(active, (c[:, None] < num_chunks) & (b[None, :] < 16), False)
+    b = tl.arange(0, BUCKETS)
+    parts = partial_ptr + ((prev_par * rows + row) * num_chunks + c[:, None]) * BUCKETS + b[None, :]
+    mask = tl.where(active, (c[:, None] < num_chunks) & (b[None, :] < BUCKETS), False)
     hist = tl.sum(tl.load(parts, mask=mask, other=0.0), axis=0)
     target = tl.where(target < 0.0, top_p * tl.sum(hist, axis=0), target)
-    best, above = _choose_digit(hist, above, target)
+    best, above = _choose_digit(hist, above, target, BUCKETS)
     base += tl.where(active, best, 0).to(tl.uint32) << prev_shift.to(tl.uint32)
     return min_key, base, above, target
 
@@ -320,14 +324,16 @@ def _search_kernel(
     logits_ptr, stride_row, vocab, chunk_len, num_chunks, rows, inv_temp_ptr, top_k_ptr,
     top_p_ptr, min_p_ptr, pmax_ptr, state_ptr, partial_ptr, par, prev_par, has_prev, new_search,
     shift, prev_shift, MASS: tl.constexpr, HAS_MAX: tl.constexpr, HISTOGRAM: tl.constexpr,
-    CHUNKS: tl.constexpr, BLOCK: tl.constexpr,
+    BUCKETS_FIRST: tl.constexpr, BUCKETS: tl.constexpr, CHUNKS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Program (row, chunk), one digit of a search (count, or ``MASS``): resolves the previous
     launch's digit (`_resolve`; ``new_search``: its threshold becomes the new search's ``min_key``,
     and the row's target is set, ``inf`` for a row without this filter), then sums its chunk's
-    candidates into the 16 buckets of the window ``[base, base + 16 << shift)``. Reads state and
-    bucket sums at ``prev_par``, writes them at ``par`` (chunk 0 the state): one launch's writes
-    never meet its reads. ``HISTOGRAM``: counts through ``tl.histogram``."""
+    candidates into the ``BUCKETS`` buckets of the window ``[base, base + BUCKETS << shift)``.
+    Reads state and bucket sums at ``prev_par``, writes them at ``par`` (chunk 0 the state): one
+    launch's writes never meet its reads. ``HISTOGRAM``: counts through ``tl.histogram``;
+    ``BUCKETS_FIRST``: bucket sums held ``[BUCKETS, BLOCK]`` (Triton's default layout then gives
+    each thread whole columns: no logit computed by several threads), else ``[BLOCK, BUCKETS]``."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     shift = shift.to(tl.uint32)
@@ -337,7 +343,7 @@ def _search_kernel(
     top_p = tl.load(top_p_ptr + row)
     min_key, base, above, target = _resolve(
         state_ptr, partial_ptr, row, rows, num_chunks, top_p, prev_par, has_prev, prev_shift,
-        CHUNKS,
+        CHUNKS, BUCKETS,
     )  # fmt: skip
     fresh = new_search != 0
     if MASS:
@@ -362,27 +368,40 @@ def _search_kernel(
         start = chunk * chunk_len
         end = tl.minimum(start + chunk_len, vocab)
         offs = tl.arange(0, BLOCK)
-        buckets = tl.arange(0, 16)
+        buckets = tl.arange(0, BUCKETS)
         if HISTOGRAM and not MASS:
-            counts = tl.zeros([16], tl.int32)
+            counts = tl.zeros([BUCKETS], tl.int32)
             for off in range(start, end, BLOCK):
                 cols = off + offs
                 digit, _, inside = _digits(
-                    row_ptr, cols, cols < end, scale, row_max, base, min_key, min_s, shift, MASS
-                )
-                hit = inside & (digit < 16)  # (a digit of 16 lies above the window)
-                counts += tl.histogram(tl.where(hit, digit, 0), 16, mask=hit)
+                    row_ptr, cols, cols < end, scale, row_max, base, min_key, min_s, shift, MASS,
+                    BUCKETS,
+                )  # fmt: skip
+                hit = inside & (digit < BUCKETS)  # (a digit of BUCKETS lies above the window)
+                counts += tl.histogram(tl.where(hit, digit, 0), BUCKETS, mask=hit)
             hist = counts.to(tl.float32)
-        else:
-            acc = tl.zeros([BLOCK, 16], tl.float32)
+        elif BUCKETS_FIRST:
+            acc = tl.zeros([BUCKETS, BLOCK], tl.float32)
             for off in range(start, end, BLOCK):
                 cols = off + offs
                 digit, weight, _ = _digits(
-                    row_ptr, cols, cols < end, scale, row_max, base, min_key, min_s, shift, MASS
-                )
+                    row_ptr, cols, cols < end, scale, row_max, base, min_key, min_s, shift, MASS,
+                    BUCKETS,
+                )  # fmt: skip
+                acc += tl.where(buckets[:, None] == digit[None, :], weight[None, :], 0.0)
+            hist = tl.sum(acc, axis=1)
+        else:
+            acc = tl.zeros([BLOCK, BUCKETS], tl.float32)
+            for off in range(start, end, BLOCK):
+                cols = off + offs
+                digit, weight, _ = _digits(
+                    row_ptr, cols, cols < end, scale, row_max, base, min_key, min_s, shift, MASS,
+                    BUCKETS,
+                )  # fmt: skip
                 acc += tl.where(digit[:, None] == buckets[None, :], weight[:, None], 0.0)
             hist = tl.sum(acc, axis=0)
-        tl.store(partial_ptr + ((par * rows + row) * num_chunks + chunk) * 16 + buckets, hist)
+        part = partial_ptr + ((par * rows + row) * num_chunks + chunk) * BUCKETS
+        tl.store(part + buckets, hist)
 
 
 @triton.jit
@@ -415,7 +434,8 @@ def _chunk_max_kernel(
 def _draw_kernel(
     logits_ptr, stride_row, vocab, chunk_len, num_chunks, rows, inv_temp_ptr, top_p_ptr,
     min_p_ptr, keys_ptr, pmax_ptr, state_ptr, partial_ptr, prev_par, has_prev, prev_shift,
-    val_ptr, idx_ptr, HAS_MAX: tl.constexpr, CHUNKS: tl.constexpr, BLOCK: tl.constexpr,
+    val_ptr, idx_ptr, HAS_MAX: tl.constexpr, BUCKETS: tl.constexpr, CHUNKS: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Program (row, chunk): resolves the last search digit (the row's threshold), then the
     Gumbel-max of the chunk's kept tokens and its first index (for a greedy row, the chunk's
@@ -427,7 +447,7 @@ def _draw_kernel(
     )
     min_key, base, _, _ = _resolve(
         state_ptr, partial_ptr, row, rows, num_chunks, tl.load(top_p_ptr + row), prev_par,
-        has_prev, prev_shift, CHUNKS,
+        has_prev, prev_shift, CHUNKS, BUCKETS,
     )  # fmt: skip
     threshold = tl.maximum(min_key, base)
     noise_scale = tl.where(greedy, 0.0, 1.0)
@@ -452,10 +472,12 @@ def _draw_kernel(
 class Tiles:
     """Launch settings of `sample_triton`; they change only its speed. ``block`` and ``warps``: the
     max and draw passes (streaming); ``search_block`` and ``search_warps``: the digit passes (each
-    logit adds to one of 16 bucket sums a lane holds: ``search_block * 16`` floats a program);
-    ``chunks`` per row, or (None) enough for ``programs_per_sm`` programs per SM; ``histogram``:
-    count digits through ``tl.histogram`` instead of the bucket sums. Written as
-    ``block=2048,warps=8,search_block=512,search_warps=8,programs_per_sm=16,histogram=1`` in the
+    logit adds to one of ``2**digit_bits`` bucket sums a lane holds: ``search_block << digit_bits``
+    floats a program); ``chunks`` per row, or (None) enough for ``programs_per_sm`` programs per
+    SM; ``histogram``: count digits through ``tl.histogram`` instead of the bucket sums;
+    ``digit_bits`` (2 or 4): key bits found per search pass (4: 4 passes a search in bf16 with
+    16 sums per logit; 2: 8 passes with 4); ``buckets_first``: the bucket sums' layout
+    (`_search_kernel`). Written as ``block=2048,warps=8,search_block=512,...,histogram=1`` in the
     environment variable ``RADIXINFER_SAMPLING_TILES`` (any subset), read at import (`TILES`)."""
 
     block: int = 2048
@@ -465,6 +487,11 @@ class Tiles:
     programs_per_sm: int = 16
     chunks: int | None = None
     histogram: bool = True
+    digit_bits: int = 4
+    buckets_first: bool = True
+
+    def __post_init__(self) -> None:
+        assert self.digit_bits in (2, 4), "4 or 16 buckets (a digit must divide 32 bits)"
 
     @classmethod
     def parse(cls, text: str) -> Tiles:
@@ -474,7 +501,8 @@ class Tiles:
         for name, value in values.items():
             if name not in cls.__dataclass_fields__:
                 raise ValueError(f"unknown sampling tile setting {name!r} in {text!r}")
-            fields[name] = bool(int(value)) if name == "histogram" else int(value) or None
+            flag = name in ("histogram", "buckets_first")
+            fields[name] = bool(int(value)) if flag else int(value) or None
         return cls(**fields)
 
     def __str__(self) -> str:
@@ -508,9 +536,10 @@ def sample_triton(
     more filters than the rows use is still exact, only slower; one covering fewer is wrong).
 
     Each row is cut into chunks, one program each (`Tiles`): a max pass (when top-p or min-p is on),
-    one launch per 4-bit digit of each search (top-k's count, then top-p's mass; 4 launches each in
-    bf16), a draw pass and the merge of the chunks' draws: 7 launches for top-p alone in bf16, 3
-    for temperature alone. Rows without a filter skip its passes (their programs return at once)."""
+    one launch per digit of each search (top-k's count, then top-p's mass; 4 launches each in bf16
+    with 4-bit digits), a draw pass and the merge of the chunks' draws: 7 launches for top-p alone
+    in bf16, 3 for temperature alone. Rows without a filter skip its passes (their programs return
+    at once)."""
     rows, vocab = logits.shape
     assert logits.stride(1) == 1
     tiles = tiles or TILES
@@ -526,7 +555,8 @@ def sample_triton(
     has_max = use_top_p or use_min_p
     pmax = torch.empty(rows, chunks, dtype=torch.float32, device=device)
     state = torch.empty(2, rows, 4, dtype=torch.int32, device=device)
-    partial = torch.empty(2, rows, chunks, 16, dtype=torch.float32, device=device)
+    bits = tiles.digit_bits
+    partial = torch.empty(2, rows, chunks, 1 << bits, dtype=torch.float32, device=device)
     grid = (rows, chunks)
     common = (logits, logits.stride(0), vocab, chunk_len, chunks)
     if has_max:
@@ -535,12 +565,13 @@ def sample_triton(
         )
     launch, shift = 0, 0
     for mass in [False] * use_top_k + [True] * use_top_p:
-        for digit in range(triton.cdiv(KEY_BITS[logits.dtype], DIGIT_BITS)):
-            prev_shift, shift = shift, 32 - DIGIT_BITS * (digit + 1)
+        for digit in range(triton.cdiv(KEY_BITS[logits.dtype], bits)):
+            prev_shift, shift = shift, 32 - bits * (digit + 1)
             _search_kernel[grid](
                 *common, rows, inv_temperature, top_k, top_p, min_p, pmax, state, partial,
                 launch % 2, (launch - 1) % 2, int(launch > 0), int(digit == 0), shift, prev_shift,
-                MASS=mass, HAS_MAX=has_max, HISTOGRAM=tiles.histogram, CHUNKS=chunks_p2,
+                MASS=mass, HAS_MAX=has_max, HISTOGRAM=tiles.histogram,
+                BUCKETS_FIRST=tiles.buckets_first, BUCKETS=1 << bits, CHUNKS=chunks_p2,
                 BLOCK=search_block, num_warps=tiles.search_warps,
             )  # fmt: skip
             launch += 1
@@ -548,8 +579,8 @@ def sample_triton(
     idxs = torch.empty(rows, chunks, dtype=torch.int32, device=device)
     _draw_kernel[grid](
         *common, rows, inv_temperature, top_p, min_p, keys, pmax, state, partial,
-        (launch - 1) % 2, int(launch > 0), shift, vals, idxs, HAS_MAX=has_max, CHUNKS=chunks_p2,
-        BLOCK=block, num_warps=tiles.warps,
+        (launch - 1) % 2, int(launch > 0), shift, vals, idxs, HAS_MAX=has_max, BUCKETS=1 << bits,
+        CHUNKS=chunks_p2, BLOCK=block, num_warps=tiles.warps,
     )  # fmt: skip
     _argmax_merge_kernel[(rows,)](vals, idxs, out, chunks, BLOCK_C=chunks_p2)
     return out

@@ -53,12 +53,17 @@ def test_kernel_draws_the_reference_tokens(dtype):
     [
         (torch.bfloat16, SPLIT),
         (torch.bfloat16, Tiles(block=32, search_block=16, chunks=3, histogram=False)),
+        (
+            torch.float16,
+            Tiles(block=64, search_block=64, chunks=2, digit_bits=2, buckets_first=False),
+        ),
         (torch.float32, SPLIT),
     ],
 )
 def test_split_rows_draw_the_reference_tokens(dtype, tiles):
     """Rows cut into chunks (the vocabulary not a multiple of the chunk), with greedy rows, each
-    filter alone and combined, top-k counted by histogram or by bucket sums."""
+    filter alone and combined; top-k counted by histogram or by bucket sums, 4-bit or 2-bit digits,
+    both layouts of the bucket sums."""
     args = random_rows(14, 203, dtype, seed=7)
     assert sample_triton(*args, tiles=tiles).tolist() == sample_ref(*args).tolist()
 
