@@ -369,36 +369,31 @@ def _search_kernel(
         end = tl.minimum(start + chunk_len, vocab)
         offs = tl.arange(0, BLOCK)
         buckets = tl.arange(0, BUCKETS)
-        if HISTOGRAM and not MASS:
-            counts = tl.zeros([BUCKETS], tl.int32)
-            for off in range(start, end, BLOCK):
-                cols = off + offs
-                digit, _, inside = _digits(
-                    row_ptr, cols, cols < end, scale, row_max, base, min_key, min_s, shift, MASS,
-                    BUCKETS,
-                )  # fmt: skip
-                hit = inside & (digit < BUCKETS)  # (a digit of BUCKETS lies above the window)
-                counts += tl.histogram(tl.where(hit, digit, 0), BUCKETS, mask=hit)
-            hist = counts.to(tl.float32)
+        counting = HISTOGRAM and not MASS
+        if counting:
+            acc = tl.zeros([BUCKETS], tl.int32)
         elif BUCKETS_FIRST:
             acc = tl.zeros([BUCKETS, BLOCK], tl.float32)
-            for off in range(start, end, BLOCK):
-                cols = off + offs
-                digit, weight, _ = _digits(
-                    row_ptr, cols, cols < end, scale, row_max, base, min_key, min_s, shift, MASS,
-                    BUCKETS,
-                )  # fmt: skip
-                acc += tl.where(buckets[:, None] == digit[None, :], weight[None, :], 0.0)
-            hist = tl.sum(acc, axis=1)
         else:
             acc = tl.zeros([BLOCK, BUCKETS], tl.float32)
-            for off in range(start, end, BLOCK):
-                cols = off + offs
-                digit, weight, _ = _digits(
-                    row_ptr, cols, cols < end, scale, row_max, base, min_key, min_s, shift, MASS,
-                    BUCKETS,
-                )  # fmt: skip
+        for off in range(start, end, BLOCK):
+            cols = off + offs
+            digit, weight, inside = _digits(
+                row_ptr, cols, cols < end, scale, row_max, base, min_key, min_s, shift, MASS,
+                BUCKETS,
+            )  # fmt: skip
+            if counting:
+                hit = inside & (digit < BUCKETS)  # (a digit of BUCKETS lies above the window)
+                acc += tl.histogram(tl.where(hit, digit, 0), BUCKETS, mask=hit)
+            elif BUCKETS_FIRST:
+                acc += tl.where(buckets[:, None] == digit[None, :], weight[None, :], 0.0)
+            else:
                 acc += tl.where(digit[:, None] == buckets[None, :], weight[:, None], 0.0)
+        if counting:
+            hist = acc.to(tl.float32)
+        elif BUCKETS_FIRST:
+            hist = tl.sum(acc, axis=1)
+        else:
             hist = tl.sum(acc, axis=0)
         part = partial_ptr + ((par * rows + row) * num_chunks + chunk) * BUCKETS
         tl.store(part + buckets, hist)
