@@ -331,7 +331,8 @@ def _search_kernel(
     and the row's target is set, ``inf`` for a row without this filter), then sums its chunk's
     candidates into the ``BUCKETS`` buckets of the window ``[base, base + BUCKETS << shift)``.
     Reads state and bucket sums at ``prev_par``, writes them at ``par`` (chunk 0 the state): one
-    launch's writes never meet its reads. ``HISTOGRAM``: counts through ``tl.histogram``;
+    launch's writes never meet its reads. ``HISTOGRAM`` (a count search only): counts through
+    ``tl.histogram``;
     ``BUCKETS_FIRST``: bucket sums held ``[BUCKETS, BLOCK]`` (Triton's default layout then gives
     each thread whole columns: no logit computed by several threads), else ``[BLOCK, BUCKETS]``."""
     row = tl.program_id(0).to(tl.int64)
@@ -369,8 +370,7 @@ def _search_kernel(
         end = tl.minimum(start + chunk_len, vocab)
         offs = tl.arange(0, BLOCK)
         buckets = tl.arange(0, BUCKETS)
-        counting = HISTOGRAM and not MASS
-        if counting:
+        if HISTOGRAM:
             acc = tl.zeros([BUCKETS], tl.int32)
         elif BUCKETS_FIRST:
             acc = tl.zeros([BUCKETS, BLOCK], tl.float32)
@@ -382,14 +382,14 @@ def _search_kernel(
                 row_ptr, cols, cols < end, scale, row_max, base, min_key, min_s, shift, MASS,
                 BUCKETS,
             )  # fmt: skip
-            if counting:
+            if HISTOGRAM:
                 hit = inside & (digit < BUCKETS)  # (a digit of BUCKETS lies above the window)
                 acc += tl.histogram(tl.where(hit, digit, 0), BUCKETS, mask=hit)
             elif BUCKETS_FIRST:
                 acc += tl.where(buckets[:, None] == digit[None, :], weight[None, :], 0.0)
             else:
                 acc += tl.where(digit[:, None] == buckets[None, :], weight[:, None], 0.0)
-        if counting:
+        if HISTOGRAM:
             hist = acc.to(tl.float32)
         elif BUCKETS_FIRST:
             hist = tl.sum(acc, axis=1)
@@ -565,7 +565,7 @@ def sample_triton(
             _search_kernel[grid](
                 *common, rows, inv_temperature, top_k, top_p, min_p, pmax, state, partial,
                 launch % 2, (launch - 1) % 2, int(launch > 0), int(digit == 0), shift, prev_shift,
-                MASS=mass, HAS_MAX=has_max, HISTOGRAM=tiles.histogram,
+                MASS=mass, HAS_MAX=has_max, HISTOGRAM=tiles.histogram and not mass,
                 BUCKETS_FIRST=tiles.buckets_first, BUCKETS=1 << bits, CHUNKS=chunks_p2,
                 BLOCK=search_block, num_warps=tiles.search_warps,
             )  # fmt: skip
