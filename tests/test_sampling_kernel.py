@@ -188,3 +188,11 @@ def test_kernel_draws_the_reference_tokens_at_a_real_vocabulary():
     out, ref = sample_triton(*args), sample_ref(*args)
     # top-p masses are float sums in a different order: a boundary token may flip on a rare row
     assert (out != ref).sum().item() <= 2
+
+
+def test_tiles_read_from_their_text_form():
+    tiles = Tiles.parse("block=1024, histogram=0,chunks=0,digit_bits=2")
+    assert (tiles.block, tiles.histogram, tiles.chunks, tiles.digit_bits) == (1024, False, None, 2)
+    assert Tiles.parse(str(tiles)) == tiles and Tiles.parse("") == Tiles()
+    with pytest.raises(ValueError, match="unknown"):
+        Tiles.parse("blocks=1")
