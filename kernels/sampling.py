@@ -13,10 +13,10 @@ maximum.
 Thresholds are found as keys: a float32's bits mapped to an unsigned 32-bit integer of the same
 order (``-0.0`` as ``+0.0``; negative values' bits inverted, positive ones' sign bit set). The
 Triton kernels search the key one 4-bit digit per pass over the row (16 buckets' counts or masses
-per pass; the largest bucket whose suffix still meets the target wins), so a bf16 row needs 4 passes
-and a float32 row 8, instead of a sort. The result is exact: the kernels keep the same tokens as
-the sorting reference (`sample_ref`) up to float rounding of the top-p masses, and with the same
-noise draw the same token.
+per pass; the largest bucket whose suffix still meets the target wins; `sample_triton` may use 2-bit
+digits, `Tiles`), so a bf16 row needs 4 passes and a float32 row 8, instead of a sort. The result
+is exact: the kernels keep the same tokens as the sorting reference (`sample_ref`) up to float
+rounding of the top-p masses, and with the same noise draw the same token.
 
 Performance: `sample_triton` cuts each row into chunks, one program each, so every pass streams the
 batch from all SMs (a pass reads 78 MB at batch 256 x 151,936 bf16); a pass's programs leave
@@ -24,6 +24,12 @@ per-chunk bucket sums and the next launch's programs each merge their row's (a f
 to pick the digit, so there is no separate reduction launch. Passes run only for the filters some
 row uses (min-p and top-p need the row maximum, top-k the count search, top-p the mass search,
 every row the draw). `sample_triton_rowwise`, one program per row, is the benchmarks' baseline.
+The search and draw passes are compute-bound, not memory-bound: compiled for sm_90 (Triton 3.9, default `Tiles`),
+a mass digit pass runs ~75 instructions a logit (48 of them the 16 bucket select-adds), a count
+digit pass ~29 (``tl.histogram``; ~69 with bucket sums), the draw ~88 (the hash and two exact
+logs), the max pass ~12; at ~33 T thread-instructions/s that is ~90, ~35 and ~100 us a pass at
+batch 256 x 151,936 on an H100 against ~25 us to read the logits (estimates from instruction
+counts; `benchmarks/sweep_sampling.py` measures).
 """
 
 from __future__ import annotations
@@ -496,8 +502,11 @@ class Tiles:
         for name, value in values.items():
             if name not in cls.__dataclass_fields__:
                 raise ValueError(f"unknown sampling tile setting {name!r} in {text!r}")
-            flag = name in ("histogram", "buckets_first")
-            fields[name] = bool(int(value)) if flag else int(value) or None
+            number = int(value)
+            if name in ("histogram", "buckets_first"):
+                fields[name] = bool(number)
+            else:
+                fields[name] = None if name == "chunks" and number == 0 else number
         return cls(**fields)
 
     def __str__(self) -> str:
