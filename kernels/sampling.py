@@ -24,12 +24,12 @@ per-chunk bucket sums and the next launch's programs each merge their row's (a f
 to pick the digit, so there is no separate reduction launch. Passes run only for the filters some
 row uses (min-p and top-p need the row maximum, top-k the count search, top-p the mass search,
 every row the draw). `sample_triton_rowwise`, one program per row, is the benchmarks' baseline.
-The search and draw passes are compute-bound, not memory-bound: compiled for sm_90 (Triton 3.9, default `Tiles`),
-a mass digit pass runs ~75 instructions a logit (48 of them the 16 bucket select-adds), a count
-digit pass ~29 (``tl.histogram``; ~69 with bucket sums), the draw ~88 (the hash and two exact
-logs), the max pass ~12; at ~33 T thread-instructions/s that is ~90, ~35 and ~100 us a pass at
-batch 256 x 151,936 on an H100 against ~25 us to read the logits (estimates from instruction
-counts; `benchmarks/sweep_sampling.py` measures).
+The search and draw passes are compute-bound, not memory-bound: compiled for sm_90 (Triton 3.9,
+default `Tiles`), a mass digit pass runs ~75 instructions a logit (48 of them the 16 bucket
+select-adds), a count digit pass ~29 (``tl.histogram``; ~69 with bucket sums), the draw ~88 (the
+hash and two exact logs), the max pass ~12; at ~33 T thread-instructions/s that is ~90, ~35 and
+~100 us a pass at batch 256 x 151,936 on an H100 against ~25 us to read the logits (estimates from
+instruction counts; `benchmarks/sweep_sampling.py` measures).
 """
 
 from __future__ import annotations
