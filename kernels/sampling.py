@@ -129,8 +129,9 @@ def _digits(
     BUCKETS: tl.constexpr,
 ):  # fmt: skip
     """Each logit's digit of its key in the window ``[base, base + BUCKETS << shift)`` (``BUCKETS``
-    above it) and its weight: 1 (count) or ``exp(s - row_max)`` (``MASS``) for a candidate (key ``>=``
-    ``base`` and ``min_key``, scaled logit ``>= min_s``), 0 for any other."""
+    above it) and its weight: 1 (count) or ``exp(s - row_max)`` (``MASS``) for a candidate (key
+    ``>= base`` and ``>= min_key``, scaled logit ``>= min_s``), 0 for any other; and whether it is
+    one."""
     key, s = _row_values(row_ptr, cols, valid, scale)
     inside = valid & (key >= base) & (key >= min_key) & (s >= min_s)
     if MASS:
