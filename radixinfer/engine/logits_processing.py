@@ -69,7 +69,8 @@ class TokenCounts:
 
     def add(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
         """Count ``tokens [n]`` (on the device) once each in ``rows [n]``: one scatter-add into
-        the flattened counts (an accumulating ``index_put_`` sorts its indices first)."""
+        the flattened counts (an accumulating ``index_put_`` sorts its indices first, and in older
+        torch reads their range back to the host: a sync every step)."""
         ones = torch.ones_like(tokens, dtype=torch.int32)
         flat = rows * self.vocab_size + tokens
         self.output_counts.view(-1).scatter_add_(0, flat, ones)
@@ -192,7 +193,9 @@ class LogitsProcessor:
             rows, ids = _row_id_pairs([(i, list(bias)) for i, bias in biased], device)
             values = torch.tensor([v for _, bias in biased for v in bias.values()])
             values = _upload(values, device).to(logits.dtype)
-            logits.index_put_((rows, ids), values, accumulate=True)
+            # a row's ids are distinct (dict keys): a gather and a plain put, no accumulating
+            # index_put_ (which sorts its indices, and in older torch reads them back to check)
+            logits[rows, ids] = logits[rows, ids] + values
         early = [
             (i, sorted(r.stop_ids))
             for i, r in enumerate(reqs)
