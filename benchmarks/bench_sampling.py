@@ -12,11 +12,14 @@ output tokens per second (completion tokens over the wall time of the whole batc
 as `radixinfer bench` counts it) and its ratio to greedy's.
 
 The sampler alone: ``[--batch, 151936]`` bf16 logits (N(0, 2^2)), each configuration through the
-sorting-free Triton kernel (`kernels.sampling.sample_triton`) and through its sorting PyTorch
-reference on the GPU (`sample_ref`, what the sampler did before: sort, softmax, cumsum), greedy
-through the argmax kernel, and the penalties' logits processing (`LogitsProcessor`, every row
-penalised). Times are medians of `triton.testing.do_bench` (L2 cleared before each call). Then a
-sweep of the kernel's block size and warps on the top-p configuration.
+sorting-free Triton kernel (`kernels.sampling.sample_triton`, split rows, with the filter flags of
+the configuration's batch), its one-program-per-row predecessor (`sample_triton_rowwise`) and its
+sorting PyTorch reference on the GPU (`sample_ref`, what the sampler did first: sort, softmax,
+cumsum), greedy through the argmax kernel, and the penalties' logits processing
+(`LogitsProcessor`, every row penalised, with the step's count update). Times are medians of
+`triton.testing.do_bench` (L2 cleared before each call, host launches included). The kernel's
+launch settings come from ``RADIXINFER_SAMPLING_TILES`` (`kernels.sampling.Tiles`), for the engine
+as for the sampler alone; `sweep_sampling.py` checks the kernel on the GPU and sweeps them.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from triton.testing import do_bench
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels.argmax import argmax_triton  # noqa: E402
-from kernels.sampling import sample_ref, sample_triton  # noqa: E402
+from kernels.sampling import TILES, sample_ref, sample_triton, sample_triton_rowwise  # noqa: E402
 from radixinfer import LLM, SamplingParams  # noqa: E402
 from radixinfer.engine.logits_processing import LogitsProcessor  # noqa: E402
 from radixinfer.engine.request import Request  # noqa: E402
@@ -90,10 +93,10 @@ def bench_engine(args: argparse.Namespace) -> dict[str, float]:
     return {name: statistics.median(values) for name, values in rates.items()}
 
 
-def sampler_inputs(fields: dict, rows: int) -> tuple[torch.Tensor, ...]:
-    """The kernel's per-row tensors for ``rows`` rows sampling with ``fields``."""
+def sampler_inputs(fields: dict, rows: int) -> SamplingBatch:
+    """The sampler's per-row tensors for ``rows`` rows sampling with ``fields``."""
     params = SamplingParams(**fields)
-    batch = SamplingBatch.build(
+    return SamplingBatch.build(
         [params.temperature] * rows,
         [params.top_p] * rows,
         [params.top_k] * rows,
@@ -102,7 +105,6 @@ def sampler_inputs(fields: dict, rows: int) -> tuple[torch.Tensor, ...]:
         torch.device("cuda"),
         min_p=[params.min_p] * rows,
     )
-    return batch.inv_temperature, batch.top_k, batch.top_p, batch.min_p, batch.keys
 
 
 def penalised_requests(rows: int, prompt_len: int) -> list[Request]:
@@ -134,10 +136,14 @@ def bench_sampler(rows: int) -> dict[str, dict[str, float]]:
         if not fields:
             results[name] = {"fused_ms": do_bench(lambda: argmax_triton(logits))}
             continue
-        tensors = sampler_inputs(fields, rows)
+        b = sampler_inputs(fields, rows)
+        t = (b.inv_temperature, b.top_k, b.top_p, b.min_p, b.keys)
         results[name] = {
-            "fused_ms": do_bench(lambda t=tensors: sample_triton(logits, *t)),
-            "reference_ms": do_bench(lambda t=tensors: sample_ref(logits, *t)),
+            "fused_ms": do_bench(lambda t=t, f=b.filters: sample_triton(logits, *t, filters=f)),
+            "rowwise_ms": do_bench(
+                lambda t=t: sample_triton_rowwise(logits, *t, block=512, num_warps=16)
+            ),
+            "reference_ms": do_bench(lambda t=t: sample_ref(logits, *t)),
         }
     processor = LogitsProcessor(VOCAB, torch.device("cuda"))
     reqs = penalised_requests(rows, 1024)
@@ -149,19 +155,6 @@ def bench_sampler(rows: int) -> dict[str, dict[str, float]]:
 
     results["penalties: logits processing"] = {"fused_ms": do_bench(process)}
     return results
-
-
-def sweep_kernel(rows: int) -> dict[str, float]:
-    """Milliseconds per call of the top-p configuration for each block size and warp count."""
-    logits = torch.randn(rows, VOCAB, device="cuda").mul_(2).to(torch.bfloat16)
-    tensors = sampler_inputs(CONFIGS["T0.8 top-p 0.95"], rows)
-    return {
-        f"block {block}, {warps} warps": do_bench(
-            lambda b=block, w=warps: sample_triton(logits, *tensors, block=b, num_warps=w)
-        )
-        for block in (256, 512, 1024, 2048)
-        for warps in (4, 8, 16)
-    }
 
 
 def main() -> None:
@@ -176,7 +169,11 @@ def main() -> None:
     parser.add_argument("--skip-engine", action="store_true", help="the sampler alone")
     parser.add_argument("--json", default=None, metavar="PATH")
     args = parser.parse_args()
-    result: dict[str, object] = {"device": torch.cuda.get_device_name(), "args": vars(args)}
+    result: dict[str, object] = {
+        "device": torch.cuda.get_device_name(),
+        "args": vars(args),
+        "sampling_tiles": str(TILES),
+    }
 
     if not args.skip_engine:
         rates = bench_engine(args)
@@ -194,18 +191,14 @@ def main() -> None:
 
     sampler = bench_sampler(args.batch)
     print(f"\nsampler alone, [{args.batch}, {VOCAB}] bf16 logits (ms per call)")
-    print(f"{'configuration':<30} {'fused':>8} {'reference':>10}")
+    print(f"tiles {TILES}")
+    print(f"{'configuration':<30} {'fused':>8} {'rowwise':>8} {'reference':>10}")
     for name, times in sampler.items():
-        ref = times.get("reference_ms")
+        row, ref = times.get("rowwise_ms"), times.get("reference_ms")
+        row_text = f"{row:>8.3f}" if row is not None else f"{'':>8}"
         ref_text = f"{ref:>10.3f}" if ref is not None else f"{'':>10}"
-        print(f"{name:<30} {times['fused_ms']:>8.3f} {ref_text}")
+        print(f"{name:<30} {times['fused_ms']:>8.3f} {row_text} {ref_text}")
     result["sampler"] = sampler
-
-    sweep = sweep_kernel(args.batch)
-    print("\nkernel sweep, T0.8 top-p 0.95 (ms per call)")
-    for name, ms in sweep.items():
-        print(f"{name:<30} {ms:>8.3f}")
-    result["sweep"] = sweep
 
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

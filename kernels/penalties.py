@@ -7,7 +7,9 @@ then ``frequency`` times its output count and ``presence`` once if it occurs in 
 subtracted. The arithmetic is float32; the result is stored in the logits' dtype.
 
 Performance: the Triton kernel reads each penalised row's logits, counts and prompt marks once and
-writes the logits once (no ``[rows, vocab]`` temporaries); the reference builds several.
+writes the logits once (no ``[rows, vocab]`` temporaries); the reference builds several. Given
+``out``, it writes there instead of in place, so a batch whose every row is penalised needs no
+copy of its logits first.
 """
 
 from __future__ import annotations
@@ -28,10 +30,12 @@ def penalize_ref(
     repetition: torch.Tensor,
     presence: torch.Tensor,
     frequency: torch.Tensor,
+    out: torch.Tensor | None = None,
 ) -> None:
-    """Penalise rows ``positions [n]`` of ``logits [batch, vocab]`` in place, row ``positions[i]``
-    with counts row ``count_rows[i]`` of ``prompt_seen`` (bool) and ``output_counts`` (int32)
-    ``[rows, vocab]`` and penalties ``[n]`` float32."""
+    """Penalise rows ``positions [n]`` of ``logits [batch, vocab]`` in place (or into the same rows
+    of ``out``, shaped like ``logits``), row ``positions[i]`` with counts row ``count_rows[i]`` of
+    ``prompt_seen`` (bool) and ``output_counts`` (int32) ``[rows, vocab]`` and penalties ``[n]``
+    float32."""
     x = logits[positions].float()
     counts = output_counts[count_rows]
     in_output = counts > 0
@@ -39,15 +43,17 @@ def penalize_ref(
     penalised = torch.where(x > 0, x / rep, x * rep)
     x = torch.where(prompt_seen[count_rows] | in_output, penalised, x)
     x = x - frequency[:, None] * counts - presence[:, None] * in_output
-    logits[positions] = x.to(logits.dtype)
+    (logits if out is None else out)[positions] = x.to(logits.dtype)
 
 
 @triton.jit
 def _penalize_kernel(
-    logits_ptr, stride_logits, positions_ptr, count_rows_ptr, seen_ptr, counts_ptr, stride_counts,
-    repetition_ptr, presence_ptr, frequency_ptr, vocab, BLOCK: tl.constexpr,
+    logits_ptr, out_ptr, stride_logits, positions_ptr, count_rows_ptr, seen_ptr, counts_ptr,
+    stride_counts, repetition_ptr, presence_ptr, frequency_ptr, vocab, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """Program (i, block): columns ``[block * BLOCK, (block + 1) * BLOCK)`` of penalised row i."""
+    """Program (i, block): columns ``[block * BLOCK, (block + 1) * BLOCK)`` of penalised row i,
+    read from ``logits_ptr`` and written to ``out_ptr`` (the same or a tensor of the same
+    strides)."""
     i = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     valid = cols < vocab
@@ -56,8 +62,7 @@ def _penalize_kernel(
     rep = tl.load(repetition_ptr + i)
     presence = tl.load(presence_ptr + i)
     frequency = tl.load(frequency_ptr + i)
-    ptrs = logits_ptr + row * stride_logits + cols
-    x = tl.load(ptrs, mask=valid, other=0.0)
+    x = tl.load(logits_ptr + row * stride_logits + cols, mask=valid, other=0.0)
     xf = x.to(tl.float32)
     counts = tl.load(counts_ptr + count_row * stride_counts + cols, mask=valid, other=0)
     seen = tl.load(seen_ptr + count_row * stride_counts + cols, mask=valid, other=0) != 0
@@ -65,7 +70,7 @@ def _penalize_kernel(
     penalised = tl.where(xf > 0, xf / rep, xf * rep)
     xf = tl.where(seen | in_output, penalised, xf)
     xf = xf - frequency * counts.to(tl.float32) - tl.where(in_output, presence, 0.0)
-    tl.store(ptrs, xf.to(x.dtype), mask=valid)
+    tl.store(out_ptr + row * stride_logits + cols, xf.to(x.dtype), mask=valid)
 
 
 def penalize_triton(
@@ -77,16 +82,19 @@ def penalize_triton(
     repetition: torch.Tensor,
     presence: torch.Tensor,
     frequency: torch.Tensor,
+    out: torch.Tensor | None = None,
 ) -> None:
     """Same function as `penalize_ref` (up to float32 division rounding), one launch; every tensor
     contiguous."""
+    out = logits if out is None else out
+    assert out.shape == logits.shape and out.stride() == logits.stride()
     n = positions.shape[0]
     vocab = logits.shape[1]
     if n == 0:
         return
     block = min(BLOCK, triton.next_power_of_2(vocab))
     _penalize_kernel[(n, triton.cdiv(vocab, block))](
-        logits, logits.stride(0), positions, count_rows, prompt_seen.view(torch.uint8),
+        logits, out, logits.stride(0), positions, count_rows, prompt_seen.view(torch.uint8),
         output_counts, output_counts.stride(0), repetition, presence, frequency, vocab,
         BLOCK=block, num_warps=8,
     )  # fmt: skip

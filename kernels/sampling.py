@@ -12,26 +12,40 @@ maximum.
 
 Thresholds are found as keys: a float32's bits mapped to an unsigned 32-bit integer of the same
 order (``-0.0`` as ``+0.0``; negative values' bits inverted, positive ones' sign bit set). The
-Triton kernel searches the key one 4-bit digit per pass over the row (16 buckets' counts or masses
-per pass; the largest bucket whose suffix still meets the target wins), so a bf16 row needs 4 passes
-and a float32 row 8, instead of a sort. The result is exact: the kernel keeps the same tokens as the
-sorting reference (`sample_ref`) up to float rounding of the top-p masses, and with the same noise
-draws the same token.
+Triton kernels search the key one 4-bit digit per pass over the row (16 buckets' counts or masses
+per pass; the largest bucket whose suffix still meets the target wins; `sample_triton` may use 2-bit
+digits, `Tiles`), so a bf16 row needs 4 passes and a float32 row 8, instead of a sort. The result
+is exact: the kernels keep the same tokens as the sorting reference (`sample_ref`) up to float
+rounding of the top-p masses, and with the same noise draw the same token.
 
-Performance: one program per row, each pass streaming the row (300 KB in bf16 at a 152k
-vocabulary); passes run only for the filters a row uses (min-p and top-p need the row maximum, top-k
-the count search, top-p the mass search, every row the final sampling pass).
+Performance: `sample_triton` cuts each row into chunks, one program each, so every pass streams the
+batch from all SMs (a pass reads 78 MB at batch 256 x 151,936 bf16); a pass's programs leave
+per-chunk bucket sums and the next launch's programs each merge their row's (a few hundred floats)
+to pick the digit, so there is no separate reduction launch. Passes run only for the filters some
+row uses (min-p and top-p need the row maximum, top-k the count search, top-p the mass search,
+every row the draw). `sample_triton_rowwise`, one program per row, is the benchmarks' baseline.
+The search and draw passes are compute-bound, not memory-bound: compiled for sm_90 (Triton 3.9,
+default `Tiles`), a mass digit pass runs ~75 instructions a logit (48 of them the 16 bucket
+select-adds), a count digit pass ~29 (``tl.histogram``; ~69 with bucket sums), the draw ~88 (the
+hash and two exact logs), the max pass ~12; at ~33 T thread-instructions/s that is ~90, ~35 and
+~100 us a pass at batch 256 x 151,936 on an H100 against ~25 us to read the logits (estimates from
+instruction counts; `benchmarks/sweep_sampling.py` measures).
 """
 
 from __future__ import annotations
+
+import os
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels.argmax import _argmax_merge_kernel
+from kernels.device import num_sms
+
 _MIX = 0x45D9F3B
-DIGIT_BITS = 4  # bits of the threshold key found per pass: 16 buckets
-BLOCK = 512  # logits a program holds per iteration (16 bucket sums each in the searches)
+DIGIT_BITS = 4  # bits of the threshold key found per pass of the rowwise kernel: 16 buckets
 # significant high bits of a float32 key per logit dtype (its float32 value's low bits are zero)
 KEY_BITS = {torch.bfloat16: 16, torch.float16: 19, torch.float32: 32}
 
@@ -110,6 +124,47 @@ def _gumbel(row_key, cols):
 
 
 @triton.jit
+def _digits(
+    row_ptr, cols, valid, scale, row_max, base, min_key, min_s, shift, MASS: tl.constexpr,
+    BUCKETS: tl.constexpr,
+):  # fmt: skip
+    """Each logit's digit of its key in the window ``[base, base + BUCKETS << shift)`` (``BUCKETS``
+    above it) and its weight: 1 (count) or ``exp(s - row_max)`` (``MASS``) for a candidate (key
+    ``>= base`` and ``>= min_key``, scaled logit ``>= min_s``), 0 for any other; and whether it is
+    one."""
+    key, s = _row_values(row_ptr, cols, valid, scale)
+    inside = valid & (key >= base) & (key >= min_key) & (s >= min_s)
+    if MASS:
+        weight = tl.where(inside, tl.exp(s - row_max), 0.0)
+    else:
+        weight = tl.where(inside, 1.0, 0.0)
+    digit = (key - base) >> shift
+    return tl.where(digit < BUCKETS, digit, BUCKETS).to(tl.int32), weight, inside
+
+
+@triton.jit
+def _choose_digit(hist, above, target, BUCKETS: tl.constexpr):
+    """The largest bucket of a window's ``BUCKETS`` sums ``hist`` whose suffix, plus ``above`` (what
+    lies above the window), still meets ``target``; and ``above`` plus the sums above that
+    bucket."""
+    buckets = tl.arange(0, BUCKETS)
+    suffix = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
+    best = tl.max(tl.where(above + suffix >= target, buckets, 0), axis=0)
+    return best, above + tl.sum(tl.where(buckets > best, hist, 0.0), axis=0)
+
+
+@triton.jit
+def _draw_block(row_ptr, cols, valid, scale, threshold, min_s, noise_scale, row_key, best, idx):
+    """Fold the logits at ``cols`` into each lane's Gumbel-max of the kept tokens (``best``, and
+    ``idx`` its first index)."""
+    key, s = _row_values(row_ptr, cols, valid, scale)
+    keep = valid & (key >= threshold) & (s >= min_s)
+    v = tl.where(keep, s + noise_scale * _gumbel(row_key, cols), float("-inf"))
+    take = ((v > best) | ((v == best) & (cols < idx))) & valid
+    return tl.where(take, v, best), tl.where(take, cols, idx)
+
+
+@triton.jit
 def _key_search(
     row_ptr, vocab, scale, row_max, min_key, min_s, fraction, MASS: tl.constexpr,
     PASSES: tl.constexpr, BLOCK: tl.constexpr,
@@ -117,9 +172,7 @@ def _key_search(
     """The largest key ``K`` (a multiple of ``2**(32 - 4 * PASSES)``) such that the tokens with key
     ``>= K`` (among those with key ``>= min_key`` and scaled logit ``>= min_s``) number at least
     ``fraction`` (count search), or hold at least ``fraction`` of their mass (``MASS``). One pass
-    per 4-bit digit, most significant first: each pass sums the candidates of the 16 buckets of the
-    current window and keeps the largest bucket whose suffix, plus what lies above the window, still
-    meets the target."""
+    per 4-bit digit, most significant first (`_choose_digit`)."""
     offs = tl.arange(0, BLOCK)
     buckets = tl.arange(0, 16)
     base = tl.zeros((), tl.uint32)
@@ -130,29 +183,20 @@ def _key_search(
         acc = tl.zeros([BLOCK, 16], tl.float32)  # each lane's bucket sums: one reduction a pass
         for off in range(0, vocab, BLOCK):
             cols = off + offs
-            valid = cols < vocab
-            key, s = _row_values(row_ptr, cols, valid, scale)
-            inside = valid & (key >= base) & (key >= min_key) & (s >= min_s)
-            if MASS:
-                weight = tl.where(inside, tl.exp(s - row_max), 0.0)
-            else:
-                weight = tl.where(inside, 1.0, 0.0)
-            digit = ((key - base) >> shift).to(tl.int32)  # 0..15 inside the window, larger above
-            hit = digit[:, None] == buckets[None, :]
-            acc += tl.where(hit, weight[:, None], 0.0)
+            digit, weight, _ = _digits(
+                row_ptr, cols, cols < vocab, scale, row_max, base, min_key, min_s, shift, MASS, 16
+            )
+            acc += tl.where(digit[:, None] == buckets[None, :], weight[:, None], 0.0)
         hist = tl.sum(acc, axis=0)
-        total = tl.sum(hist, axis=0)
         if MASS and i == 0:
-            target = fraction * total  # the first window covers every key
-        suffix = total - tl.cumsum(hist, axis=0) + hist
-        best = tl.max(tl.where(above + suffix >= target, buckets, 0), axis=0)
-        above += tl.sum(tl.where(buckets > best, hist, 0.0), axis=0)
+            target = fraction * tl.sum(hist, axis=0)  # the first window covers every key
+        best, above = _choose_digit(hist, above, target, 16)
         base += best.to(tl.uint32) << shift
     return base
 
 
 @triton.jit
-def _sample_kernel(
+def _rowwise_kernel(
     logits_ptr, stride_row, vocab, inv_temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, keys_ptr, out_ptr,
     PASSES: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
@@ -195,17 +239,291 @@ def _sample_kernel(
     best_idx = tl.full([BLOCK], 2147483647, tl.int32)
     for off in range(0, vocab, BLOCK):
         cols = off + offs
-        valid = cols < vocab
-        key, s = _row_values(row_ptr, cols, valid, scale)
-        keep = valid & (key >= threshold) & (s >= min_s)
-        v = tl.where(keep, s + noise_scale * _gumbel(row_key, cols), float("-inf"))
-        take = ((v > best) | ((v == best) & (cols < best_idx))) & valid
-        best = tl.where(take, v, best)
-        best_idx = tl.where(take, cols, best_idx)
+        best, best_idx = _draw_block(
+            row_ptr, cols, cols < vocab, scale, threshold, min_s, noise_scale, row_key, best,
+            best_idx,
+        )  # fmt: skip
     top = tl.max(best, axis=0)
     tl.store(
         out_ptr + row, tl.min(tl.where(best == top, best_idx, 2147483647), axis=0).to(tl.int64)
     )
+
+
+def sample_triton_rowwise(
+    logits: torch.Tensor,
+    inv_temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    keys: torch.Tensor,
+    block: int = 512,
+    num_warps: int = 8,
+) -> torch.Tensor:
+    """Same function as `sample_ref`, one program per row in one launch: every pass of a row
+    streams the whole row from one SM. Kept as the baseline of `benchmarks/sweep_sampling.py`
+    (`sample_triton` splits rows; 3.65 ms at batch 256 x 151,936 bf16 top-p on an H100 where this
+    one's sort-free passes first replaced a 10.9 ms sort)."""
+    rows, vocab = logits.shape
+    assert logits.stride(1) == 1
+    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if rows == 0:
+        return out
+    passes = triton.cdiv(KEY_BITS[logits.dtype], DIGIT_BITS)
+    block = min(block, triton.next_power_of_2(vocab))
+    _rowwise_kernel[(rows,)](
+        logits, logits.stride(0), vocab, inv_temperature, top_k, top_p, min_p, keys, out,
+        PASSES=passes, BLOCK=block, num_warps=num_warps,
+    )  # fmt: skip
+    return out
+
+
+# ---------------------------------------------------------------- split rows: many programs a row
+
+
+@triton.jit
+def _row_setup(inv_temp_ptr, min_p_ptr, pmax_ptr, row, num_chunks, HAS_MAX: tl.constexpr,
+               CHUNKS: tl.constexpr):  # fmt: skip
+    """A row's ``(greedy, scale, row_max, min_s)``: the scale of its logits (1 for a greedy row),
+    the maximum of its scaled logits (merged from the chunk maxima) and the min-p floor (``-inf``
+    when off)."""
+    inv_temp = tl.load(inv_temp_ptr + row)
+    greedy = inv_temp == 0.0
+    scale = tl.where(greedy, 1.0, inv_temp)
+    row_max = tl.zeros((), tl.float32)
+    min_s = tl.full((), float("-inf"), tl.float32)
+    if HAS_MAX:
+        c = tl.arange(0, CHUNKS)
+        row_max = tl.max(
+            tl.load(pmax_ptr + row * num_chunks + c, mask=c < num_chunks, other=float("-inf")), 0
+        )
+        min_p = tl.load(min_p_ptr + row)
+        min_s = tl.where((min_p > 0.0) & ~greedy, row_max + tl.log(min_p), min_s)
+    return greedy, scale, row_max, min_s
+
+
+@triton.jit
+def _resolve(state_ptr, partial_ptr, row, rows, num_chunks, top_p, prev_par, has_prev,
+             prev_shift, CHUNKS: tl.constexpr, BUCKETS: tl.constexpr):  # fmt: skip
+    """A row's search state ``(min_key, base, above, target)`` after the previous launch (none when
+    ``has_prev`` is 0: all zero): the state that launch read, its digit chosen from its programs'
+    bucket sums (a pending mass target, -1, becomes ``top_p`` times the first window's total; an
+    inactive search, target ``inf``, keeps its base)."""
+    sp = state_ptr + (prev_par * rows + row) * 4
+    prev = has_prev != 0
+    min_key = tl.load(sp, mask=prev, other=0).to(tl.uint32, bitcast=True)
+    base = tl.load(sp + 1, mask=prev, other=0).to(tl.uint32, bitcast=True)
+    above = tl.load(sp + 2, mask=prev, other=0).to(tl.float32, bitcast=True)
+    target = tl.load(sp + 3, mask=prev, other=0).to(tl.float32, bitcast=True)
+    active = prev & (target != float("inf"))
+    c = tl.arange(0, CHUNKS)
+    b = tl.arange(0, BUCKETS)
+    parts = partial_ptr + ((prev_par * rows + row) * num_chunks + c[:, None]) * BUCKETS + b[None, :]
+    mask = tl.where(active, (c[:, None] < num_chunks) & (b[None, :] < BUCKETS), False)
+    hist = tl.sum(tl.load(parts, mask=mask, other=0.0), axis=0)
+    target = tl.where(target < 0.0, top_p * tl.sum(hist, axis=0), target)
+    best, above = _choose_digit(hist, above, target, BUCKETS)
+    base += tl.where(active, best, 0).to(tl.uint32) << prev_shift.to(tl.uint32)
+    return min_key, base, above, target
+
+
+@triton.jit(do_not_specialize=["par", "prev_par", "has_prev", "new_search", "shift", "prev_shift"])
+def _search_kernel(
+    logits_ptr, stride_row, vocab, chunk_len, num_chunks, rows, inv_temp_ptr, top_k_ptr,
+    top_p_ptr, min_p_ptr, pmax_ptr, state_ptr, partial_ptr, par, prev_par, has_prev, new_search,
+    shift, prev_shift, MASS: tl.constexpr, HAS_MAX: tl.constexpr, HISTOGRAM: tl.constexpr,
+    BUCKETS_FIRST: tl.constexpr, BUCKETS: tl.constexpr, CHUNKS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Program (row, chunk), one digit of a search (count, or ``MASS``): resolves the previous
+    launch's digit (`_resolve`; ``new_search``: its threshold becomes the new search's ``min_key``,
+    and the row's target is set, ``inf`` for a row without this filter), then sums its chunk's
+    candidates into the ``BUCKETS`` buckets of the window ``[base, base + BUCKETS << shift)``.
+    Reads state and bucket sums at ``prev_par``, writes them at ``par`` (chunk 0 the state): one
+    launch's writes never meet its reads. ``HISTOGRAM`` (a count search only): counts through
+    ``tl.histogram``;
+    ``BUCKETS_FIRST``: bucket sums held ``[BUCKETS, BLOCK]`` (Triton's default layout then gives
+    each thread whole columns: no logit computed by several threads), else ``[BLOCK, BUCKETS]``."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    shift = shift.to(tl.uint32)
+    greedy, scale, row_max, min_s = _row_setup(
+        inv_temp_ptr, min_p_ptr, pmax_ptr, row, num_chunks, HAS_MAX, CHUNKS
+    )
+    top_p = tl.load(top_p_ptr + row)
+    min_key, base, above, target = _resolve(
+        state_ptr, partial_ptr, row, rows, num_chunks, top_p, prev_par, has_prev, prev_shift,
+        CHUNKS, BUCKETS,
+    )  # fmt: skip
+    fresh = new_search != 0
+    if MASS:
+        uses = ~greedy & (top_p < 1.0)
+        fresh_target = tl.where(uses, -1.0, float("inf"))
+    else:
+        top_k = tl.load(top_k_ptr + row)
+        uses = ~greedy & (top_k > 0) & (top_k < vocab)
+        fresh_target = tl.where(uses, top_k.to(tl.float32), float("inf"))
+    min_key = tl.where(fresh, tl.maximum(min_key, base), min_key)
+    base = tl.where(fresh, tl.zeros((), tl.uint32), base)
+    above = tl.where(fresh, 0.0, above)
+    target = tl.where(fresh, fresh_target, target)
+    if chunk == 0:
+        sp = state_ptr + (par * rows + row) * 4
+        tl.store(sp, min_key.to(tl.int32, bitcast=True))
+        tl.store(sp + 1, base.to(tl.int32, bitcast=True))
+        tl.store(sp + 2, above.to(tl.int32, bitcast=True))
+        tl.store(sp + 3, target.to(tl.int32, bitcast=True))
+    if target != float("inf"):
+        row_ptr = logits_ptr + row * stride_row
+        start = chunk * chunk_len
+        end = tl.minimum(start + chunk_len, vocab)
+        offs = tl.arange(0, BLOCK)
+        buckets = tl.arange(0, BUCKETS)
+        if HISTOGRAM:
+            acc = tl.zeros([BUCKETS], tl.int32)
+        elif BUCKETS_FIRST:
+            acc = tl.zeros([BUCKETS, BLOCK], tl.float32)
+        else:
+            acc = tl.zeros([BLOCK, BUCKETS], tl.float32)
+        for off in range(start, end, BLOCK):
+            cols = off + offs
+            digit, weight, inside = _digits(
+                row_ptr, cols, cols < end, scale, row_max, base, min_key, min_s, shift, MASS,
+                BUCKETS,
+            )  # fmt: skip
+            if HISTOGRAM:
+                hit = inside & (digit < BUCKETS)  # (a digit of BUCKETS lies above the window)
+                acc += tl.histogram(tl.where(hit, digit, 0), BUCKETS, mask=hit)
+            elif BUCKETS_FIRST:
+                acc += tl.where(buckets[:, None] == digit[None, :], weight[None, :], 0.0)
+            else:
+                acc += tl.where(digit[:, None] == buckets[None, :], weight[:, None], 0.0)
+        if HISTOGRAM:
+            hist = acc.to(tl.float32)
+        elif BUCKETS_FIRST:
+            hist = tl.sum(acc, axis=1)
+        else:
+            hist = tl.sum(acc, axis=0)
+        part = partial_ptr + ((par * rows + row) * num_chunks + chunk) * BUCKETS
+        tl.store(part + buckets, hist)
+
+
+@triton.jit
+def _chunk_max_kernel(
+    logits_ptr, stride_row, vocab, chunk_len, num_chunks, inv_temp_ptr, top_p_ptr, min_p_ptr,
+    pmax_ptr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Program (row, chunk): the maximum of the chunk's scaled logits, for a row that samples with
+    min-p or top-p (other rows write nothing)."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    inv_temp = tl.load(inv_temp_ptr + row)
+    needs = (inv_temp != 0.0) & (
+        (tl.load(min_p_ptr + row) > 0.0) | (tl.load(top_p_ptr + row) < 1.0)
+    )
+    if needs:
+        row_ptr = logits_ptr + row * stride_row
+        start = chunk * chunk_len
+        end = tl.minimum(start + chunk_len, vocab)
+        offs = tl.arange(0, BLOCK)
+        acc = tl.full([BLOCK], float("-inf"), tl.float32)
+        for off in range(start, end, BLOCK):
+            cols = off + offs
+            _, s = _row_values(row_ptr, cols, cols < end, inv_temp)
+            acc = tl.maximum(acc, s)
+        tl.store(pmax_ptr + row * num_chunks + chunk, tl.max(acc, axis=0))
+
+
+@triton.jit(do_not_specialize=["prev_par", "has_prev", "prev_shift"])
+def _draw_kernel(
+    logits_ptr, stride_row, vocab, chunk_len, num_chunks, rows, inv_temp_ptr, top_p_ptr,
+    min_p_ptr, keys_ptr, pmax_ptr, state_ptr, partial_ptr, prev_par, has_prev, prev_shift,
+    val_ptr, idx_ptr, HAS_MAX: tl.constexpr, BUCKETS: tl.constexpr, CHUNKS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Program (row, chunk): resolves the last search digit (the row's threshold), then the
+    Gumbel-max of the chunk's kept tokens and its first index (for a greedy row, the chunk's
+    maximum), merged per row by `kernels.argmax`'s merge."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    greedy, scale, row_max, min_s = _row_setup(
+        inv_temp_ptr, min_p_ptr, pmax_ptr, row, num_chunks, HAS_MAX, CHUNKS
+    )
+    min_key, base, _, _ = _resolve(
+        state_ptr, partial_ptr, row, rows, num_chunks, tl.load(top_p_ptr + row), prev_par,
+        has_prev, prev_shift, CHUNKS, BUCKETS,
+    )  # fmt: skip
+    threshold = tl.maximum(min_key, base)
+    noise_scale = tl.where(greedy, 0.0, 1.0)
+    row_key = tl.load(keys_ptr + row).to(tl.uint32)
+    row_ptr = logits_ptr + row * stride_row
+    start = chunk * chunk_len
+    end = tl.minimum(start + chunk_len, vocab)
+    offs = tl.arange(0, BLOCK)
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    idx = tl.full([BLOCK], 2147483647, tl.int32)
+    for off in range(start, end, BLOCK):
+        cols = off + offs
+        best, idx = _draw_block(
+            row_ptr, cols, cols < end, scale, threshold, min_s, noise_scale, row_key, best, idx
+        )
+    top = tl.max(best, axis=0)
+    tl.store(val_ptr + row * num_chunks + chunk, top)
+    tl.store(idx_ptr + row * num_chunks + chunk, tl.min(tl.where(best == top, idx, 2147483647), 0))
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """Launch settings of `sample_triton`; they change only its speed. ``block`` and ``warps``: the
+    max and draw passes (streaming); ``search_block`` and ``search_warps``: the digit passes (each
+    logit adds to one of ``2**digit_bits`` bucket sums a lane holds: ``search_block << digit_bits``
+    floats a program); ``chunks`` per row, or (None) enough for ``programs_per_sm`` programs per
+    SM; ``histogram``: count digits through ``tl.histogram`` instead of the bucket sums;
+    ``digit_bits`` (2 or 4): key bits found per search pass (4: 4 passes a search in bf16 with
+    16 sums per logit; 2: 8 passes with 4); ``buckets_first``: the bucket sums' layout
+    (`_search_kernel`). Written as ``block=2048,warps=8,search_block=512,...,histogram=1`` in the
+    environment variable ``RADIXINFER_SAMPLING_TILES`` (any subset), read at import (`TILES`)."""
+
+    block: int = 2048
+    warps: int = 8
+    search_block: int = 512
+    search_warps: int = 8
+    programs_per_sm: int = 16
+    chunks: int | None = None
+    histogram: bool = True
+    digit_bits: int = 4
+    buckets_first: bool = True
+
+    def __post_init__(self) -> None:
+        assert self.digit_bits in (2, 4), "4 or 16 buckets (a digit must divide 32 bits)"
+
+    @classmethod
+    def parse(cls, text: str) -> Tiles:
+        """``name=value`` pairs, comma-separated, over the defaults (``chunks=0``: None)."""
+        values = dict(item.split("=", 1) for item in text.replace(" ", "").split(",") if item)
+        fields = {}
+        for name, value in values.items():
+            if name not in cls.__dataclass_fields__:
+                raise ValueError(f"unknown sampling tile setting {name!r} in {text!r}")
+            number = int(value)
+            if name in ("histogram", "buckets_first"):
+                fields[name] = bool(number)
+            else:
+                fields[name] = None if name == "chunks" and number == 0 else number
+        return cls(**fields)
+
+    def __str__(self) -> str:
+        return ",".join(f"{k}={int(v or 0)}" for k, v in self.__dict__.items())
+
+    def num_chunks(self, rows: int, vocab: int, device: torch.device) -> tuple[int, int]:
+        """``(chunks, chunk_len)`` of a ``[rows, vocab]`` call: ``chunk_len`` a multiple of both
+        blocks, no chunk empty."""
+        step = max(self.block, self.search_block)
+        chunks = self.chunks or triton.cdiv(self.programs_per_sm * num_sms(device), rows)
+        chunks = max(1, min(chunks, triton.cdiv(vocab, step)))
+        chunk_len = triton.cdiv(triton.cdiv(vocab, chunks), step) * step
+        return triton.cdiv(vocab, chunk_len), chunk_len
+
+
+TILES = Tiles.parse(os.environ.get("RADIXINFER_SAMPLING_TILES", ""))
 
 
 def sample_triton(
@@ -215,21 +533,59 @@ def sample_triton(
     top_p: torch.Tensor,
     min_p: torch.Tensor,
     keys: torch.Tensor,
-    block: int = BLOCK,
-    num_warps: int = 8,
+    filters: tuple[bool, bool, bool] = (True, True, True),
+    tiles: Tiles | None = None,
 ) -> torch.Tensor:
-    """Same function as `sample_ref` for ``[rows, vocab]`` logits with unit column stride, in one
-    launch with no host sync (CUDA-graph capturable). ``block`` (a power of two) and ``num_warps``
-    only change the speed."""
+    """Same function as `sample_ref` for ``[rows, vocab]`` logits with unit column stride, with no
+    host sync. ``filters``: whether any row may use top-k, top-p, min-p (a launch plan covering
+    more filters than the rows use is still exact, only slower; one covering fewer is wrong).
+
+    Each row is cut into chunks, one program each (`Tiles`): a max pass (when top-p or min-p is on),
+    one launch per digit of each search (top-k's count, then top-p's mass; 4 launches each in bf16
+    with 4-bit digits), a draw pass and the merge of the chunks' draws: 7 launches for top-p alone
+    in bf16, 3 for temperature alone. Rows without a filter skip its passes (their programs return
+    at once)."""
     rows, vocab = logits.shape
     assert logits.stride(1) == 1
-    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    tiles = tiles or TILES
+    device = logits.device
+    out = torch.empty(rows, dtype=torch.int64, device=device)
     if rows == 0:
         return out
-    passes = triton.cdiv(KEY_BITS[logits.dtype], DIGIT_BITS)
-    block = min(block, triton.next_power_of_2(vocab))
-    _sample_kernel[(rows,)](
-        logits, logits.stride(0), vocab, inv_temperature, top_k, top_p, min_p, keys, out,
-        PASSES=passes, BLOCK=block, num_warps=num_warps,
+    use_top_k, use_top_p, use_min_p = filters
+    chunks, chunk_len = tiles.num_chunks(rows, vocab, device)
+    chunks_p2 = triton.next_power_of_2(chunks)
+    block = min(tiles.block, triton.next_power_of_2(vocab))
+    search_block = min(tiles.search_block, triton.next_power_of_2(vocab))
+    has_max = use_top_p or use_min_p
+    pmax = torch.empty(rows, chunks, dtype=torch.float32, device=device)
+    state = torch.empty(2, rows, 4, dtype=torch.int32, device=device)
+    bits = tiles.digit_bits
+    partial = torch.empty(2, rows, chunks, 1 << bits, dtype=torch.float32, device=device)
+    grid = (rows, chunks)
+    common = (logits, logits.stride(0), vocab, chunk_len, chunks)
+    if has_max:
+        _chunk_max_kernel[grid](
+            *common, inv_temperature, top_p, min_p, pmax, BLOCK=block, num_warps=tiles.warps
+        )
+    launch, shift = 0, 0
+    for mass in [False] * use_top_k + [True] * use_top_p:
+        for digit in range(triton.cdiv(KEY_BITS[logits.dtype], bits)):
+            prev_shift, shift = shift, 32 - bits * (digit + 1)
+            _search_kernel[grid](
+                *common, rows, inv_temperature, top_k, top_p, min_p, pmax, state, partial,
+                launch % 2, (launch - 1) % 2, int(launch > 0), int(digit == 0), shift, prev_shift,
+                MASS=mass, HAS_MAX=has_max, HISTOGRAM=tiles.histogram and not mass,
+                BUCKETS_FIRST=tiles.buckets_first, BUCKETS=1 << bits, CHUNKS=chunks_p2,
+                BLOCK=search_block, num_warps=tiles.search_warps,
+            )  # fmt: skip
+            launch += 1
+    vals = torch.empty(rows, chunks, dtype=torch.float32, device=device)
+    idxs = torch.empty(rows, chunks, dtype=torch.int32, device=device)
+    _draw_kernel[grid](
+        *common, rows, inv_temperature, top_p, min_p, keys, pmax, state, partial,
+        (launch - 1) % 2, int(launch > 0), shift, vals, idxs, HAS_MAX=has_max, BUCKETS=1 << bits,
+        CHUNKS=chunks_p2, BLOCK=block, num_warps=tiles.warps,
     )  # fmt: skip
+    _argmax_merge_kernel[(rows,)](vals, idxs, out, chunks, BLOCK_C=chunks_p2)
     return out

@@ -67,6 +67,23 @@ def test_each_penalty_matches_the_per_token_reference(penalize):
     assert torch.equal(out[untouched], logits[untouched])
 
 
+@pytest.mark.parametrize("penalize", [penalize_ref, penalize_triton])
+def test_penalties_written_out_of_place_leave_the_logits(penalize):
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(3, VOCAB, generator=gen).to(DEVICE)
+    seen = (torch.rand(3, VOCAB, generator=gen) < 0.3).to(DEVICE)
+    counts = torch.randint(0, 3, (3, VOCAB), generator=gen).int().to(DEVICE)
+    rows = torch.tensor([2, 0, 1], device=DEVICE)
+    args = [rows, torch.tensor([0, 1, 2], device=DEVICE), seen, counts]
+    args += [torch.tensor([1.3, 0.7, 1.1], device=DEVICE)] * 3
+    before = logits.clone()
+    inplace = logits.clone()
+    penalize(inplace, *args)
+    out = torch.empty_like(logits)
+    penalize(logits, *args, out=out)
+    assert torch.equal(logits, before) and torch.equal(out, inplace)
+
+
 def test_the_penalty_kernel_keeps_the_logits_dtype():
     logits = torch.randn(4, VOCAB).to(torch.bfloat16).to(DEVICE)
     args = [torch.tensor([0, 2], device=DEVICE), torch.tensor([1, 0], device=DEVICE)]
@@ -140,6 +157,31 @@ def test_device_counts_follow_the_histories_across_steps_preemption_and_reused_r
         elif event < 0.3:  # preempted and admitted again: a new sequence, the output so far kept
             rng.choice(live).seq = object()
     assert processor.counts.output_counts.shape[0] == 16  # rows were reused, never more than 16
+
+
+def test_a_batch_penalised_in_every_row_gets_a_new_tensor():
+    """Every row penalised, nothing else to apply: the kernel writes a new tensor (no copy first),
+    the logits stay as they were; one row with ``min_tokens`` pending takes the copying path."""
+    processor = LogitsProcessor(VOCAB, torch.device("cpu"))
+    reqs = [request([1, 2, i], presence_penalty=0.5, frequency_penalty=0.5) for i in range(3)]
+    logits = torch.randn(3, VOCAB)
+    before = logits.clone()
+    for step in range(3):
+        out, pending = processor.process(reqs, logits)
+        assert out is not logits and torch.equal(logits, before)
+        for r, req in enumerate(reqs):
+            expected = penalised_by_hand(
+                logits[r].tolist(), req.prompt_ids.tolist(), req.output_ids, 1.0, 0.5, 0.5
+            )
+            assert out[r].tolist() == pytest.approx(expected, rel=1e-6, abs=1e-6)
+        tokens = torch.tensor([step, step, 5])
+        processor.record(pending, tokens)
+        for req, t in zip(reqs, tokens.tolist()):
+            req.output_ids.append(t)
+            req.num_sampled += 1
+    early = request([1], presence_penalty=0.5, min_tokens=4)
+    out, _ = processor.process([early], logits[:1])
+    assert out[0, [3, 7]].tolist() == [float("-inf")] * 2 and torch.equal(logits, before)
 
 
 def test_logit_bias_and_min_tokens_rows():

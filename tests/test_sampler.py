@@ -51,6 +51,21 @@ def test_half_precision_logits_sample_as_their_float32_values():
         assert torch.equal(sample(logits, params), sample(logits.float(), params))
 
 
+def test_filter_flags_name_the_filters_sampled_rows_use():
+    """The kernel launches only the passes of filters some sampled row uses; a greedy row's
+    parameters never count."""
+    cpu = torch.device("cpu")
+
+    def flags(temps, top_p, top_k, min_p):
+        n = len(temps)
+        return SamplingBatch.build(temps, top_p, top_k, [0] * n, [0] * n, cpu, min_p).filters
+
+    assert flags([0.0, 0.0], [0.5, 1], [5, 0], [0.1, 0]) == (False, False, False)  # all greedy
+    assert flags([0.0, 1.0], [0.5, 1], [5, 0], [0.1, 0]) == (False, False, False)
+    assert flags([0.0, 1.0], [1, 0.9], [5, 3], [0.1, 0]) == (True, True, False)
+    assert flags([0.7, 1.0], [1, 1], [0, 0], [0, 0.2]) == (False, False, True)
+
+
 def test_top_k_one_and_tiny_top_p_are_greedy():
     logits = torch.randn(8, 30)
     assert torch.equal(sample(logits, batch(8, temperature=1.5, top_k=1)), logits.argmax(-1))

@@ -1,20 +1,32 @@
 """The sorting-free sampling kernel against its sorting PyTorch reference, and both against the
 filtered softmax they sample from (min-p, top-k, top-p as vLLM applies them).
 
-Without CUDA the kernel runs in Triton's interpreter at tiny sizes; the ``gpu`` test repeats the
-comparison at a real batch and vocabulary."""
+Without CUDA the kernels run in Triton's interpreter at tiny sizes (tiny blocks, so rows split into
+several chunks); the ``gpu`` test repeats the comparison at a real batch and vocabulary."""
 
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from kernels.sampling import gumbel_from_keys, sample_ref, sample_triton
+from kernels.sampling import (
+    Tiles,
+    gumbel_from_keys,
+    sample_ref,
+    sample_triton,
+    sample_triton_rowwise,
+)
 from tests import _triton_env  # noqa: F401  (without CUDA, Triton runs interpreted)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# 4 chunks of 64 logits a row at a vocabulary of 203 (the last one 11 long), 2 blocks a chunk
+SPLIT = Tiles(block=32, search_block=32, chunks=4)
 
 
 def random_rows(rows: int, vocab: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, ...]:
@@ -37,6 +49,48 @@ def random_rows(rows: int, vocab: int, dtype: torch.dtype, seed: int) -> tuple[t
 def test_kernel_draws_the_reference_tokens(dtype):
     args = random_rows(32, 203, dtype, seed=hash(str(dtype)) % 1000)
     assert sample_triton(*args).tolist() == sample_ref(*args).tolist()
+    assert sample_triton_rowwise(*args).tolist() == sample_ref(*args).tolist()
+
+
+@pytest.mark.parametrize(
+    ("dtype", "tiles"),
+    [
+        (torch.bfloat16, SPLIT),
+        (torch.bfloat16, Tiles(block=32, search_block=16, chunks=3, histogram=False)),
+        (
+            torch.float16,
+            Tiles(block=64, search_block=64, chunks=2, digit_bits=2, buckets_first=False),
+        ),
+        (torch.float32, SPLIT),
+    ],
+)
+def test_split_rows_draw_the_reference_tokens(dtype, tiles):
+    """Rows cut into chunks (the vocabulary not a multiple of the chunk), with greedy rows, each
+    filter alone and combined; top-k counted by histogram or by bucket sums, 4-bit or 2-bit digits,
+    both layouts of the bucket sums."""
+    args = random_rows(14, 203, dtype, seed=7)
+    assert sample_triton(*args, tiles=tiles).tolist() == sample_ref(*args).tolist()
+
+
+@pytest.mark.parametrize(
+    "filters",
+    [(False, False, False), (True, False, False), (False, True, False), (False, False, True)],
+)
+def test_launch_plans_for_the_filters_in_use(filters):
+    """A batch whose sampled rows use only the filters named (greedy rows beside them): the kernel
+    launches only those filters' passes and still draws the reference's tokens, also for rows that
+    keep every token (top-k at the vocabulary, min-p and top-p too small to cut)."""
+    logits, inv_t, top_k, top_p, min_p, keys = random_rows(10, 203, torch.bfloat16, seed=9)
+    use_k, use_p, use_min_p = filters
+    top_k = torch.where(torch.tensor(use_k, device=DEVICE), top_k.clamp(min=1), 0)
+    top_k[1] = 203 if use_k else 0
+    top_p = torch.where(torch.tensor(use_p, device=DEVICE), top_p.clamp(max=0.9), 1.0)
+    top_p[2] = 0.999999 if use_p else 1.0
+    min_p = torch.where(torch.tensor(use_min_p, device=DEVICE), min_p.clamp(min=0.05), 0.0)
+    min_p[3] = 1e-30 if use_min_p else 0.0
+    args = (logits, inv_t, top_k, top_p, min_p, keys)
+    ref = sample_ref(*args).tolist()
+    assert sample_triton(*args, filters=filters, tiles=SPLIT).tolist() == ref
 
 
 def test_kernel_handles_ties_infinities_and_signed_zeros():
@@ -53,7 +107,11 @@ def test_kernel_handles_ties_infinities_and_signed_zeros():
     min_p = torch.tensor([0, 0, 0, 0, 0.2, 0, 0.5, 0, 0, 0.9, 0, 0.0], device=DEVICE)
     keys = torch.arange(12, device=DEVICE) * 7919
     args = (logits, inv_t, top_k, top_p, min_p, keys)
-    assert sample_triton(*args).tolist() == sample_ref(*args).tolist()
+    ref = sample_ref(*args).tolist()
+    assert sample_triton(*args).tolist() == ref
+    # chunks of 16 logits: every chunk boundary falls inside some tie group
+    tiles = Tiles(block=16, search_block=16, chunks=4)
+    assert sample_triton(*args, tiles=tiles).tolist() == ref
 
 
 def filtered_softmax(logits: list[float], top_k: int, top_p: float, min_p: float) -> list[float]:
@@ -134,3 +192,55 @@ def test_kernel_draws_the_reference_tokens_at_a_real_vocabulary():
     out, ref = sample_triton(*args), sample_ref(*args)
     # top-p masses are float sums in a different order: a boundary token may flip on a rare row
     assert (out != ref).sum().item() <= 2
+
+
+def test_tiles_read_from_their_text_form():
+    tiles = Tiles.parse("block=1024, histogram=0,chunks=0,digit_bits=2")
+    assert (tiles.block, tiles.histogram, tiles.chunks, tiles.digit_bits) == (1024, False, None, 2)
+    assert Tiles.parse(str(tiles)) == tiles and Tiles.parse("") == Tiles()
+    with pytest.raises(ValueError, match="unknown"):
+        Tiles.parse("blocks=1")
+
+
+COMPILE_SCRIPT = """
+import inspect
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import kernels.sampling as s
+
+POINTERS = {"logits_ptr": "*bf16", "top_k_ptr": "*i64", "keys_ptr": "*i64", "out_ptr": "*i64",
+            "state_ptr": "*i32", "idx_ptr": "*i32"}
+
+def compile_for_sm90(fn, num_warps, **constexprs):
+    names = inspect.signature(fn.fn).parameters
+    signature = {n: "constexpr" if n in constexprs else POINTERS.get(n, "*fp32" if n.endswith("_ptr")
+                 else "i32") for n in names}
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+
+search = dict(HAS_MAX=True, CHUNKS=16, BLOCK=512)
+for mass, histogram, first, buckets in [(True, False, True, 16), (True, False, False, 16),
+                                        (False, True, True, 16), (True, False, True, 4)]:
+    compile_for_sm90(s._search_kernel, 8, MASS=mass, HISTOGRAM=histogram, BUCKETS_FIRST=first,
+                     BUCKETS=buckets, **search)
+compile_for_sm90(s._draw_kernel, 8, HAS_MAX=True, BUCKETS=16, CHUNKS=16, BLOCK=2048)
+compile_for_sm90(s._chunk_max_kernel, 8, BLOCK=2048)
+compile_for_sm90(s._rowwise_kernel, 16, PASSES=4, BLOCK=512)
+print("compiled")
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU compiles them in the other tests")
+def test_kernels_compile_for_sm90():
+    """Triton's interpreter runs code its compiler refuses (a local flag made of constexprs is not
+    one), so without a GPU the kernels' variants are compiled for an H100 (sm_90) in a process
+    outside the interpreter; skipped where Triton has no CUDA toolchain."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run(
+        [sys.executable, "-c", COMPILE_SCRIPT], cwd=root, env=env, capture_output=True, text=True
+    )
+    if "ptxas" in run.stderr and "not found" in run.stderr.lower():
+        pytest.skip("no ptxas")
+    assert run.returncode == 0 and "compiled" in run.stdout, run.stderr[-3000:]

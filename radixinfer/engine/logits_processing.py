@@ -3,9 +3,11 @@ presence and frequency penalties (vLLM's semantics and order; `SamplingParams` d
 
 Only the rows of requests that process their logits are touched, in one copy of the logits (their
 dtype; the penalties compute in float32); a batch without such rows returns its logits unchanged
-and pays nothing. The penalties read each request's token counts from
-`TokenCounts`, rows of a device tensor that grow by the sampled tokens every step (a scatter-add of
-the new tokens), never rebuilt from the host's lists.
+and pays nothing, and a batch whose every row is penalised (no ``logit_bias``, no ``min_tokens``
+pending) has the penalty kernel write the copy as it reads the logits (no separate copy). The
+penalties read each request's token counts from `TokenCounts`, rows of a device tensor that grow by
+the sampled tokens every step (one scatter-add of the new tokens), never rebuilt from the host's
+lists.
 """
 
 from __future__ import annotations
@@ -66,9 +68,12 @@ class TokenCounts:
         return rows
 
     def add(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Count ``tokens [n]`` (on the device) once each in ``rows [n]``."""
+        """Count ``tokens [n]`` (on the device) once each in ``rows [n]``: one scatter-add into
+        the flattened counts (an accumulating ``index_put_`` sorts its indices first, and in older
+        torch reads their range back to the host: a sync every step)."""
         ones = torch.ones_like(tokens, dtype=torch.int32)
-        self.output_counts.index_put_((rows, tokens), ones, accumulate=True)
+        flat = rows * self.vocab_size + tokens
+        self.output_counts.view(-1).scatter_add_(0, flat, ones)
 
     def _allocate(self) -> int:
         if not self._free:
@@ -137,29 +142,36 @@ class LogitsProcessor:
         penalised rows' batch positions and count rows (None when no request is penalised)."""
         if not any(r.params.processes_logits for r in reqs):
             return logits, None
-        out = logits.clone()
-        self._bias_and_min_tokens(reqs, out)
         penalised = [i for i, r in enumerate(reqs) if r.params.penalized]
+        # every row penalised and nothing else to apply: the kernel writes the copy itself
+        direct = len(penalised) == len(reqs) and logits.is_contiguous()
+        direct = direct and not any(
+            r.params.logit_bias or r.num_sampled < r.params.min_tokens for r in reqs
+        )
+        out = torch.empty_like(logits) if direct else logits.clone()
+        if not direct:
+            self._bias_and_min_tokens(reqs, out)
         if not penalised:
             return out, None
         pen_reqs = [reqs[i] for i in penalised]
+        params = [r.params for r in pen_reqs]
         # [5, n] float64 (row ids are exact in it), one copy to the device
-        host = torch.tensor(
+        host = np.array(
             [
                 penalised,
                 self.counts.rows(pen_reqs),
-                [r.params.repetition_penalty for r in pen_reqs],
-                [r.params.presence_penalty for r in pen_reqs],
-                [r.params.frequency_penalty for r in pen_reqs],
+                [p.repetition_penalty for p in params],
+                [p.presence_penalty for p in params],
+                [p.frequency_penalty for p in params],
             ],
-            dtype=torch.float64,
+            dtype=np.float64,
         )
-        columns = _upload(host, logits.device)
+        columns = _upload(torch.from_numpy(host), logits.device)
         positions, count_rows = columns[:2].long()
         rep, presence, frequency = columns[2:].float()
         penalize(
-            out, positions, count_rows, self.counts.prompt_seen, self.counts.output_counts,
-            rep, presence, frequency,
+            logits if direct else out, positions, count_rows, self.counts.prompt_seen,
+            self.counts.output_counts, rep, presence, frequency, out=out,
         )  # fmt: skip
         return out, (positions, count_rows)
 
@@ -181,7 +193,9 @@ class LogitsProcessor:
             rows, ids = _row_id_pairs([(i, list(bias)) for i, bias in biased], device)
             values = torch.tensor([v for _, bias in biased for v in bias.values()])
             values = _upload(values, device).to(logits.dtype)
-            logits.index_put_((rows, ids), values, accumulate=True)
+            # a row's ids are distinct (dict keys): a gather and a plain put, no accumulating
+            # index_put_ (which sorts its indices, and in older torch reads them back to check)
+            logits[rows, ids] = logits[rows, ids] + values
         early = [
             (i, sorted(r.stop_ids))
             for i, r in enumerate(reqs)

@@ -70,6 +70,8 @@ class SamplingBatch:
     min_p: torch.Tensor  # [num_rows] float32; 0 = off
     keys: torch.Tensor  # [num_rows] int64
     all_greedy: bool
+    # whether some sampled row uses top-k, top-p, min-p: the kernel launches only their passes
+    filters: tuple[bool, bool, bool] = (True, True, True)
 
     @classmethod
     def greedy(cls, device: torch.device) -> SamplingBatch:
@@ -77,7 +79,7 @@ class SamplingBatch:
         empty = _EMPTY.get(device)
         if empty is None:
             empty = _EMPTY[device] = torch.empty(0, device=device)
-        return cls(empty, empty, empty, empty, empty, True)
+        return cls(empty, empty, empty, empty, empty, True, (False, False, False))
 
     @classmethod
     def build(
@@ -101,19 +103,31 @@ class SamplingBatch:
             1.0, np.maximum(temps, MIN_TEMPERATURE), out=np.zeros_like(temps), where=temps > 0
         )
         min_p = [0.0] * len(temps) if min_p is None else min_p
+        sampled = temps > 0
+        filters = (
+            bool((np.asarray(top_k) > 0)[sampled].any()),
+            bool((np.asarray(top_p) < 1)[sampled].any()),
+            bool((np.asarray(min_p) > 0)[sampled].any()),
+        )
         # [5, rows] float64: holds every int < 2**53 exactly, so keys (< 2**32) and top-k survive the trip
         host = torch.from_numpy(np.array([inv_temperature, top_p, min_p, top_k, keys], np.float64))
         if device.type == "cuda":
             host = host.pin_memory()
         columns = host.to(device, non_blocking=True)
         floats, ints = columns[:3].float(), columns[3:].long()
-        return cls(floats[0], floats[1], ints[0], floats[2], ints[1], False)
+        return cls(floats[0], floats[1], ints[0], floats[2], ints[1], False, filters)
 
 
 argmax = by_device(
     argmax_triton, argmax_ref
 )  # [rows, vocab] -> [rows] int64, the first index of each max
-sample_rows = by_device(sample_triton, sample_ref)  # see `kernels.sampling`
+
+
+def _sample_ref(*args: torch.Tensor, filters: tuple[bool, bool, bool]) -> torch.Tensor:
+    return sample_ref(*args)
+
+
+sample_rows = by_device(sample_triton, _sample_ref)  # see `kernels.sampling`
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -122,8 +136,9 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if batch.all_greedy:
         return argmax(logits)
     return sample_rows(
-        logits, batch.inv_temperature, batch.top_k, batch.top_p, batch.min_p, batch.keys
-    )
+        logits, batch.inv_temperature, batch.top_k, batch.top_p, batch.min_p, batch.keys,
+        filters=batch.filters,
+    )  # fmt: skip
 
 
 class Sampler:
