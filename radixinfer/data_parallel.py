@@ -277,7 +277,9 @@ class DataParallelLLM(StreamFront):
         snapshots = await asyncio.gather(*(replica.stats() for replica in self.replicas))
         routed = list(self._router.routed)
         each = [{**s, "routed": n} for s, n in zip(snapshots, routed)]
-        return {**add_stats(snapshots), "routed": sum(routed), "replicas": each}
+        total = add_stats(snapshots)
+        total["waiting"] += len(self._unplaced)  # queued here, for no replica yet
+        return {**total, "routed": sum(routed), "replicas": each}
 
     async def cache_stats(self) -> dict[str, Any]:
         """Every replica's ``cache_stats()`` added up."""
