@@ -8,9 +8,14 @@ a replica that fails to start, and one that dies."""
 from __future__ import annotations
 
 import asyncio
+import importlib.util
+import json
 import os
 import signal
+import sys
+import threading
 import time
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -192,9 +197,15 @@ def test_the_server_over_replicas(dp2):
 
 # ---------------------------------------------------------------------- failures
 def test_a_replica_that_fails_to_start_is_named_and_the_others_are_closed():
+    # (an engine process that fails to build its LLM raises the same way from AsyncLLM's
+    # constructor; a bad spec fails there at once)
+    started = LLM(**ENGINE)
     with pytest.raises(RuntimeError, match="replica 1 of 2 failed to start") as caught:
-        DataParallelLLM([LLM(**ENGINE), EngineProcess(**{**ENGINE, "block_size": 0})])
+        DataParallelLLM([started, {"model": "tiny"}])  # type: ignore[list-item]
     assert isinstance(caught.value.__cause__, ValueError)
+    # replica 0's engine thread has stopped: the LLM is free again
+    assert not any(t.name == "radixinfer-engine" for t in threading.enumerate())
+    assert started.generate([1, 2, 3], SamplingParams(max_tokens=2))[0].finished
 
 
 def test_a_replica_that_dies_fails_its_requests_and_the_others_serve_on():
@@ -208,3 +219,26 @@ def test_a_replica_that_dies_fails_its_requests_and_the_others_serve_on():
             assert asyncio.run(generate_on(front, [1, 2, 3], None)) == 1
         with pytest.raises(EngineLoopError):
             asyncio.run(front.stats())
+
+
+# ---------------------------------------------------------------------- the benchmark script
+def test_the_data_parallel_benchmark_runs_on_a_cpu(monkeypatch, tmp_path):
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_data_parallel.py"
+    spec = importlib.util.spec_from_file_location("bench_data_parallel", script)
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_data_parallel", bench)  # its dataclass looks there
+    spec.loader.exec_module(bench)
+    # replicas on threads of this process (engine processes are tested above, and take seconds
+    # each to start on a CPU); the script's flags, variants, report and JSON are what runs here
+    monkeypatch.setattr(
+        bench,
+        "replica_processes",
+        lambda kwargs, n: [LLM(**{**kwargs, "freeze_gc": False}) for _ in range(n)],
+    )
+    out = tmp_path / "dp.json"
+    flags = ["--num-groups", "2", "--prompts-per-group", "2", "--block-size", "4"]
+    result = bench.main([*SHARED_PREFIX, *flags, "--json", str(out)])
+    labels = ["dp=2 cache_aware", "dp=2 round_robin", "dp=1"]
+    assert [run["label"] for run in result["runs"]] == labels
+    assert all(run["metrics"]["requests"] == 4 for run in result["runs"])
+    assert json.loads(out.read_text())["comparisons"][0]["other"] == labels[1]
