@@ -70,14 +70,14 @@ def _policies(text: str) -> list[str]:
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_bench_arguments(parser)
-    add_data_parallel_arguments(parser)
-    parser.set_defaults(data_parallel_size=2)
+    add_data_parallel_arguments(parser, default_size=2)
     parser.add_argument(
         "--policies",
         type=_policies,
         default=["cache_aware", "round_robin"],
         metavar="P1,P2",
-        help="router policies run on the M replicas [cache_aware,round_robin]",
+        help="router policies run on the M replicas, the first also on one replica (this, not "
+        "--router-policy, picks them) [cache_aware,round_robin]",
     )
     parser.add_argument(
         "--no-single-replica", action="store_true", help="skip the one-replica baseline"

@@ -74,8 +74,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_data_parallel_arguments(parser)
 
 
-def add_data_parallel_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``data parallelism`` flag group (``radixinfer serve``, ``bench_data_parallel.py``)."""
+def add_data_parallel_arguments(parser: argparse.ArgumentParser, default_size: int = 1) -> None:
+    """The ``data parallelism`` flag group (``radixinfer serve``, ``bench_data_parallel.py``),
+    ``--data-parallel-size`` defaulting to ``default_size``."""
     from radixinfer.data_parallel import DEFAULT_LOAD_MARGIN
     from radixinfer.router import POLICIES
 
@@ -83,10 +84,11 @@ def add_data_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--data-parallel-size",
         type=int,
-        default=1,
+        default=default_size,
         metavar="M",
         help="engine replicas behind one endpoint, each a process with its own model copy and KV "
-        "cache; on CUDA replica r uses GPUs r*TP .. r*TP+TP-1 (TP: --tensor-parallel-size) [1]",
+        "cache; on CUDA replica r uses GPUs r*TP .. r*TP+TP-1 (TP: --tensor-parallel-size) "
+        f"[{default_size}]",
     )
     group.add_argument(
         "--router-policy",
