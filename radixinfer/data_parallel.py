@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from radixinfer.api import LLM
-from radixinfer.async_llm import AsyncLLM, QueueFullError
+from radixinfer.async_llm import AsyncLLM, EngineLoopError, QueueFullError
 from radixinfer.async_stream import PromptInput, StreamFront, check_front_options, checked_params
 from radixinfer.cache.tree_node import as_token_array
 from radixinfer.core_messages import Sink, StreamEvents, StreamFailure
@@ -195,6 +195,7 @@ class DataParallelLLM(StreamFront):
         self._placed: dict[str, tuple[int, list[int]]] = {}  # -> (replica, router keys)
         self._sinks: dict[tuple[int, Sink], _ReplicaSink] = {}
         self._closing = False
+        self._error: EngineLoopError | None = None  # the router's own failure
         self._thread = threading.Thread(
             target=self._route_all, name="radixinfer-router", daemon=True
         )
@@ -229,6 +230,8 @@ class DataParallelLLM(StreamFront):
         prompt_ids = self.prompts.token_ids(prompt)
         params = checked_params(params)
         with self._lock:
+            if self._error is not None:
+                raise self._error
             if self._closing:
                 raise RuntimeError("DataParallelLLM is closed")
             if all(replica.error is not None for replica in self.replicas):
@@ -297,20 +300,32 @@ class DataParallelLLM(StreamFront):
 
     # ------------------------------------------------------------------ router thread
     def _route_all(self) -> None:
-        while True:
+        """Place queued requests, a round at a time, until `close` (which fails what is still
+        queued). A failure of the router itself fails every queued request and every later
+        `submit` (never a caller left waiting)."""
+        batch: list[_Queued] = []
+        error: BaseException = RuntimeError("DataParallelLLM is closed")
+        try:
+            while True:
+                with self._lock:
+                    while not self._queue and not self._closing:
+                        self._lock.wait()
+                    batch, self._queue = self._queue, []
+                    if self._closing:
+                        break
+                    needs_trees = self._router.needs_trees
+                cached = self._ask_trees(batch) if needs_trees else [None] * len(batch)
+                while batch:  # a request leaves the batch once placed
+                    self._place(batch[0], cached[len(cached) - len(batch)])
+                    batch.pop(0)
+        except BaseException as exc:  # noqa: BLE001 - handed to every caller
+            error = EngineLoopError(f"the data-parallel router failed: {exc!r}")
+            error.__cause__ = exc
             with self._lock:
-                while not self._queue and not self._closing:
-                    self._lock.wait()
-                batch, self._queue = self._queue, []
-                closing, needs_trees = self._closing, self._router.needs_trees
-            if closing:
-                for queued in batch:
-                    closed = RuntimeError("DataParallelLLM is closed")
-                    queued.sink.put([StreamFailure(queued.request_id, closed)])
-                return
-            cached = self._ask_trees(batch) if needs_trees else [None] * len(batch)
-            for queued, lengths in zip(batch, cached):
-                self._place(queued, lengths)
+                self._error, self._closing = error, True
+                batch += self._queue
+        for queued in batch:
+            queued.sink.put([StreamFailure(queued.request_id, error)])
 
     def _ask_trees(self, batch: list[_Queued]) -> list[list[int]]:
         """Per request of ``batch``, how many leading tokens each replica's tree holds (0 for a

@@ -11,6 +11,7 @@ import asyncio
 import importlib.util
 import json
 import os
+import queue
 import signal
 import sys
 import threading
@@ -206,6 +207,19 @@ def test_a_replica_that_fails_to_start_is_named_and_the_others_are_closed():
     # replica 0's engine thread has stopped: the LLM is free again
     assert not any(t.name == "radixinfer-engine" for t in threading.enumerate())
     assert started.generate([1, 2, 3], SamplingParams(max_tokens=2))[0].finished
+
+
+def test_a_router_that_fails_fails_its_requests_and_later_submissions():
+    with DataParallelLLM([LLM(**ENGINE), LLM(**ENGINE)]) as front:
+
+        def broken(*args: object, **kwargs: object) -> None:
+            raise KeyError("a bug")
+
+        front._router.place = broken  # type: ignore[method-assign]
+        with pytest.raises(EngineLoopError, match="router failed"):
+            asyncio.run(generate_on(front, [1, 2, 3], None))
+        with pytest.raises(EngineLoopError):
+            front.submit([1, 2, 3], None, None, queue.SimpleQueue())
 
 
 def test_a_replica_that_dies_fails_its_requests_and_the_others_serve_on():
