@@ -35,15 +35,14 @@ import asyncio
 import contextlib
 import itertools
 import threading
-from collections.abc import AsyncIterator, Callable, Hashable
+from collections.abc import Callable, Hashable
 from concurrent.futures import Future
-from dataclasses import replace
 from typing import Protocol, TypeVar
 
 import numpy as np
 
 from radixinfer.api import LLM
-from radixinfer.async_stream import AsyncStream, StreamRouter
+from radixinfer.async_stream import StreamFront, check_front_options, checked_params
 from radixinfer.core_messages import (
     Abort,
     AddRequest,
@@ -60,9 +59,8 @@ from radixinfer.core_messages import (
 from radixinfer.engine.prompts import PromptChecker
 from radixinfer.engine_core import ThreadCore
 from radixinfer.engine_process import EngineProcess, ProcessCore
-from radixinfer.outputs import StreamDelta, TokenBatch
+from radixinfer.outputs import TokenBatch
 from radixinfer.sampling_params import SamplingParams
-from radixinfer.tokenizer import IncrementalDetokenizer
 
 T = TypeVar("T")
 
@@ -85,7 +83,7 @@ class _Core(Protocol):
     def join(self) -> None: ...
 
 
-class AsyncLLM:
+class AsyncLLM(StreamFront):
     """Serves ``llm`` to concurrent callers until `close`: an `LLM`, stepped on a thread of this
     process (nothing else may drive it meanwhile, no ``LLM.generate``), or an `EngineProcess`,
     built and stepped in a process of its own (the constructor returns once it has loaded, and
@@ -107,12 +105,7 @@ class AsyncLLM:
         max_waiting: int | None = None,
         request_timeout: float | None = None,
     ) -> None:
-        if max_waiting is not None and (isinstance(max_waiting, bool) or max_waiting < 1):
-            raise ValueError(f"max_waiting must be a positive integer or None, got {max_waiting!r}")
-        if request_timeout is not None and not request_timeout > 0:
-            raise ValueError(
-                f"request_timeout must be > 0 seconds or None, got {request_timeout!r}"
-            )
+        check_front_options(max_waiting, request_timeout)
         if not isinstance(llm, (LLM, EngineProcess)):
             raise ValueError(f"llm must be an LLM or an EngineProcess, got {type(llm).__name__}")
         self.max_waiting = max_waiting
@@ -120,7 +113,6 @@ class AsyncLLM:
         self._lock = threading.Lock()  # what submitting threads and the delivering thread share
         self._sinks: dict[str, Sink] = {}  # open requests
         self._calls: dict[int, Future] = {}
-        self._routers: dict[asyncio.AbstractEventLoop, StreamRouter] = {}
         self._ids = itertools.count()
         self._call_ids = itertools.count()
         self._num_submitted = 0
@@ -132,62 +124,9 @@ class AsyncLLM:
             self._core: _Core = ThreadCore(llm, self._on_output)
         else:
             self._core = ProcessCore(llm, self._on_output)
-        self._prompts = self._core.prompts
-        self.tokenizer = self._prompts.tokenizer
-        self.max_context_len: int = self._prompts.max_context_len
+        self._open_streams(self._core.prompts)
 
     # ------------------------------------------------------------------ coroutine side
-    def add_request(
-        self,
-        prompt: str | list[int] | np.ndarray,
-        params: SamplingParams | None = None,
-        cache_salt: Hashable = None,
-        *,
-        timeout: float | None = None,
-    ) -> AsyncStream:
-        """Queue a request and return its stream at once; call from a coroutine. Raises
-        ``ValueError`` for a bad prompt (checked here), `QueueFullError`, `EngineLoopError` and
-        ``RuntimeError`` after `close`; errors the engine finds later (a request too large for the
-        pool) are raised by the stream.
-
-        The caller must iterate the stream to its end or `AsyncStream.close` it (`generate` does
-        both). A string prompt is encoded here, on the caller's thread, and the stream's text is
-        decoded there too, as the consumer takes its tokens: the engine only samples."""
-        loop = asyncio.get_running_loop()
-        router = self._routers.get(loop)
-        if router is None:  # a new event loop: forget the routers of closed ones
-            self._routers = {old: r for old, r in self._routers.items() if not old.is_closed()}
-            router = self._routers[loop] = StreamRouter(loop)
-        prompt_ids = self._prompts.token_ids(prompt)
-        params = _checked_params(params)
-        timeout = self.request_timeout if timeout is None else timeout
-        # The engine streams ids only (a steady decode step is one TokenBatch) and the stream decodes
-        # what its consumer takes, all of it at once; except where the engine needs the text itself.
-        front_decodes = params.detokenize and not params.needs_engine_text
-        detokenizer = IncrementalDetokenizer(self.tokenizer) if front_decodes else None
-        if front_decodes:
-            params = replace(params, detokenize=False)
-        request_id = self.submit(prompt_ids, params, cache_salt, router)
-        return router.open(self, request_id, prompt_ids, timeout, detokenizer)
-
-    async def generate(
-        self,
-        prompt: str | list[int] | np.ndarray,
-        params: SamplingParams | None = None,
-        cache_salt: Hashable = None,
-        *,
-        timeout: float | None = None,
-    ) -> AsyncIterator[StreamDelta]:
-        """Yield the request's deltas as they are produced (the last has ``finished`` set).
-        Cancelling the consumer, or closing the iterator early, aborts the request and frees its
-        blocks within a step."""
-        stream = self.add_request(prompt, params, cache_salt, timeout=timeout)
-        try:
-            async for delta in stream:
-                yield delta
-        finally:
-            stream.close()
-
     async def cache_stats(self) -> dict[str, float | int]:
         """``LLM.cache_stats()``, taken between two steps."""
         return await asyncio.wrap_future(self.call(_cache_stats))
@@ -209,21 +148,25 @@ class AsyncLLM:
         params: SamplingParams | None,
         cache_salt: Hashable,
         sink: Sink,
+        *,
+        request_id: str | None = None,
     ) -> str:
         """Queue a request whose events go to ``sink`` (in lists, one per step, shared with the
         sink's other requests: a delta carries its ``request_id``, a `TokenBatch` one per row).
-        Returns its request id.
+        Returns its request id: ``request_id`` when given (a front over several engines names its
+        requests itself; it must be unique among this front's open requests), else a new one.
 
         Raises ``ValueError`` for a bad prompt, `QueueFullError`, `EngineLoopError` if the loop has
         died and ``RuntimeError`` after `close`; a request the engine rejects later gets a
         `StreamFailure`."""
-        prompt_ids = self._prompts.token_ids(prompt)
-        params = _checked_params(params)
+        prompt_ids = self.prompts.token_ids(prompt)
+        params = checked_params(params)
         with self._lock:
             self._check_open()
             if self.max_waiting is not None and self.num_waiting >= self.max_waiting:
                 raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests)")
-            request_id = f"req-{next(self._ids)}"
+            if request_id is None:
+                request_id = f"req-{next(self._ids)}"
             self._sinks[request_id] = sink  # before the core can answer
             self._num_submitted += 1
             self._core.send(AddRequest(request_id, prompt_ids, params, cache_salt))
@@ -233,6 +176,11 @@ class AsyncLLM:
     def engine_pid(self) -> int | None:
         """The engine process's id, or None when the engine runs on a thread of this process."""
         return getattr(self._core, "pid", None)
+
+    @property
+    def error(self) -> EngineLoopError | None:
+        """What the engine loop died of, or None while it serves."""
+        return self._error
 
     @property
     def num_waiting(self) -> int:
@@ -343,14 +291,6 @@ class AsyncLLM:
         for future in calls.values():
             if not future.done():
                 future.set_exception(error)
-
-
-def _checked_params(params: SamplingParams | None) -> SamplingParams:
-    if params is None:
-        return SamplingParams()
-    if not isinstance(params, SamplingParams):
-        raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-    return params
 
 
 def _cache_stats(llm: LLM) -> dict[str, float | int]:

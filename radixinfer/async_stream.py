@@ -11,17 +11,26 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import AsyncIterator, Callable, Hashable
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
-from radixinfer.core_messages import StreamEvents, StreamFailure
+from radixinfer.core_messages import Sink, StreamEvents, StreamFailure
+from radixinfer.engine.prompts import PromptChecker
 from radixinfer.outputs import StreamDelta, TokenBatch
+from radixinfer.sampling_params import SamplingParams
 from radixinfer.tokenizer import IncrementalDetokenizer
 
-if TYPE_CHECKING:
-    from radixinfer.async_llm import AsyncLLM
+# what a front takes as a prompt: text, or token ids
+PromptInput = str | list[int] | np.ndarray
+
+
+class _Owner(Protocol):
+    """What a stream calls back: the front that can abort its request."""
+
+    def abort(self, request_id: str) -> None: ...
 
 
 class RequestTimeoutError(TimeoutError):
@@ -38,7 +47,7 @@ class StreamRouter:
 
     def open(
         self,
-        owner: AsyncLLM,
+        owner: _Owner,
         request_id: str,
         prompt_ids: np.ndarray,
         timeout: float | None,
@@ -78,7 +87,7 @@ class AsyncStream:
 
     def __init__(
         self,
-        owner: AsyncLLM,
+        owner: _Owner,
         router: StreamRouter,
         request_id: str,
         prompt_ids: np.ndarray,
@@ -164,3 +173,93 @@ class AsyncStream:
             error = RequestTimeoutError(f"the request ran past its timeout of {timeout:g} s")
             self._push(StreamFailure(self.request_id, error))
             self._owner.abort(self.request_id)  # now, not when the consumer reads the failure
+
+
+def check_front_options(max_waiting: int | None, request_timeout: float | None) -> None:
+    """A front's waiting bound and default timeout, checked before it starts anything."""
+    if max_waiting is not None and (isinstance(max_waiting, bool) or max_waiting < 1):
+        raise ValueError(f"max_waiting must be a positive integer or None, got {max_waiting!r}")
+    if request_timeout is not None and not request_timeout > 0:
+        raise ValueError(f"request_timeout must be > 0 seconds or None, got {request_timeout!r}")
+
+
+def checked_params(params: SamplingParams | None) -> SamplingParams:
+    """``params``, or the defaults for None; ``ValueError`` for anything else."""
+    if params is None:
+        return SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+    return params
+
+
+class StreamFront:
+    """The coroutine side shared by the fronts (`radixinfer.AsyncLLM`, one engine;
+    `radixinfer.data_parallel.DataParallelLLM`, several): `add_request` and `generate` open a stream
+    over the front's `submit`, with the front's own `StreamRouter` of the running event loop as
+    the sink. A subclass calls `_open_streams` once its prompt checker is known and implements
+    `submit` and `abort`."""
+
+    prompts: PromptChecker
+    request_timeout: float | None
+
+    def _open_streams(self, prompts: PromptChecker) -> None:
+        self.prompts = prompts
+        self.tokenizer = prompts.tokenizer
+        self.max_context_len: int = prompts.max_context_len
+        self._routers: dict[asyncio.AbstractEventLoop, StreamRouter] = {}
+
+    # what a subclass implements: queue a checked prompt whose events go to a sink (returns its
+    # request id), and abort a request
+    submit: Callable[[np.ndarray, SamplingParams, Hashable, Sink], str]
+    abort: Callable[[str], None]
+
+    def add_request(
+        self,
+        prompt: str | list[int] | np.ndarray,
+        params: SamplingParams | None = None,
+        cache_salt: Hashable = None,
+        *,
+        timeout: float | None = None,
+    ) -> AsyncStream:
+        """Queue a request and return its stream at once; call from a coroutine. Raises
+        ``ValueError`` for a bad prompt (checked here), what `submit` raises (a full queue, a dead
+        engine, a closed front); errors the engine finds later (a request too large for the pool)
+        are raised by the stream.
+
+        The caller must iterate the stream to its end or `AsyncStream.close` it (`generate` does
+        both). A string prompt is encoded here, on the caller's thread, and the stream's text is
+        decoded there too, as the consumer takes its tokens: the engine only samples."""
+        loop = asyncio.get_running_loop()
+        router = self._routers.get(loop)
+        if router is None:  # a new event loop: forget the routers of closed ones
+            self._routers = {old: r for old, r in self._routers.items() if not old.is_closed()}
+            router = self._routers[loop] = StreamRouter(loop)
+        prompt_ids = self.prompts.token_ids(prompt)
+        params = checked_params(params)
+        timeout = self.request_timeout if timeout is None else timeout
+        # The engine streams ids only (a steady decode step is one TokenBatch) and the stream decodes
+        # what its consumer takes, all of it at once; except where the engine needs the text itself.
+        front_decodes = params.detokenize and not params.needs_engine_text
+        detokenizer = IncrementalDetokenizer(self.tokenizer) if front_decodes else None
+        if front_decodes:
+            params = replace(params, detokenize=False)
+        request_id = self.submit(prompt_ids, params, cache_salt, router)
+        return router.open(self, request_id, prompt_ids, timeout, detokenizer)
+
+    async def generate(
+        self,
+        prompt: str | list[int] | np.ndarray,
+        params: SamplingParams | None = None,
+        cache_salt: Hashable = None,
+        *,
+        timeout: float | None = None,
+    ) -> AsyncIterator[StreamDelta]:
+        """Yield the request's deltas as they are produced (the last has ``finished`` set).
+        Cancelling the consumer, or closing the iterator early, aborts the request and frees its
+        blocks within a step."""
+        stream = self.add_request(prompt, params, cache_salt, timeout=timeout)
+        try:
+            async for delta in stream:
+                yield delta
+        finally:
+            stream.close()

@@ -17,13 +17,15 @@ dies (killed, crashed) closes its end of the pipe, which the front's reader turn
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import multiprocessing
+import os
 import pickle
 import queue
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -45,12 +47,16 @@ from radixinfer.engine_core import EngineCore
 @dataclass(frozen=True)
 class EngineProcess:
     """An `LLM` that an engine process of its own builds and steps: `LLM`'s keyword arguments, which
-    must pickle (a preset name or checkpoint dir, not a config object holding weights)."""
+    must pickle (a preset name or checkpoint dir, not a config object holding weights).
+    ``environment``: variables the engine process starts with beside this process's (a
+    data-parallel replica's ``CUDA_VISIBLE_DEVICES``: its GPUs)."""
 
     llm_kwargs: dict[str, Any]
+    environment: dict[str, str]
 
-    def __init__(self, **llm_kwargs: Any) -> None:
+    def __init__(self, *, environment: dict[str, str] | None = None, **llm_kwargs: Any) -> None:
         object.__setattr__(self, "llm_kwargs", llm_kwargs)
+        object.__setattr__(self, "environment", dict(environment or {}))
 
 
 class _PipeEnd:
@@ -154,6 +160,26 @@ def _engine_process_main(
     pipe.close()
 
 
+_SPAWN_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _spawning(environment: dict[str, str]) -> Iterator[None]:
+    """This process's environment with ``environment`` set, while a process is spawned (a spawned
+    process copies its parent's environment when it starts); one spawn at a time."""
+    with _SPAWN_LOCK:
+        saved = {name: os.environ.get(name) for name in environment}
+        os.environ.update(environment)
+        try:
+            yield
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+
+
 class ProcessCore:
     """An `EngineCore` in an engine process of its own (multiprocessing's spawn context, a daemon,
     named ``radixinfer-engine``). The constructor returns once the process has built its `LLM`, and
@@ -171,7 +197,8 @@ class ProcessCore:
             name="radixinfer-engine",
             daemon=True,
         )
-        self._process.start()
+        with _spawning(spec.environment):
+            self._process.start()
         child_conn.close()
         self._pipe = _PipeEnd(conn, "radixinfer-engine-writer")
         self._early: list[CoreOutput] = []  # what came in the frame of `CoreReady`, after it

@@ -14,6 +14,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from radixinfer import LLM, AsyncLLM, EngineProcess
+from radixinfer.data_parallel import DataParallelLLM
 from radixinfer.server.app import ServerConfig, build_app
 
 MODEL = "tiny"
@@ -22,26 +23,31 @@ MODEL = "tiny"
 @dataclass
 class RunningServer:
     url: str  # http://127.0.0.1:PORT
-    engine: AsyncLLM
-    llm: LLM | EngineProcess
+    engine: AsyncLLM | DataParallelLLM
+    llm: LLM | EngineProcess | DataParallelLLM
 
 
 @contextlib.contextmanager
 def running_server(
-    llm: LLM | EngineProcess,
+    llm: LLM | EngineProcess | DataParallelLLM,
     *,
     max_waiting: int | None = None,
     request_timeout: float | None = None,
     add_routes: Callable[[FastAPI], None] | None = None,
     **config: object,
 ) -> Iterator[RunningServer]:
-    """Serve ``llm`` (an engine thread, or an engine process) until the block ends; ``config``:
+    """Serve ``llm`` (an engine thread, or an engine process, behind an `AsyncLLM` opened and closed
+    here; or an open `DataParallelLLM`, which the caller closes) until the block ends; ``config``:
     `ServerConfig` fields beside the model name; ``add_routes`` may add a test's own routes."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    with AsyncLLM(llm, max_waiting=max_waiting, request_timeout=request_timeout) as engine:
+    if isinstance(llm, DataParallelLLM):
+        front = contextlib.nullcontext(llm)
+    else:
+        front = AsyncLLM(llm, max_waiting=max_waiting, request_timeout=request_timeout)
+    with front as engine:
         app = build_app(engine, ServerConfig(model_name=MODEL, **config))
         if add_routes is not None:
             add_routes(app)

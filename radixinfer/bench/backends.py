@@ -17,6 +17,7 @@ import radixinfer
 from radixinfer.api import LLM
 from radixinfer.async_llm import AsyncLLM
 from radixinfer.core_messages import StreamEvents
+from radixinfer.data_parallel import DataParallelLLM, add_stats
 from radixinfer.engine_args import llm_kwargs
 from radixinfer.sampling_params import SamplingParams
 from radixinfer.tokenizer import Tokenizer
@@ -92,6 +93,46 @@ class RadixBackend:
     def close(self) -> None:
         self._front.close()
         self.llm.close()  # stops its tensor-parallel workers, if any
+
+
+class DataParallelBackend:
+    """A `DataParallelLLM` (replicas in engine processes, or `LLM`s on threads of this process)
+    routing by ``policy`` (None: the front's): the run loop takes its events through one queue, as
+    `RadixBackend`'s; ``cache_stats`` adds the replicas' up (`add_stats`). Several backends over
+    one front (one per policy) run one at a time: each sets the front's policy as it submits."""
+
+    def __init__(self, front: DataParallelLLM, policy: str | None = None) -> None:
+        self.front = front
+        self.policy = policy or front.policy
+        self.tokenizer = front.tokenizer
+        self.vocab_size = front.prompts.vocab_size
+        self.max_context_len = front.max_context_len
+        self.info = {
+            "radixinfer": radixinfer.__version__,
+            "data_parallel_size": len(front.replicas),
+            "router_policy": self.policy,
+            "kv_blocks": self.cache_stats()["total_blocks"],
+        }
+
+    def submit(
+        self, prompt: np.ndarray, params: SamplingParams, sink: queue.SimpleQueue[StreamEvents]
+    ) -> str:
+        if self.front.policy != self.policy:
+            self.front.policy = self.policy
+        return self.front.submit(prompt, params, None, sink)
+
+    def native_prompt(self, prompt: list[int]) -> np.ndarray:
+        return self.front.prompts.token_ids(prompt)
+
+    def cache_stats(self) -> dict:
+        return add_stats([future.result() for future in self.front.call_all(LLM.cache_stats)])
+
+    def reset_cache(self) -> None:
+        for future in self.front.call_all(LLM.reset_prefix_cache):
+            future.result()
+
+    def close(self) -> None:
+        self.front.close()  # idempotent: backends sharing the front may each close it
 
 
 def open_radixinfer(

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP app over an `AsyncLLM`: routes, errors, authentication, body limit.
+"""The OpenAI-compatible HTTP app over an `AsyncLLM` (or a `DataParallelLLM`: the same interface
+over several engine replicas): routes, errors, authentication, body limit.
 
 Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (server-sent events with
 ``"stream": true``, else one JSON body), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (see
@@ -31,6 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from radixinfer.async_llm import AsyncLLM, EngineLoopError, QueueFullError
 from radixinfer.async_stream import AsyncStream, RequestTimeoutError
 from radixinfer.chat import chat_prompt_ids
+from radixinfer.data_parallel import DataParallelLLM
 from radixinfer.outputs import StreamDelta
 from radixinfer.server.answers import ChatChunks, CompletionChunks, Run
 from radixinfer.server.body_limit import BodyLimit
@@ -95,7 +97,7 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
+def build_app(llm: AsyncLLM | DataParallelLLM, config: ServerConfig) -> FastAPI:
     """The app serving ``llm`` (which the caller opens and closes)."""
     app = FastAPI(title="radixinfer", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)

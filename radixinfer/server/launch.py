@@ -1,5 +1,5 @@
-"""The flags of ``radixinfer serve`` and what it runs: an engine process, the `AsyncLLM` over it,
-uvicorn.
+"""The flags of ``radixinfer serve`` and what it runs: an engine process and the `AsyncLLM` over it
+(or, with ``--data-parallel-size M``, M replicas behind a `DataParallelLLM`), uvicorn.
 
 Imports FastAPI and uvicorn only when serving, so the other subcommands run without them.
 """
@@ -71,6 +71,61 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
     add_engine_arguments(parser)
+    add_data_parallel_arguments(parser)
+
+
+def add_data_parallel_arguments(parser: argparse.ArgumentParser, default_size: int = 1) -> None:
+    """The ``data parallelism`` flag group (``radixinfer serve``, ``bench_data_parallel.py``),
+    ``--data-parallel-size`` defaulting to ``default_size``."""
+    from radixinfer.data_parallel import DEFAULT_LOAD_MARGIN
+    from radixinfer.router import POLICIES
+
+    group = parser.add_argument_group("data parallelism (docs/multi-gpu.md)")
+    group.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=default_size,
+        metavar="M",
+        help="engine replicas behind one endpoint, each a process with its own model copy and KV "
+        "cache; on CUDA replica r uses GPUs r*TP .. r*TP+TP-1 (TP: --tensor-parallel-size) "
+        f"[{default_size}]",
+    )
+    group.add_argument(
+        "--router-policy",
+        choices=POLICIES,
+        default="cache_aware",
+        help="where each request goes: the replica caching the longest prefix of it, replicas in "
+        "turn, or the replica with the fewest requests in flight [cache_aware]",
+    )
+    group.add_argument(
+        "--router-load-margin",
+        type=int,
+        default=DEFAULT_LOAD_MARGIN,
+        metavar="N",
+        help="cache_aware skips a replica with more than N requests in flight beyond the least "
+        f"loaded one [{DEFAULT_LOAD_MARGIN}]",
+    )
+
+
+def check_data_parallel_arguments(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> None:
+    """``--data-parallel-size`` and the router's flags, and that the GPUs are there."""
+    from radixinfer.distributed.torchrun import torchrun_rank
+
+    if args.data_parallel_size < 1:
+        parser.error("--data-parallel-size must be >= 1")
+    if args.router_load_margin < 0:
+        parser.error("--router-load-margin must be >= 0")
+    if args.data_parallel_size > 1 and torchrun_rank() is not None:
+        parser.error("--data-parallel-size > 1 starts its replicas itself: not under torchrun")
+    if args.data_parallel_size > 1:
+        from radixinfer.data_parallel import replica_processes
+
+        try:
+            replica_processes(llm_kwargs(args), args.data_parallel_size)
+        except ValueError as exc:  # the message starts with the argument's name
+            parser.error(f"--{exc}".replace("data_parallel_size", "data-parallel-size", 1))
 
 
 def check_serve_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -86,6 +141,7 @@ def check_serve_arguments(parser: argparse.ArgumentParser, args: argparse.Namesp
     if args.api_key is not None and not args.api_key:
         parser.error("--api-key must not be empty")
     check_engine_arguments(parser, args)
+    check_data_parallel_arguments(parser, args)
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -93,6 +149,7 @@ def serve(args: argparse.Namespace) -> None:
     import uvicorn
 
     from radixinfer.async_llm import AsyncLLM
+    from radixinfer.data_parallel import DataParallelLLM, replica_processes
     from radixinfer.engine_process import EngineProcess
     from radixinfer.server.app import ServerConfig, build_app
 
@@ -105,11 +162,19 @@ def serve(args: argparse.Namespace) -> None:
     )
     if args.gc_threshold:  # before the engine process starts: it copies the thresholds
         gc.set_threshold(args.gc_threshold, *gc.get_threshold()[1:])
-    front = AsyncLLM(
-        EngineProcess(**llm_kwargs(args)),
-        max_waiting=args.max_waiting,
-        request_timeout=args.request_timeout,
-    )
+    limits = {"max_waiting": args.max_waiting, "request_timeout": args.request_timeout}
+    if args.data_parallel_size == 1:
+        front: AsyncLLM | DataParallelLLM = AsyncLLM(EngineProcess(**llm_kwargs(args)), **limits)
+    else:
+        try:
+            front = DataParallelLLM(
+                replica_processes(llm_kwargs(args), args.data_parallel_size),
+                policy=args.router_policy,
+                load_margin=args.router_load_margin,
+                **limits,
+            )
+        except RuntimeError as exc:  # a replica that failed to start: its error, no traceback
+            raise SystemExit(f"radixinfer serve: {exc}") from exc
     with front as llm:
         app = build_app(llm, config)
         # What is alive now (torch, the app) lives as long as the server: out of the collector's

@@ -23,6 +23,13 @@ Counters and gauges:
   ratio, ``radixinfer_host_cache_load_bandwidth_bytes_per_second`` (gauge);
   ``radixinfer_host_kv_blocks_free``: gauge (all 0 without a host tier)
 
+With data-parallel replicas (``--data-parallel-size``), the families above add the replicas up,
+and each replica has its own, labelled ``replica`` (0, 1, ...):
+``radixinfer_replica_routed_requests_total`` (requests the router sent there),
+``radixinfer_replica_num_requests_running`` / ``_waiting``,
+``radixinfer_replica_prefix_cache_queried_tokens_total`` / ``_hit_tokens_total``,
+``radixinfer_replica_prefix_cache_hit_rate`` (their ratio, a gauge), ``radixinfer_replica_kv_blocks_free``.
+
 Histograms (seconds): ``radixinfer_time_to_first_token_seconds`` (first token - arrival),
 ``radixinfer_inter_token_latency_seconds`` (the gap between two engine steps that gave a request
 tokens), ``radixinfer_e2e_request_latency_seconds`` (last token - arrival).
@@ -46,7 +53,7 @@ class _EngineCollector:
     """Turns the last engine snapshot into metric families when the registry is collected."""
 
     def __init__(self) -> None:
-        self.snapshot: dict[str, int] = {}
+        self.snapshot: dict = {}
 
     def collect(self) -> Iterator[Metric]:
         s = self.snapshot
@@ -109,6 +116,39 @@ class _EngineCollector:
                 f"radixinfer_host_cache_{what}_tokens", f"positions {how}", s[f"{what}_tokens"]
             )
         yield _gauge("radixinfer_host_kv_blocks_free", "host KV blocks free", s["host_free_blocks"])
+        if "replicas" in s:
+            yield from _replica_families(s["replicas"])
+
+
+# per-replica families: (name, documentation, family type, value of one replica's snapshot)
+_REPLICA_FAMILIES = (
+    ("routed_requests", "requests the router sent to the replica", CounterMetricFamily, "routed"),
+    ("num_requests_running", "requests holding KV", GaugeMetricFamily, "running"),
+    ("num_requests_waiting", "requests queued for admission", GaugeMetricFamily, "waiting"),
+    (
+        "prefix_cache_queried_tokens",
+        "prompt tokens looked up in the prefix cache",
+        CounterMetricFamily,
+        "prompt_tokens",
+    ),
+    (
+        "prefix_cache_hit_tokens",
+        "prompt tokens found in the prefix cache",
+        CounterMetricFamily,
+        "cached_tokens",
+    ),
+    ("prefix_cache_hit_rate", "hit tokens / queried tokens", GaugeMetricFamily, "hit_rate"),
+    ("kv_blocks_free", "KV blocks free", GaugeMetricFamily, "free_blocks"),
+)
+
+
+def _replica_families(replicas: list[dict]) -> Iterator[Metric]:
+    """One family per entry of `_REPLICA_FAMILIES`, a sample per replica (label ``replica``)."""
+    for name, documentation, family_type, key in _REPLICA_FAMILIES:
+        family = family_type(f"radixinfer_replica_{name}", documentation, labels=["replica"])
+        for index, snapshot in enumerate(replicas):
+            family.add_metric([str(index)], snapshot[key])
+        yield family
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
@@ -174,8 +214,9 @@ class ServerMetrics:
                 self.itl.observe(t - previous)
                 previous = t
 
-    def render(self, engine_snapshot: dict[str, int]) -> bytes:
+    def render(self, engine_snapshot: dict) -> bytes:
         """The Prometheus text exposition, with the engine's numbers from ``engine_snapshot``
-        (``cache_stats()`` plus ``running`` and ``waiting``)."""
+        (``cache_stats()`` plus ``running`` and ``waiting``; with replicas, their sum and each
+        one's under ``"replicas"``, `DataParallelLLM.stats`)."""
         self._engine.snapshot = engine_snapshot
         return generate_latest(self.registry)
