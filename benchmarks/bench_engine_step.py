@@ -47,6 +47,7 @@ import dataclasses
 import json
 import platform
 import statistics
+import sys
 import time
 import traceback
 from collections import defaultdict
@@ -57,6 +58,8 @@ from typing import Any
 import numpy as np
 import torch
 from transformers import LlamaConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import radixinfer.engine.sampler as sampler_module
 import radixinfer.engine.step_buffers as step_buffers_module

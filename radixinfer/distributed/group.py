@@ -111,7 +111,7 @@ class TensorParallel:
         if self.size == 1:
             return x
         out = torch.empty((self.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-        dist.all_gather_single(out, x.contiguous(), group=self.device_group)
+        dist.all_gather_into_tensor(out, x.contiguous(), group=self.device_group)
         return out
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
