@@ -10,6 +10,7 @@ from collections.abc import Container
 
 import numpy as np
 
+from radixinfer.engine.logprobs import MAX_LOGPROBS
 from radixinfer.engine.prompts import PromptChecker
 from radixinfer.engine.request import Request, Status
 from radixinfer.engine.stop_strings import StopStrings
@@ -71,6 +72,11 @@ class RequestIntake:
             k = getattr(params, name)
             if k is not None and k > vocab:
                 raise ValueError(f"{name}: {k} is more than the vocabulary's {vocab} tokens")
+            if k is not None and k > MAX_LOGPROBS:
+                raise ValueError(
+                    f"{name}: {k} is more than the {MAX_LOGPROBS} alternatives per position the "
+                    "engine returns"
+                )
         if params.logit_bias and max(params.logit_bias) >= vocab:
             bad = max(params.logit_bias)
             raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab})")

@@ -23,6 +23,10 @@ if TYPE_CHECKING:
     from radixinfer.engine.request import Request
 
 TokenText = Callable[[int], str] | None  # a token's text for `Logprob.decoded_token`, or no text
+# The most alternatives a request may ask for per position (vLLM's default ``max_logprobs``, and
+# OpenAI's limit on ``top_logprobs``): scoring keeps ``[rows, 2 + 2k]`` floats and top-k's
+# ``[rows, k]`` values and ids, so the memory plan's worst-case step scores every row at this k.
+MAX_LOGPROBS = 20
 
 
 class ScoredRows(NamedTuple):
