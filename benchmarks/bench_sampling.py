@@ -139,7 +139,7 @@ def bench_sampler(rows: int) -> dict[str, dict[str, float]]:
             "fused_ms": do_bench(lambda t=tensors: sample_triton(logits, *t)),
             "reference_ms": do_bench(lambda t=tensors: sample_ref(logits, *t)),
         }
-    processor = LogitsProcessor(VOCAB, torch.device("cuda"))
+    processor = LogitsProcessor(VOCAB, torch.device("cuda"), rows)
     reqs = penalised_requests(rows, 1024)
     tokens = torch.zeros(rows, dtype=torch.int64, device="cuda")
 

@@ -36,7 +36,8 @@ class SamplingParams:
     ``stop`` None). Raises ``ValueError`` naming the field on any invalid value. Stop token ids
     past the model's vocabulary are refused when the request is added (`LLMEngine.add_request`),
     where the vocabulary is known; so are ``logprobs`` and ``prompt_logprobs`` larger than the
-    vocabulary or than 20 (the engine's ``MAX_LOGPROBS``).
+    vocabulary or than 20 (the engine's ``MAX_LOGPROBS``), and penalties on more samples ``n``
+    than the engine's ``max_batch_size`` (each penalised sample holds a row of token counts).
 
     Penalties and filters, with vLLM's meanings: ``repetition_penalty`` (> 0; 1 is off) divides the
     positive logits and multiplies the negative ones of every token seen in the prompt or the output;

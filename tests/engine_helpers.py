@@ -1,5 +1,5 @@
-"""Shared helpers for engine tests: tiny random checkpoints of each supported family, and transformers'
-own greedy generation as the oracle."""
+"""Shared helpers for engine tests: tiny random checkpoints of each supported family, transformers'
+own greedy generation as the oracle, and outputs' logprobs as one flat list to compare."""
 
 from __future__ import annotations
 
@@ -77,3 +77,15 @@ def _hf_greedy(path: str, prompt: tuple[int, ...], max_new_tokens: int) -> tuple
             eos_token_id=None,
         )
     return tuple(out[0, len(prompt) :].tolist())
+
+
+def logprob_table(outs: list) -> list[float]:
+    """Every logprob of ``outs`` (`RequestOutput`s, first completions), flattened in a fixed order
+    (position, then token id), with the token ids and ranks folded in, to compare with
+    ``pytest.approx``."""
+    table = []
+    for out in outs:
+        for position in out.outputs[0].logprobs:
+            for token, entry in sorted(position.items()):
+                table += [float(token), float(entry.rank), entry.logprob]
+    return table

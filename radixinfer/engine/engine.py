@@ -76,12 +76,12 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.intake = RequestIntake(
             tokenizer, self.eos_token_ids, self.vocab_size, self.max_context_len,
-            cache.block_size, cache.num_blocks, config.seed,
+            cache.block_size, cache.num_blocks, config.seed, config.max_batch_size,
         )  # fmt: skip
         self.scheduler = Scheduler(cache, config, self.counters)
         self.pipeline = TokenPipeline()
         self.output = OutputProcessor(self.scheduler, tokenizer)
-        self.sampler = Sampler(self.vocab_size, runner.device)
+        self.sampler = Sampler(self.vocab_size, runner.device, config.max_batch_size)
 
     @property
     def waiting(self) -> deque[Request]:

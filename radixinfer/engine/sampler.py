@@ -129,10 +129,10 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 class Sampler:
     """Samples a step's tokens, one per request, each with its request's parameters, seed and count
     of sampled tokens, on the device (no host sync); owns the device state of the requests' logits
-    processing (`LogitsProcessor`)."""
+    processing (`LogitsProcessor`, token-count rows for ``max_penalized`` penalised requests)."""
 
-    def __init__(self, vocab_size: int, device: torch.device) -> None:
-        self.logits_processor = LogitsProcessor(vocab_size, device)
+    def __init__(self, vocab_size: int, device: torch.device, max_penalized: int) -> None:
+        self.logits_processor = LogitsProcessor(vocab_size, device, max_penalized)
 
     def sample(
         self, reqs: Sequence[Request], logits: torch.Tensor, argmax_only: bool | None = None
