@@ -26,19 +26,13 @@ from radixinfer.engine.config import EngineConfig, EngineCounters
 from radixinfer.engine.decode_batch import DecodeBatch
 from radixinfer.engine.host_kv import NO_LOADS, HostKVPool
 from radixinfer.engine.intake import RequestIntake
-from radixinfer.engine.logprobs import (
-    collect_prompt_logprobs,
-    logprob_rows,
-    raw_logprobs,
-    score_sampled,
-)
+from radixinfer.engine.logprobs import collect_prompt_logprobs, logprob_rows
 from radixinfer.engine.model_runner import ModelRunner
 from radixinfer.engine.output import OutputProcessor
 from radixinfer.engine.pipeline import Launch, TokenPipeline, device_index
 from radixinfer.engine.prefill_plan import PrefillPass
 from radixinfer.engine.prompts import PromptChecker
 from radixinfer.engine.request import Request, Status
-from radixinfer.engine.sampler import Sampler
 from radixinfer.engine.scheduler import Scheduler
 from radixinfer.outputs import EngineEvent, StreamDelta
 from radixinfer.sampling_params import SamplingParams
@@ -81,7 +75,7 @@ class LLMEngine:
         self.scheduler = Scheduler(cache, config, self.counters)
         self.pipeline = TokenPipeline()
         self.output = OutputProcessor(self.scheduler, tokenizer)
-        self.sampler = Sampler(self.vocab_size, runner.device, config.max_batch_size)
+        self.sampler = runner.sampler  # the one the memory profile sampled through
 
     @property
     def waiting(self) -> deque[Request]:
@@ -242,10 +236,8 @@ class LLMEngine:
     ) -> torch.Tensor:
         """Sample a token per row of ``logits`` and launch them, with the raw logprobs of
         ``scored_rows`` when some ask (taken before the sampler may change ``logits``)."""
-        raw = raw_logprobs(logits, scored_rows) if scored_rows else None
         greedy = None if batch is None else batch.greedy
-        tokens = self.sampler.sample(reqs, logits, greedy)
-        scores = None if raw is None else score_sampled(raw, reqs, tokens)
+        tokens, scores = self.sampler.sample_with_logprobs(reqs, logits, scored_rows, greedy)
         departures = None if batch is None else self.scheduler.departures
         self.pipeline.launch(reqs, tokens, batch, departures, scores)
         return tokens
