@@ -79,13 +79,13 @@ def _hf_greedy(path: str, prompt: tuple[int, ...], max_new_tokens: int) -> tuple
     return tuple(out[0, len(prompt) :].tolist())
 
 
-def logprob_table(outs: list) -> list[float]:
-    """Every logprob of ``outs`` (`RequestOutput`s, first completions), flattened in a fixed order
+def logprob_table(completions: list) -> list[float]:
+    """Every logprob of ``completions`` (`CompletionOutput`s), flattened in a fixed order
     (position, then token id), with the token ids and ranks folded in, to compare with
     ``pytest.approx``."""
     table = []
-    for out in outs:
-        for position in out.outputs[0].logprobs:
+    for completion in completions:
+        for position in completion.logprobs:
             for token, entry in sorted(position.items()):
                 table += [float(token), float(entry.rank), entry.logprob]
     return table

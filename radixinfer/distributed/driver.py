@@ -76,6 +76,10 @@ class TensorParallelRunner:
         return self.local.sampler
 
     @property
+    def prefill_max_seqs(self) -> int:
+        return self.local.prefill_max_seqs
+
+    @property
     def worker_pids(self) -> list[int]:
         """The process ids of the workers this process started (none under torchrun)."""
         return list(self._group.worker_pids)

@@ -76,6 +76,8 @@ class LLMEngine:
         self.pipeline = TokenPipeline()
         self.output = OutputProcessor(self.scheduler, tokenizer)
         self.sampler = runner.sampler  # the one the memory profile sampled through
+        # the most rows a prefill pass's logits work holds at once: the rows the profile sampled
+        self._sample_rows = runner.prefill_max_seqs
 
     @property
     def waiting(self) -> deque[Request]:
@@ -204,7 +206,9 @@ class LLMEngine:
             self.counters.count_computed(computed)
             scored = [it for it in computed if it.req.needs_prompt_logprobs()]
             if scored:
-                collect_prompt_logprobs(scored, hidden, self.runner.logits, self.output.token_text)
+                collect_prompt_logprobs(
+                    scored, hidden, self.runner.logits, self.output.token_text, self._sample_rows
+                )
         finishing = [it for it in items if it.end == it.req.num_tokens]
         for it in items:
             it.req.prompt_done = it.end
@@ -222,10 +226,17 @@ class LLMEngine:
             reqs += samples
             rows += [row] * len(samples)
         self.scheduler.start_running(reqs)  # decodes from its first token, on the device for now
-        logits = self.runner.logits(last_hidden)
-        if len(rows) > len(finishing):
-            logits = logits.index_select(0, device_index(rows, logits.device))
-        self._sample_and_launch(reqs, logits, logprob_rows(reqs))
+        if len(rows) == len(finishing):
+            self._sample_and_launch(reqs, self.runner.logits(last_hidden), logprob_rows(reqs))
+            return
+        # Forked samples: the LM head and the sampler run on at most the rows the memory plan
+        # sampled at once (n samples of many requests would be far more), one launch each.
+        step = self._sample_rows
+        for start in range(0, len(reqs), step):
+            part = reqs[start : start + step]
+            index = device_index(rows[start : start + step], last_hidden.device)
+            logits = self.runner.logits(last_hidden.index_select(0, index))
+            self._sample_and_launch(part, logits, logprob_rows(part))
 
     def _sample_and_launch(
         self,

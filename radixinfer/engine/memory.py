@@ -32,7 +32,10 @@ logprobs (the most a request may ask), and ``max_batch_size`` rows with every pe
 penalties' token-count rows (`TokenCounts`, ``max_batch_size x vocab`` bool + int32) live between
 steps once a penalised request came, so they are planned as activations, not grown: they are
 allocated whole by the first penalised request (in the profile, inside the measured step; then
-released), and the scheduler never lets more penalised sequences hold KV than they have rows. "other" is what the
+released), and the scheduler never lets more penalised sequences hold KV than they have rows.
+The engine keeps a prefill pass's logits work within the rows the profile sampled
+(``prefill_max_seqs``): the forked samples of ``n`` > 1 requests take their first tokens that
+many rows at a time, and prompt logprobs are scored that many positions at a time. "other" is what the
 device shows in use beyond the weights once profiling is over (``torch.cuda.mem_get_info``), so
 memory outside torch's allocator is charged too.
 
