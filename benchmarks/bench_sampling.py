@@ -145,7 +145,7 @@ def bench_sampler(rows: int) -> dict[str, dict[str, float]]:
             ),
             "reference_ms": do_bench(lambda t=t: sample_ref(logits, *t)),
         }
-    processor = LogitsProcessor(VOCAB, torch.device("cuda"))
+    processor = LogitsProcessor(VOCAB, torch.device("cuda"), rows)
     reqs = penalised_requests(rows, 1024)
     tokens = torch.zeros(rows, dtype=torch.int64, device="cuda")
 

@@ -46,7 +46,9 @@ class SamplingParams:
     ``stop`` None, ``logit_bias`` a dict of int to float). Raises ``ValueError`` naming the field on
     any invalid value. Stop token ids and logit bias ids past the model's vocabulary are refused
     when the request is added (`LLMEngine.add_request`), where the vocabulary is known; so are
-    ``logprobs`` and ``prompt_logprobs`` larger than the vocabulary.
+    ``logprobs`` and ``prompt_logprobs`` larger than the vocabulary or than 20 (the engine's
+    ``MAX_LOGPROBS``), and penalties on more samples ``n`` than the engine's ``max_batch_size``
+    (each penalised sample holds a row of token counts).
     """
 
     max_tokens: int = 16

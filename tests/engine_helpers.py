@@ -1,5 +1,5 @@
-"""Shared helpers for engine tests: tiny random checkpoints of each supported family, and transformers'
-own greedy generation as the oracle."""
+"""Shared helpers for engine tests: tiny random checkpoints of each supported family, transformers'
+own greedy generation as the oracle, and outputs' logprobs as one flat list to compare."""
 
 from __future__ import annotations
 
@@ -77,3 +77,15 @@ def _hf_greedy(path: str, prompt: tuple[int, ...], max_new_tokens: int) -> tuple
             eos_token_id=None,
         )
     return tuple(out[0, len(prompt) :].tolist())
+
+
+def logprob_table(completions: list) -> list[float]:
+    """Every logprob of ``completions`` (`CompletionOutput`s), flattened in a fixed order
+    (position, then token id), with the token ids and ranks folded in, to compare with
+    ``pytest.approx``."""
+    table = []
+    for completion in completions:
+        for position in completion.logprobs:
+            for token, entry in sorted(position.items()):
+                table += [float(token), float(entry.rank), entry.logprob]
+    return table

@@ -16,6 +16,7 @@ from radixinfer import LLM, SamplingParams
 from radixinfer.engine.logits_processing import LogitsProcessor
 from radixinfer.engine.request import Request
 from tests import _triton_env  # noqa: F401  (without CUDA, Triton runs interpreted)
+from tests.engine_helpers import logprob_table
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 VOCAB = 50
@@ -125,7 +126,7 @@ def test_device_counts_follow_the_histories_across_steps_preemption_and_reused_r
     """Random steps over a changing batch: each step's processed logits equal the reference built
     from the requests' prompts and outputs, tokens still unread by the host included."""
     rng = random.Random(1)
-    processor = LogitsProcessor(VOCAB, torch.device("cpu"))
+    processor = LogitsProcessor(VOCAB, torch.device("cpu"), 5)  # at most 5 live at once
     gen = torch.Generator().manual_seed(1)
 
     def fresh() -> Request:
@@ -156,7 +157,7 @@ def test_device_counts_follow_the_histories_across_steps_preemption_and_reused_r
             live.append(fresh())
         elif event < 0.3:  # preempted and admitted again: a new sequence, the output so far kept
             rng.choice(live).seq = object()
-    assert processor.counts.output_counts.shape[0] == 16  # rows were reused, never more than 16
+    assert processor.counts.output_counts.shape[0] == 5  # rows were reused, never more than 5
 
 
 def test_a_batch_penalised_in_every_row_gets_a_new_tensor():
@@ -185,7 +186,7 @@ def test_a_batch_penalised_in_every_row_gets_a_new_tensor():
 
 
 def test_logit_bias_and_min_tokens_rows():
-    processor = LogitsProcessor(VOCAB, torch.device("cpu"))
+    processor = LogitsProcessor(VOCAB, torch.device("cpu"), 4)
     biased = request([1, 2], logit_bias={4: 5.0, 9: -100.0})
     early = request([1, 2], min_tokens=2)
     plain = request([1, 2], temperature=1.0)
@@ -205,7 +206,7 @@ def test_logit_bias_and_min_tokens_rows():
 
 
 def test_batches_without_processing_are_returned_untouched():
-    processor = LogitsProcessor(VOCAB, torch.device("cpu"))
+    processor = LogitsProcessor(VOCAB, torch.device("cpu"), 4)
     logits = torch.randn(2, VOCAB)
     out, pending = processor.process([request([1]), request([2], temperature=0.5)], logits)
     assert out is logits and pending is None
@@ -257,3 +258,25 @@ def test_seeded_penalised_sampling_is_independent_of_batch_composition(llm):
     stats = llm.cache_stats()
     llm.reset_prefix_cache()
     assert llm.cache_stats()["free_blocks"] == stats["total_blocks"]
+
+
+def test_penalised_requests_beyond_the_count_rows_wait_for_a_row_and_sample_as_alone():
+    """Twice as many penalised requests as ``max_batch_size`` (the token-count rows the memory plan
+    holds): the rest wait to be admitted until rows free up, the rows are never more, and every
+    seeded request samples what it samples alone."""
+    llm = LLM("tiny", block_size=4, num_blocks=128, max_batch_size=3)
+    prompts = [f"prompt {i}" for i in range(6)]
+    params = [
+        SamplingParams(
+            max_tokens=5, temperature=0.9, seed=i, ignore_eos=True, repetition_penalty=1.3,
+            frequency_penalty=0.4 if i % 2 else 0.0, logprobs=2,
+        )
+        for i in range(6)
+    ]  # fmt: skip
+    alone = [llm.generate([p], q)[0] for p, q in zip(prompts, params)]
+    together = llm.generate(prompts + ["greedy"], params + [SamplingParams(max_tokens=5)])
+    assert [o.token_ids for o in together[:6]] == [o.token_ids for o in alone]
+    table = logprob_table([o.outputs[0] for o in together[:6]])
+    assert table == pytest.approx(logprob_table([o.outputs[0] for o in alone]), abs=1e-4)
+    counts = llm.engine.sampler.logits_processor.counts
+    assert counts.output_counts.shape == (3, llm.engine.vocab_size)

@@ -2,14 +2,16 @@
 fit is refused before anything is allocated, the largest decode batch at the longest context
 survives, and the planned activation figure matches the peak a real burst allocates (within 10%).
 
-The model is qwen2.5-0.5b's shape with random weights: its 152k vocabulary makes the LM head's rows
-and the sampler the largest activations, the figure under test. (The tests that need the GPU to
+The model is qwen2.5-0.5b's shape with random weights: its 152k vocabulary makes the LM head's rows,
+the sampler's work on them (a processed copy, the logprobs' log-softmax) and the penalties' token-count
+rows the largest activations, the figure under test. (The tests that need the GPU to
 themselves run before the module's shared engine is built.)"""
 
 from __future__ import annotations
 
 import gc
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -17,6 +19,7 @@ import torch
 
 from radixinfer import LLM, SamplingParams
 from radixinfer.engine.memory import DeviceMemory
+from radixinfer.engine.worst_case import PENALIZED
 
 pytestmark = [
     pytest.mark.gpu,
@@ -27,8 +30,13 @@ MODEL = "qwen2.5-0.5b"
 BATCH = 128  # max_batch_size
 CONTEXT = 4096  # max_model_len
 UTILIZATION = 0.5
-# the sampler's most expensive mode
-SAMPLED = {"temperature": 1.0, "top_k": 50, "top_p": 0.9, "ignore_eos": True}
+
+
+def sampled(max_tokens: int) -> SamplingParams:
+    """The sampler's most expensive mode, as the profile's worst-case step samples
+    (`radixinfer.engine.worst_case`): every filter, a bias, ``min_tokens``, every penalty and the
+    most logprobs a request may ask for."""
+    return replace(PENALIZED, max_tokens=max_tokens, ignore_eos=True)
 
 
 def device() -> torch.device:
@@ -110,38 +118,40 @@ def test_the_engine_holds_no_more_than_its_budget_after_start_up(engine):
 
 def test_planned_activations_match_the_peak_of_a_burst_through_the_lm_head_and_sampler(engine):
     """A burst of ``BATCH`` short prompts: one prefill round whose every sequence reaches the LM
-    head, then decode steps of the whole batch, all sampling with temperature, top-k and top-p: the
-    step the profile planned for."""
+    head, then decode steps of the whole batch, every request sampling in the sampler's most
+    expensive mode (`sampled`): the step the profile planned for. The sampler's token-count rows
+    are released first (nothing runs), so the burst allocates them, as the profile did: planned
+    and measured cover the same memory."""
     llm, _ = engine
     planned = llm.memory_plan.activation_bytes
     llm.reset_prefix_cache()
+    llm.engine.sampler.release()  # nothing runs: the burst takes the count rows anew
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    outs = llm.generate(random_prompts(BATCH, 16, seed=1), SamplingParams(max_tokens=4, **SAMPLED))
+    outs = llm.generate(random_prompts(BATCH, 16, seed=1), sampled(4))
     torch.cuda.synchronize()
     measured = torch.cuda.max_memory_allocated() - base
     print(
         f"\nactivations: planned {planned / 2**20:.1f} MiB, measured peak "
         f"{measured / 2**20:.1f} MiB ({measured / planned:.3f} of planned)"
     )
-    assert all(len(out.token_ids) == 4 for out in outs)
+    assert all(len(out.token_ids) == 4 and len(out.outputs[0].logprobs) == 4 for out in outs)
     assert abs(measured - planned) <= 0.1 * planned
 
 
 def test_the_largest_batch_at_the_longest_context_survives_a_worst_case_step(engine):
     """``BATCH`` distinct prompts that fill ``max_model_len``: full-budget prefill passes, then
-    decode steps of the whole batch at the longest context, sampling with every filter on. Every
-    request finishes and the peak stays within the plan."""
+    decode steps of the whole batch at the longest context, sampling in the sampler's most
+    expensive mode (penalties and logprobs too). Every request finishes and the peak stays within
+    the plan."""
     llm, _ = engine
     planned = llm.memory_plan.activation_bytes
     llm.reset_prefix_cache()
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    outs = llm.generate(
-        random_prompts(BATCH, CONTEXT - 8, seed=2), SamplingParams(max_tokens=8, **SAMPLED)
-    )
+    outs = llm.generate(random_prompts(BATCH, CONTEXT - 8, seed=2), sampled(8))
     torch.cuda.synchronize()
     measured = torch.cuda.max_memory_allocated() - base
     print(

@@ -15,6 +15,7 @@ from radixinfer.engine.memory import (
     plan_cpu_memory,
     plan_gpu_memory,
 )
+from tests.engine_helpers import logprob_table
 
 MiB = 2**20
 BLOCK = 2 * MiB  # bytes per block of 16 tokens
@@ -187,19 +188,30 @@ def test_without_chunked_prefill_the_worst_case_pass_is_a_whole_context():
     assert len(out.token_ids) == 2 and alone.cache_stats()["prefill_forwards"] == 1
 
 
-def test_the_worst_case_step_runs_on_the_runner_and_leaves_the_engine_usable():
+def test_the_worst_case_step_runs_the_engines_sampler_and_leaves_the_engine_usable():
     """The step `profile_memory` measures on CUDA, run on a CPU: the largest prefill pass and decode
-    batch the runner is sized for, through the LM head and the sampler with every filter on."""
-    llm = LLM(
-        "tiny",
-        block_size=4,
-        num_blocks=64,
-        max_batch_size=8,
-        prefill_max_tokens=256,
-        max_model_len=128,
-    )
-    params = SamplingParams(max_tokens=3, ignore_eos=True)
-    before = llm.generate([[5, 6, 7]], params)[0].token_ids
+    batch the runner is sized for, through the LM head and the engine's own sampler in its most
+    expensive mode, penalties included. It leaves the sampler's token-count rows allocated for
+    ``max_batch_size`` penalised requests (what the plan covers), all free: as many penalised
+    requests afterwards sample as on an engine that never ran it."""
+    options = dict(block_size=4, num_blocks=64, max_batch_size=8, prefill_max_tokens=256)
+    llm, fresh = (LLM("tiny", max_model_len=128, **options) for _ in range(2))
+    counts = llm.engine.sampler.logits_processor.counts
+    assert counts.output_counts.shape[0] == 0  # no penalised request yet: no rows
     llm.engine.runner.run_worst_case_step()
+    assert counts.output_counts.shape == counts.prompt_seen.shape == (8, llm.engine.vocab_size)
     llm.reset_prefix_cache()
-    assert llm.generate([[5, 6, 7]], params)[0].token_ids == before
+    params = [
+        SamplingParams(
+            max_tokens=3, ignore_eos=True, temperature=1.0, seed=i, presence_penalty=1.0,
+            logprobs=2,
+        )
+        for i in range(8)
+    ]  # fmt: skip
+    prompts = [[5, 6, 7 + i] for i in range(8)]
+    after, expected = (engine.generate(prompts, params) for engine in (llm, fresh))
+    assert [o.token_ids for o in after] == [o.token_ids for o in expected]
+    assert logprob_table([o.outputs[0] for o in after]) == pytest.approx(
+        logprob_table([o.outputs[0] for o in expected]), abs=1e-4
+    )
+    assert counts.output_counts.shape[0] == 8  # the same rows, reused

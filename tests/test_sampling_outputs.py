@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from radixinfer import LLM, AsyncLLM, SamplingParams
-from tests.engine_helpers import hf_model, save_tiny_checkpoint
+from tests.engine_helpers import hf_model, logprob_table, save_tiny_checkpoint
 
 PROMPT_300 = [random.Random(3).randrange(256) for _ in range(300)]
 
@@ -220,9 +220,14 @@ def test_logprobs_are_log_softmax_of_the_raw_logits(checkpoint, temperature):
     assert_leak_free(llm)
 
 
-def test_prompt_logprobs_compute_the_prompt_even_when_cached(checkpoint):
-    # chunked: a prefill round takes at most 8 tokens
-    llm = LLM(str(checkpoint), block_size=4, num_blocks=64, dtype="float32", prefill_max_tokens=8)
+@pytest.mark.parametrize("prefill_max_batch_size", [None, 1])
+def test_prompt_logprobs_compute_the_prompt_even_when_cached(checkpoint, prefill_max_batch_size):
+    """Chunked: a prefill round takes at most 8 tokens. One request per round scores its chunk's
+    positions 2 at a time (the rows a pass samples at once: that request and a continuing chunk)."""
+    llm = LLM(
+        str(checkpoint), block_size=4, num_blocks=64, dtype="float32", prefill_max_tokens=8,
+        prefill_max_batch_size=prefill_max_batch_size,
+    )  # fmt: skip
     prompt = [random.Random(6).randrange(1, 300) for _ in range(21)]
     llm.generate([prompt], SamplingParams(max_tokens=2))  # now cached
     computed = llm.cache_stats()["computed_prompt_tokens"]
@@ -235,6 +240,19 @@ def test_prompt_logprobs_compute_the_prompt_even_when_cached(checkpoint):
         assert_position(out.prompt_logprobs[p], reference[p - 1], prompt[p], 2)
     again = llm.generate([prompt], SamplingParams(max_tokens=2))[0]
     assert again.num_cached_tokens == len(prompt)  # one that does not ask still reads the cache
+    assert_leak_free(llm)
+
+
+def test_samples_beyond_the_rows_a_pass_samples_at_once_sample_as_alone():
+    """One request per round: a pass samples at most 2 rows at once (the memory plan's), so 5
+    samples take their first tokens in 3 pieces; each still draws what the request of its seed
+    draws alone, logprobs included."""
+    llm = LLM("tiny", block_size=16, num_blocks=128, prefill_max_batch_size=1)
+    out = llm.generate(["abc"], sampled(7, n=5, logprobs=2))[0]
+    alone = [llm.generate(["abc"], sampled(7 + i, logprobs=2))[0] for i in range(5)]
+    assert [c.token_ids for c in out.outputs] == [a.token_ids for a in alone]
+    expected = logprob_table([a.outputs[0] for a in alone])
+    assert logprob_table(out.outputs) == pytest.approx(expected, abs=1e-4)
     assert_leak_free(llm)
 
 

@@ -185,6 +185,13 @@ def test_cache_salt_must_be_a_non_empty_string(llm, salt):
         ),
         (["fine"], SamplingParams(logprobs=258), "^logprobs: 258 is more than the vocabulary"),
         (["fine"], SamplingParams(prompt_logprobs=300), "^prompt_logprobs: 300 is more than"),
+        (["fine"], SamplingParams(logprobs=21), "^logprobs: 21 is more than the 20 alternatives"),
+        (["fine"], SamplingParams(prompt_logprobs=21), "^prompt_logprobs: 21 is more than the 20"),
+        (
+            ["fine"],
+            SamplingParams(n=65, presence_penalty=0.5),
+            r"^n: 65 penalised samples need a token-count row each, more than the 64",
+        ),
         ([{"prompt_ids": [1, 2]}], GREEDY, "^prompt: a dict prompt must be"),
         ([{"prompt": [1, 2]}], GREEDY, "^prompt: a dict prompt must be"),
         ([{"prompt_token_ids": [1, 999]}], GREEDY, "^prompt: token id 999 is outside"),

@@ -29,6 +29,7 @@ from radixinfer.distributed.runner_calls import (
 )
 from radixinfer.engine.kv_store import KVStore
 from radixinfer.engine.model_runner import ModelRunner
+from radixinfer.engine.sampler import Sampler
 from radixinfer.models.base import PagedCausalLM
 
 
@@ -69,6 +70,14 @@ class TensorParallelRunner:
     @property
     def kv(self) -> KVStore:
         return self.local.kv
+
+    @property
+    def sampler(self) -> Sampler:
+        return self.local.sampler
+
+    @property
+    def prefill_max_seqs(self) -> int:
+        return self.local.prefill_max_seqs
 
     @property
     def worker_pids(self) -> list[int]:

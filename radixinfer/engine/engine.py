@@ -26,19 +26,13 @@ from radixinfer.engine.config import EngineConfig, EngineCounters
 from radixinfer.engine.decode_batch import DecodeBatch
 from radixinfer.engine.host_kv import NO_LOADS, HostKVPool
 from radixinfer.engine.intake import RequestIntake
-from radixinfer.engine.logprobs import (
-    collect_prompt_logprobs,
-    logprob_rows,
-    raw_logprobs,
-    score_sampled,
-)
+from radixinfer.engine.logprobs import collect_prompt_logprobs, logprob_rows
 from radixinfer.engine.model_runner import ModelRunner
 from radixinfer.engine.output import OutputProcessor
 from radixinfer.engine.pipeline import Launch, TokenPipeline, device_index
 from radixinfer.engine.prefill_plan import PrefillPass
 from radixinfer.engine.prompts import PromptChecker
 from radixinfer.engine.request import Request, Status
-from radixinfer.engine.sampler import Sampler
 from radixinfer.engine.scheduler import Scheduler
 from radixinfer.outputs import EngineEvent, StreamDelta
 from radixinfer.sampling_params import SamplingParams
@@ -76,12 +70,14 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.intake = RequestIntake(
             tokenizer, self.eos_token_ids, self.vocab_size, self.max_context_len,
-            cache.block_size, cache.num_blocks, config.seed,
+            cache.block_size, cache.num_blocks, config.seed, config.max_batch_size,
         )  # fmt: skip
         self.scheduler = Scheduler(cache, config, self.counters)
         self.pipeline = TokenPipeline()
         self.output = OutputProcessor(self.scheduler, tokenizer)
-        self.sampler = Sampler(self.vocab_size, runner.device)
+        self.sampler = runner.sampler  # the one the memory profile sampled through
+        # the most rows a prefill pass's logits work holds at once: the rows the profile sampled
+        self._sample_rows = runner.prefill_max_seqs
 
     @property
     def waiting(self) -> deque[Request]:
@@ -210,7 +206,9 @@ class LLMEngine:
             self.counters.count_computed(computed)
             scored = [it for it in computed if it.req.needs_prompt_logprobs()]
             if scored:
-                collect_prompt_logprobs(scored, hidden, self.runner.logits, self.output.token_text)
+                collect_prompt_logprobs(
+                    scored, hidden, self.runner.logits, self.output.token_text, self._sample_rows
+                )
         finishing = [it for it in items if it.end == it.req.num_tokens]
         for it in items:
             it.req.prompt_done = it.end
@@ -228,10 +226,17 @@ class LLMEngine:
             reqs += samples
             rows += [row] * len(samples)
         self.scheduler.start_running(reqs)  # decodes from its first token, on the device for now
-        logits = self.runner.logits(last_hidden)
-        if len(rows) > len(finishing):
-            logits = logits.index_select(0, device_index(rows, logits.device))
-        self._sample_and_launch(reqs, logits, logprob_rows(reqs))
+        if len(rows) == len(finishing):
+            self._sample_and_launch(reqs, self.runner.logits(last_hidden), logprob_rows(reqs))
+            return
+        # Forked samples: the LM head and the sampler run on at most the rows the memory plan
+        # sampled at once (n samples of many requests would be far more), one launch each.
+        step = self._sample_rows
+        for start in range(0, len(reqs), step):
+            part = reqs[start : start + step]
+            index = device_index(rows[start : start + step], last_hidden.device)
+            logits = self.runner.logits(last_hidden.index_select(0, index))
+            self._sample_and_launch(part, logits, logprob_rows(part))
 
     def _sample_and_launch(
         self,
@@ -242,10 +247,8 @@ class LLMEngine:
     ) -> torch.Tensor:
         """Sample a token per row of ``logits`` and launch them, with the raw logprobs of
         ``scored_rows`` when some ask (taken before the sampler may change ``logits``)."""
-        raw = raw_logprobs(logits, scored_rows) if scored_rows else None
         greedy = None if batch is None else batch.greedy
-        tokens = self.sampler.sample(reqs, logits, greedy)
-        scores = None if raw is None else score_sampled(raw, reqs, tokens)
+        tokens, scores = self.sampler.sample_with_logprobs(reqs, logits, scored_rows, greedy)
         departures = None if batch is None else self.scheduler.departures
         self.pipeline.launch(reqs, tokens, batch, departures, scores)
         return tokens

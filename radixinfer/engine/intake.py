@@ -10,6 +10,7 @@ from collections.abc import Container
 
 import numpy as np
 
+from radixinfer.engine.logprobs import MAX_LOGPROBS
 from radixinfer.engine.prompts import PromptChecker
 from radixinfer.engine.request import Request, Status
 from radixinfer.engine.stop_strings import StopStrings
@@ -18,9 +19,10 @@ from radixinfer.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 class RequestIntake:
-    """Validates prompts and parameters against the model (vocabulary, context) and the KV pool
-    (``num_blocks`` of ``block_size``), and numbers requests in arrival order. ``seed`` draws the
-    sampling seeds of requests that bring none."""
+    """Validates prompts and parameters against the model (vocabulary, context), the KV pool
+    (``num_blocks`` of ``block_size``) and the sampler's token-count rows (``max_penalized``: a
+    penalised request's samples each take one), and numbers requests in arrival order. ``seed``
+    draws the sampling seeds of requests that bring none."""
 
     def __init__(
         self,
@@ -31,6 +33,7 @@ class RequestIntake:
         block_size: int,
         num_blocks: int,
         seed: int,
+        max_penalized: int,
     ) -> None:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
@@ -38,6 +41,7 @@ class RequestIntake:
         self.max_context_len = max_context_len
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.max_penalized = max_penalized
         self._arrivals = itertools.count()
         self._seeds = random.Random(seed)  # per-request sampling seeds when params.seed is None
         # what checking a prompt needs; it pickles, so a front in another process checks there
@@ -71,9 +75,19 @@ class RequestIntake:
             k = getattr(params, name)
             if k is not None and k > vocab:
                 raise ValueError(f"{name}: {k} is more than the vocabulary's {vocab} tokens")
+            if k is not None and k > MAX_LOGPROBS:
+                raise ValueError(
+                    f"{name}: {k} is more than the {MAX_LOGPROBS} alternatives per position the "
+                    "engine returns"
+                )
         if params.logit_bias and max(params.logit_bias) >= vocab:
             bad = max(params.logit_bias)
             raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab})")
+        if params.penalized and params.n > self.max_penalized:
+            raise ValueError(
+                f"n: {params.n} penalised samples need a token-count row each, more than the "
+                f"{self.max_penalized} the engine holds (max_batch_size)"
+            )
         prompt_len = len(prompt_array)
         total = min(prompt_len + params.max_tokens, self.max_context_len)
         blocks = -(-total // self.block_size) + 1  # +1: a copy-on-write of the boundary block

@@ -37,16 +37,28 @@ class TokenCounts:
     A request's row is valid while its sequence is the one the row was filled for: a request
     preempted and admitted again gets a new sequence, and its row is refilled from its prompt and
     the output the host holds (a preemption reads every token back first). Rows of requests that
-    left are reclaimed when a new row is needed and none is free; the tensors double when every row
-    is live.
+    left are reclaimed when a new row is needed and none is free.
+
+    Memory: the rows live between steps, so they are planned, not grown. The first penalised
+    request allocates all ``capacity`` rows at once (``capacity * vocab * 5`` bytes; nothing
+    before it), and there are never more: the scheduler admits at most
+    ``capacity`` penalised sequences at once (``max_batch_size``), and the memory plan's worst-case
+    step holds every row (`radixinfer.engine.memory`). A row wanted beyond them is a broken
+    promise: RuntimeError. `release` gives the rows back.
 
     Performance: filling a row is three launches per batch of new requests; each step adds the
     sampled tokens with one scatter-add."""
 
-    def __init__(self, vocab_size: int, device: torch.device) -> None:
-        self.vocab_size, self.device = vocab_size, device
-        self.prompt_seen = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
-        self.output_counts = torch.zeros(0, vocab_size, dtype=torch.int32, device=device)
+    def __init__(self, vocab_size: int, device: torch.device, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"TokenCounts needs a capacity of at least one row, got {capacity}")
+        self.vocab_size, self.device, self.capacity = vocab_size, device, capacity
+        self.release()
+
+    def release(self) -> None:
+        """Forget every row and give the tensors back (the next row needed allocates them again)."""
+        self.prompt_seen = torch.zeros(0, self.vocab_size, dtype=torch.bool, device=self.device)
+        self.output_counts = torch.zeros(0, self.vocab_size, dtype=torch.int32, device=self.device)
         self._owners: dict[Request, tuple[int, SeqKV | None]] = {}
         self._free: list[int] = []
 
@@ -79,7 +91,12 @@ class TokenCounts:
         if not self._free:
             self._reclaim()
         if not self._free:
-            self._grow()
+            if self.output_counts.shape[0]:
+                raise RuntimeError(
+                    f"more than {self.capacity} penalised requests hold token-count rows at once "
+                    "(the scheduler admits no more than that)"
+                )
+            self._allocate_rows()
         return self._free.pop()
 
     def _reclaim(self) -> None:
@@ -87,14 +104,15 @@ class TokenCounts:
         for req in [r for r, (_, seq) in self._owners.items() if r.seq is not seq]:
             self._free.append(self._owners.pop(req)[0])
 
-    def _grow(self) -> None:
-        old = self.output_counts.shape[0]
-        new = max(16, 2 * old)
-        seen = torch.zeros(new, self.vocab_size, dtype=torch.bool, device=self.device)
-        counts = torch.zeros(new, self.vocab_size, dtype=torch.int32, device=self.device)
-        seen[:old], counts[:old] = self.prompt_seen, self.output_counts
-        self.prompt_seen, self.output_counts = seen, counts
-        self._free.extend(range(new - 1, old - 1, -1))
+    def _allocate_rows(self) -> None:
+        """Every row at once: the planned bound, with no copy of old rows and no second size.
+        Normal tensors even when the first row is taken under inference mode (the memory profile),
+        so steps outside it may update them."""
+        shape, device = (self.capacity, self.vocab_size), self.device
+        with torch.inference_mode(False):
+            self.prompt_seen = torch.zeros(shape, dtype=torch.bool, device=device)
+            self.output_counts = torch.zeros(shape, dtype=torch.int32, device=device)
+        self._free = list(range(self.capacity - 1, -1, -1))
 
     def _fill(self, fresh: list[tuple[int, Request]]) -> None:
         """Set each fresh row to its request's prompt and the output the host holds."""
@@ -129,10 +147,11 @@ def _row_id_pairs(
 
 class LogitsProcessor:
     """Applies the requests' ``min_tokens``, ``logit_bias`` and penalties to a step's logits and
-    keeps the token counts the penalties read (`TokenCounts`)."""
+    keeps the token counts the penalties read (`TokenCounts`, ``max_penalized`` rows: at most that
+    many penalised requests hold KV at once)."""
 
-    def __init__(self, vocab_size: int, device: torch.device) -> None:
-        self.counts = TokenCounts(vocab_size, device)
+    def __init__(self, vocab_size: int, device: torch.device, max_penalized: int) -> None:
+        self.counts = TokenCounts(vocab_size, device, max_penalized)
 
     def process(
         self, reqs: Sequence[Request], logits: torch.Tensor

@@ -23,6 +23,10 @@ if TYPE_CHECKING:
     from radixinfer.engine.request import Request
 
 TokenText = Callable[[int], str] | None  # a token's text for `Logprob.decoded_token`, or no text
+# The most alternatives a request may ask for per position (vLLM's default ``max_logprobs``, and
+# OpenAI's limit on ``top_logprobs``): scoring keeps ``[rows, 2 + 2k]`` floats and top-k's
+# ``[rows, k]`` values and ids, so the memory plan's worst-case step scores every row at this k.
+MAX_LOGPROBS = 20
 
 
 class ScoredRows(NamedTuple):
@@ -93,11 +97,16 @@ def collect_prompt_logprobs(
     hidden: torch.Tensor,
     logits_of: Callable[[torch.Tensor], torch.Tensor],
     token_text: TokenText,
+    max_rows: int,
 ) -> None:
     """Append to each item's request the prompt logprobs of the positions the pass computed for it:
     position ``p``'s logits score prompt token ``p + 1``. Items must come from the pass whose
     ``hidden [num_tokens, hidden]`` this is (their ``row`` set); ``token_text`` names the tokens of
-    requests that detokenize. Reads back at once (a sync): only requests that asked pay it."""
+    requests that detokenize. Reads back at once (a sync): only requests that asked pay it.
+
+    Positions are scored ``max_rows`` at a time (the rows the memory plan samples at once in a
+    pass): a chunk of thousands of positions would otherwise hold its ``[positions, vocab]``
+    logits and log-softmax at once, far beyond the plan."""
     for it in items:
         req = it.req
         done = req.prompt_logprobs
@@ -107,10 +116,13 @@ def collect_prompt_logprobs(
         if first < it.start or last <= first:
             continue
         top_row = it.row - (it.end - 1 - first)  # hidden row of position `first`
-        logp = torch.log_softmax(logits_of(hidden[top_row : top_row + last - first]).float(), -1)
         k = req.params.prompt_logprobs
-        targets = torch.as_tensor(prompt[first + 1 : last + 1], device=logp.device)
-        packed = score(logp, targets, [k]).tolist()
         text = token_text if req.detokenizer is not None else None
-        for row, target in zip(packed, prompt[first + 1 : last + 1].tolist()):
-            done.append(unpack(row, target, k, text))
+        for start in range(first, last, max_rows):
+            stop = min(start + max_rows, last)
+            rows = hidden[top_row + start - first : top_row + stop - first]
+            logp = torch.log_softmax(logits_of(rows).float(), -1)
+            targets = prompt[start + 1 : stop + 1]
+            packed = score(logp, torch.as_tensor(targets, device=logp.device), [k]).tolist()
+            for row, target in zip(packed, targets.tolist()):
+                done.append(unpack(row, target, k, text))

@@ -12,7 +12,9 @@ KV pool is measured before the pool exists; the pool takes the rest of the budge
         ├── other        the runner's step buffers, cuBLAS workspaces, kernel code, rounding
         ├── CUDA graphs  the graphs' memory pool and their static outputs
         ├── activations  the peak of the worst-case step outside the graphs: the LM head's rows, the
-        │                sampler with every filter on, eager passes and their attention workspaces
+        │                engine's sampler in its most expensive mode (a processed copy of the
+        │                logits, the logprobs' log-softmax), the penalties' token-count rows, eager
+        │                passes and their attention workspaces
         └── KV cache     the rest: num_blocks = rest // bytes_per_block
 
 How the figures are taken (`ModelRunner.profile_memory`, before the pool is allocated): the runner
@@ -21,7 +23,19 @@ figure is the device memory that capture holds), then runs the worst-case step i
 largest prefill pass, ``prefill_max_tokens`` over ``prefill_max_seqs`` sequences, and the largest
 decode batch, each through the LM head and the sampler at its most rows, attention at
 ``max_model_len``), tracking the peak allocation with ``torch.cuda.max_memory_allocated``; then it
-drops the graphs again and captures them anew once the real pool is bound. "other" is what the
+drops the graphs again and captures them anew once the real pool is bound.
+
+The sampler the profile runs is the engine's own (`Sampler.sample_with_logprobs`, owned by the
+runner), on stand-in requests in its most expensive mode (`radixinfer.engine.worst_case`): every
+row with temperature, top-k, top-p, min-p, a ``logit_bias``, ``min_tokens`` and `MAX_LOGPROBS`
+logprobs (the most a request may ask), and ``max_batch_size`` rows with every penalty. The
+penalties' token-count rows (`TokenCounts`, ``max_batch_size x vocab`` bool + int32) live between
+steps once a penalised request came, so they are planned as activations, not grown: they are
+allocated whole by the first penalised request (in the profile, inside the measured step; then
+released), and the scheduler never lets more penalised sequences hold KV than they have rows.
+The engine keeps a prefill pass's logits work within the rows the profile sampled
+(``prefill_max_seqs``): the forked samples of ``n`` > 1 requests take their first tokens that
+many rows at a time, and prompt logprobs are scored that many positions at a time. "other" is what the
 device shows in use beyond the weights once profiling is over (``torch.cuda.mem_get_info``), so
 memory outside torch's allocator is charged too.
 

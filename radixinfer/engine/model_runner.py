@@ -27,13 +27,15 @@ from radixinfer.engine.cuda_graphs import (
 )
 from radixinfer.engine.kv_store import KVStore
 from radixinfer.engine.memory import DeviceMemory, ProfiledMemory
-from radixinfer.engine.sampler import SamplingBatch, sample
+from radixinfer.engine.sampler import Sampler
 from radixinfer.engine.step_buffers import BlockTableRows, StepBuffers
+from radixinfer.engine.worst_case import leave, sample_worst_case, worst_case_requests
 from radixinfer.models.base import PagedCausalLM
 
 
 class ModelRunner:
-    """Owns the model, the KV tensors and the attention backend.
+    """Owns the model, the KV tensors, the attention backend and the sampler (``sampler``: the
+    engine samples through it, with token-count rows for ``max_batch_size`` penalised requests).
 
     ``prefill_max_tokens`` / ``prefill_max_seqs``: the largest prefill pass the engine plans (its token budget
     plus one recomputed position per cached prompt, and its requests per round plus a continuing chunk); the
@@ -68,6 +70,7 @@ class ModelRunner:
         self.table_width = -(-self.max_context_len // self.block_size)
         self.max_batch_size = max_batch_size
         self.prefill_max_tokens, self.prefill_max_seqs = prefill_max_tokens, prefill_max_seqs
+        self.sampler = Sampler(model.vocab_size, device, max_batch_size)
         dtype = next(model.parameters()).dtype
         m, bound = model, kv is not None
         if kv is None:  # a scratch store of one block
@@ -115,8 +118,10 @@ class ModelRunner:
         With CUDA graphs, every graph is captured against the current store (the scratch one: call
         this before `bind_kv`) and the device memory the capture holds is the graph figure. Then
         `run_worst_case_step` runs as the engine would run it (through the graphs when there are
-        some), and its peak allocation above what was allocated before it is the activation figure.
-        The graphs are released again before returning, and the allocator's cache emptied."""
+        some), and its peak allocation above what was allocated before it is the activation figure:
+        it includes the sampler's token-count rows, which live between steps once a penalised
+        request came. The graphs and the rows are released again before returning, and the
+        allocator's cache emptied."""
         if self.device.type != "cuda":
             raise ValueError(f"profile_memory measures CUDA memory, not {self.device} memory")
         self.graphs.release()
@@ -134,6 +139,7 @@ class ModelRunner:
             ),
             cuda_graph_bytes=captured.used - before.used,
         )
+        self.sampler.release()
         self.graphs.release()
         return profiled
 
@@ -149,32 +155,30 @@ class ModelRunner:
            others sharing a prefix (the decode attention's largest workspace), then the sampler on
            every row.
 
-        The sampler runs with temperature, top-k and top-p on every row, its most expensive mode."""
-        seqs = self.prefill_max_seqs
+        The sampler is the engine's own (``sampler``) in its most expensive mode
+        (`radixinfer.engine.worst_case`): every filter, a bias, ``min_tokens`` and logprobs on
+        every row, penalties on ``max_batch_size`` of them. Every token-count row stays allocated,
+        free for the next requests."""
+        seqs, n = self.prefill_max_seqs, self.max_batch_size
         tokens = min(max(self.prefill_max_tokens, seqs), seqs * self.max_context_len)
         query_lens = np.full(seqs, tokens // seqs, dtype=np.int64)
         query_lens[: tokens % seqs] += 1
-        positions = np.concatenate([np.arange(n) for n in query_lens])
-        tables = [[0] * -(-int(n) // self.block_size) for n in query_lens]
+        positions = np.concatenate([np.arange(q) for q in query_lens])
+        tables = [[0] * -(-int(q) // self.block_size) for q in query_lens]
         ids = np.zeros(tokens, np.int64)
+        reqs = worst_case_requests(max(seqs, n), n, self.max_context_len)
         hidden = self.prefill(ids, positions, [-1] * tokens, tables, query_lens, query_lens)
         last_rows = torch.as_tensor(np.cumsum(query_lens) - 1, device=self.device)
-        self._sample_worst_case(self.logits(hidden[last_rows]))
+        sample_worst_case(self.sampler, reqs, self.logits(hidden[last_rows]))
         del hidden
-        n = self.max_batch_size
         shared_len = 2 * self._planner.min_shared_len
         context_lens = np.full(n, min(self.max_context_len, shared_len), dtype=np.int64)
         context_lens[0] = self.max_context_len
         tables = [[0] * -(-int(c) // self.block_size) for c in context_lens]
         ids = np.zeros(n, np.int64)
         logits = self.decode(ids, context_lens - 1, [-1] * n, tables, context_lens)
-        self._sample_worst_case(logits)
-
-    def _sample_worst_case(self, logits: torch.Tensor) -> None:
-        rows = logits.shape[0]
-        ones, zeros = [1.0] * rows, [0] * rows  # temperatures; seeds and steps
-        batch = SamplingBatch.build(ones, [0.9] * rows, [50] * rows, zeros, zeros, self.device)
-        sample(logits, batch)
+        sample_worst_case(self.sampler, reqs, logits)
+        leave(reqs)
 
     # ------------------------------------------------------------------ prefill
     def _prefill_step_buffers(self, max_tokens: int, max_seqs: int, width: int) -> StepBuffers:

@@ -21,6 +21,7 @@ import torch
 from kernels.argmax import argmax_ref, argmax_triton
 from kernels.sampling import sample_ref, sample_triton
 from radixinfer.engine.logits_processing import LogitsProcessor
+from radixinfer.engine.logprobs import ScoredRows, raw_logprobs, score_sampled
 from radixinfer.models.layers import by_device
 
 if TYPE_CHECKING:
@@ -144,10 +145,14 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 class Sampler:
     """Samples a step's tokens, one per request, each with its request's parameters, seed and count
     of sampled tokens, on the device (no host sync); owns the device state of the requests' logits
-    processing (`LogitsProcessor`)."""
+    processing (`LogitsProcessor`, token-count rows for ``max_penalized`` penalised requests).
 
-    def __init__(self, vocab_size: int, device: torch.device) -> None:
-        self.logits_processor = LogitsProcessor(vocab_size, device)
+    One sampler serves a runner: the engine's steps sample through `sample_with_logprobs`, and so
+    does the memory profile's worst-case step (`ModelRunner.run_worst_case_step`), so the plan
+    measures what the engine allocates."""
+
+    def __init__(self, vocab_size: int, device: torch.device, max_penalized: int) -> None:
+        self.logits_processor = LogitsProcessor(vocab_size, device, max_penalized)
 
     def sample(
         self, reqs: Sequence[Request], logits: torch.Tensor, argmax_only: bool | None = None
@@ -172,3 +177,22 @@ class Sampler:
         tokens = sample(logits, batch)
         self.logits_processor.record(pending, tokens)
         return tokens
+
+    def sample_with_logprobs(
+        self,
+        reqs: Sequence[Request],
+        logits: torch.Tensor,
+        scored_rows: list[int],
+        argmax_only: bool | None = None,
+    ) -> tuple[torch.Tensor, ScoredRows | None]:
+        """`sample`, and the sampled tokens of ``scored_rows`` (the rows of requests asking for
+        logprobs, `radixinfer.engine.logprobs.logprob_rows`) scored against the raw logits, taken
+        before processing may change them: ``(tokens, scores)``, scores None when no row asks."""
+        raw = raw_logprobs(logits, scored_rows) if scored_rows else None
+        tokens = self.sample(reqs, logits, argmax_only)
+        return tokens, None if raw is None else score_sampled(raw, reqs, tokens)
+
+    def release(self) -> None:
+        """Give back the device state that lives between steps (the token-count rows). Only while
+        no penalised request holds KV: a later one's row is refilled from what the host holds."""
+        self.logits_processor.counts.release()

@@ -53,7 +53,9 @@ class Scheduler:
     # ------------------------------------------------------------------ prefill
     def plan_prefill(self) -> PrefillPlan:
         """Admit what the policy grants into one pass, after the chunked prompts in progress (they
-        hold blocks and a locked path). Requests that would copy a block this pass is still writing
+        hold blocks and a locked path), with at most ``max_batch_size`` penalised sequences holding
+        KV at once (the sampler's token-count rows, `TokenCounts`). Requests that would copy a
+        block this pass is still writing
         (they extend a prefix another request of the pass computes) are deferred to a second pass
         (`plan_deferred`, once this one's forward is issued). Requests that read blocks still being
         loaded from the host tier are admitted but wait, holding them, while the others go on."""
@@ -74,6 +76,7 @@ class Scheduler:
         cap = self.config.max_num_seqs
         # sequences held, counting the samples that prefilling requests will fork
         held = len(self.active) + sum(_seqs(r) - 1 for r in self.prefilling)
+        penalized: int | None = None  # penalised sequences held, counted at the first such grant
         free_slots = admission.max_requests if cap is None else cap - held
         if self.waiting and free_slots > 0 and budget > 0:
             window = max(admission.lookahead, admission.max_requests)
@@ -86,13 +89,26 @@ class Scheduler:
                 need = _seqs(grant.item)
                 if cap is not None and held and held + need > cap:
                     break  # its samples would pass the cap: it waits (alone, it may pass it)
+                if grant.item.params.penalized:
+                    if penalized is None:
+                        penalized = sum(_seqs(r) for r in self.active if self._holds_counts(r))
+                    if penalized + need > self.config.max_batch_size:
+                        break  # no count row for it: it waits (intake refused more alone)
                 outcome = self._plan_item(first, grant.item, grant.num_tokens, True, may_defer=True)
                 if outcome is Planned.NO_MEMORY:
                     break  # the rest waits
                 held += need
+                if grant.item.params.penalized:
+                    penalized += need
                 if outcome is Planned.DEFERRED:
                     deferred.append(grant)
         return PrefillPlan(first, deferred)
+
+    @staticmethod
+    def _holds_counts(req: Request) -> bool:
+        """Whether a request of ``active`` holds (or will hold) a token-count row: penalised, and
+        holding KV (a finished one not yet dropped holds none)."""
+        return req.params.penalized and req.seq is not None
 
     def plan_deferred(self, grants: list[Grant[Request]]) -> PrefillPass:
         """The second pass of a round, planned after the first pass's forward was issued. A request
