@@ -99,7 +99,7 @@ class TokenCounts:
     def _fill(self, fresh: list[tuple[int, Request]]) -> None:
         """Set each fresh row to its request's prompt and the output the host holds."""
         device = self.device
-        rows = _upload(torch.tensor([row for row, _ in fresh]), device)
+        rows = upload(torch.tensor([row for row, _ in fresh]), device)
         self.prompt_seen.index_fill_(0, rows, False)
         self.output_counts.index_fill_(0, rows, 0)
         prompt_rows, prompt_ids = _row_id_pairs([(r, q.prompt_ids) for r, q in fresh], device)
@@ -108,9 +108,12 @@ class TokenCounts:
             self.add(*_row_id_pairs([(r, q.output_ids) for r, q in fresh], device))
 
 
-def _upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``host`` on ``device`` without waiting for the device: a pageable copy would synchronise the
-    stream (the host must never wait for the step it has just launched)."""
+def upload(host: torch.Tensor | np.ndarray, device: torch.device) -> torch.Tensor:
+    """``host`` (a tensor or an array) on ``device`` without waiting for the device: a pageable
+    copy would synchronise the stream (the host must never wait for the step it has just
+    launched)."""
+    if isinstance(host, np.ndarray):
+        host = torch.from_numpy(host)
     if device.type != "cuda":
         return host
     return host.pin_memory().to(device, non_blocking=True)
@@ -123,7 +126,7 @@ def _row_id_pairs(
     per id (one copy to the device)."""
     ids = [np.asarray(tokens, dtype=np.int64) for _, tokens in items]
     rows = np.repeat(np.asarray([row for row, _ in items], dtype=np.int64), [len(t) for t in ids])
-    pairs = _upload(torch.from_numpy(np.stack([rows, np.concatenate(ids)])), device)
+    pairs = upload(torch.from_numpy(np.stack([rows, np.concatenate(ids)])), device)
     return pairs[0], pairs[1]
 
 
@@ -166,7 +169,7 @@ class LogitsProcessor:
             ],
             dtype=np.float64,
         )
-        columns = _upload(torch.from_numpy(host), logits.device)
+        columns = upload(torch.from_numpy(host), logits.device)
         positions, count_rows = columns[:2].long()
         rep, presence, frequency = columns[2:].float()
         penalize(
@@ -192,7 +195,7 @@ class LogitsProcessor:
         if biased:
             rows, ids = _row_id_pairs([(i, list(bias)) for i, bias in biased], device)
             values = torch.tensor([v for _, bias in biased for v in bias.values()])
-            values = _upload(values, device).to(logits.dtype)
+            values = upload(values, device).to(logits.dtype)
             # a row's ids are distinct (dict keys): a gather and a plain put, no accumulating
             # index_put_ (which sorts its indices, and in older torch reads them back to check)
             logits[rows, ids] = logits[rows, ids] + values
