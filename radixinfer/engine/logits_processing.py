@@ -18,7 +18,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from kernels.penalties import penalize_ref, penalize_triton
+from kernels.penalties import (
+    count_tokens_ref,
+    count_tokens_triton,
+    penalize_ref,
+    penalize_triton,
+)
 from radixinfer.models.layers import by_device
 
 if TYPE_CHECKING:
@@ -27,12 +32,14 @@ if TYPE_CHECKING:
 
 
 penalize = by_device(penalize_triton, penalize_ref)  # see `kernels.penalties`
+count_tokens = by_device(count_tokens_triton, count_tokens_ref)
 
 
 class TokenCounts:
     """Device rows of token counts, one per penalised request while it holds KV: ``prompt_seen``
     ``[rows, vocab]`` bool marks its prompt's tokens, ``output_counts`` ``[rows, vocab]`` int32
-    counts its sampled tokens, including those the host has not read back yet.
+    counts its sampled tokens, including those the host has not read back yet, and ``penalties``
+    ``[rows, 3]`` float32 holds its repetition, presence and frequency penalties.
 
     A request's row is valid while its sequence is the one the row was filled for: a request
     preempted and admitted again gets a new sequence, and its row is refilled from its prompt and
@@ -40,13 +47,14 @@ class TokenCounts:
     left are reclaimed when a new row is needed and none is free; the tensors double when every row
     is live.
 
-    Performance: filling a row is three launches per batch of new requests; each step adds the
-    sampled tokens with one scatter-add."""
+    Performance: filling a row is a few launches per batch of new requests; each step adds the
+    sampled tokens with one launch (`kernels.penalties.count_tokens_triton`)."""
 
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.vocab_size, self.device = vocab_size, device
         self.prompt_seen = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
         self.output_counts = torch.zeros(0, vocab_size, dtype=torch.int32, device=device)
+        self.penalties = torch.zeros(0, 3, dtype=torch.float32, device=device)
         self._owners: dict[Request, tuple[int, SeqKV | None]] = {}
         self._free: list[int] = []
 
@@ -68,12 +76,8 @@ class TokenCounts:
         return rows
 
     def add(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Count ``tokens [n]`` (on the device) once each in ``rows [n]``: one scatter-add into
-        the flattened counts (an accumulating ``index_put_`` sorts its indices first, and in older
-        torch reads their range back to the host: a sync every step)."""
-        ones = torch.ones_like(tokens, dtype=torch.int32)
-        flat = rows * self.vocab_size + tokens
-        self.output_counts.view(-1).scatter_add_(0, flat, ones)
+        """Count ``tokens [n]`` (on the device) once each in ``rows [n]``."""
+        count_tokens(self.output_counts, rows, tokens)
 
     def _allocate(self) -> int:
         if not self._free:
@@ -90,16 +94,23 @@ class TokenCounts:
     def _grow(self) -> None:
         old = self.output_counts.shape[0]
         new = max(16, 2 * old)
-        seen = torch.zeros(new, self.vocab_size, dtype=torch.bool, device=self.device)
-        counts = torch.zeros(new, self.vocab_size, dtype=torch.int32, device=self.device)
-        seen[:old], counts[:old] = self.prompt_seen, self.output_counts
-        self.prompt_seen, self.output_counts = seen, counts
+        for name in ("prompt_seen", "output_counts", "penalties"):
+            tensor = getattr(self, name)
+            grown = tensor.new_zeros(new, *tensor.shape[1:])
+            grown[:old] = tensor
+            setattr(self, name, grown)
         self._free.extend(range(new - 1, old - 1, -1))
 
     def _fill(self, fresh: list[tuple[int, Request]]) -> None:
-        """Set each fresh row to its request's prompt and the output the host holds."""
+        """Set each fresh row to its request's prompt, the output the host holds and its
+        penalties."""
         device = self.device
         rows = upload(torch.tensor([row for row, _ in fresh]), device)
+        penalties = [
+            (q.params.repetition_penalty, q.params.presence_penalty, q.params.frequency_penalty)
+            for _, q in fresh
+        ]
+        self.penalties[rows] = upload(np.array(penalties, dtype=np.float32), device)
         self.prompt_seen.index_fill_(0, rows, False)
         self.output_counts.index_fill_(0, rows, 0)
         prompt_rows, prompt_ids = _row_id_pairs([(r, q.prompt_ids) for r, q in fresh], device)
@@ -126,7 +137,7 @@ def _row_id_pairs(
     per id (one copy to the device)."""
     ids = [np.asarray(tokens, dtype=np.int64) for _, tokens in items]
     rows = np.repeat(np.asarray([row for row, _ in items], dtype=np.int64), [len(t) for t in ids])
-    pairs = upload(torch.from_numpy(np.stack([rows, np.concatenate(ids)])), device)
+    pairs = upload(np.stack([rows, np.concatenate(ids)]), device)
     return pairs[0], pairs[1]
 
 
@@ -139,10 +150,11 @@ class LogitsProcessor:
 
     def process(
         self, reqs: Sequence[Request], logits: torch.Tensor
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor | None, torch.Tensor] | None]:
         """``(logits, pending)``: the step's logits with every processing request's row processed
         (``logits`` itself when no request processes its own, else a copy), and for `record` the
-        penalised rows' batch positions and count rows (None when no request is penalised)."""
+        penalised rows' batch positions (None: every row) and count rows (None when no request is
+        penalised)."""
         if not any(r.params.processes_logits for r in reqs):
             return logits, None
         penalised = [i for i, r in enumerate(reqs) if r.params.penalized]
@@ -156,35 +168,24 @@ class LogitsProcessor:
             self._bias_and_min_tokens(reqs, out)
         if not penalised:
             return out, None
-        pen_reqs = [reqs[i] for i in penalised]
-        params = [r.params for r in pen_reqs]
-        # [5, n] float64 (row ids are exact in it), one copy to the device
-        host = np.array(
-            [
-                penalised,
-                self.counts.rows(pen_reqs),
-                [p.repetition_penalty for p in params],
-                [p.presence_penalty for p in params],
-                [p.frequency_penalty for p in params],
-            ],
-            dtype=np.float64,
-        )
-        columns = upload(torch.from_numpy(host), logits.device)
-        positions, count_rows = columns[:2].long()
-        rep, presence, frequency = columns[2:].float()
+        every = len(penalised) == len(reqs)
+        pen_reqs = reqs if every else [reqs[i] for i in penalised]
+        # [2, n] int64, one copy to the device: which batch row reads which count row
+        host = np.array([penalised, self.counts.rows(pen_reqs)], dtype=np.int64)
+        positions, count_rows = upload(host, logits.device)
         penalize(
             logits if direct else out, positions, count_rows, self.counts.prompt_seen,
-            self.counts.output_counts, rep, presence, frequency, out=out,
+            self.counts.output_counts, self.counts.penalties, out=out,
         )  # fmt: skip
-        return out, (positions, count_rows)
+        return out, (None if every else positions, count_rows)
 
     def record(
-        self, pending: tuple[torch.Tensor, torch.Tensor] | None, tokens: torch.Tensor
+        self, pending: tuple[torch.Tensor | None, torch.Tensor] | None, tokens: torch.Tensor
     ) -> None:
         """Count the step's sampled ``tokens [batch]`` in the penalised requests' rows."""
         if pending is not None:
             positions, count_rows = pending
-            self.counts.add(count_rows, tokens[positions])
+            self.counts.add(count_rows, tokens if positions is None else tokens[positions])
 
     @staticmethod
     def _bias_and_min_tokens(reqs: Sequence[Request], logits: torch.Tensor) -> None:
