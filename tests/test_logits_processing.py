@@ -198,6 +198,33 @@ def test_a_batch_penalised_in_every_row_gets_a_new_tensor():
     assert out[0, [3, 7]].tolist() == [float("-inf")] * 2 and torch.equal(logits, before)
 
 
+def test_a_batch_keeps_its_plan_until_its_requests_or_their_sequences_change():
+    """Steps of one batch reuse its count rows on the device; another order, or a request
+    preempted and admitted again (a new sequence: its row refilled), builds the plan again."""
+    processor = LogitsProcessor(VOCAB, torch.device("cpu"))
+    reqs = [request([1, 2, i], frequency_penalty=0.5) for i in range(3)] + [request([4])]
+    logits = torch.randn(4, VOCAB)
+    plans = []
+    for batch in (reqs, reqs, reqs[::-1], reqs[::-1], "preempt", reqs[::-1]):
+        if batch == "preempt":
+            reqs[0].seq = object()
+            continue
+        out, pending = processor.process(batch, logits)
+        for r, req in enumerate(batch):
+            p = req.params
+            expected = penalised_by_hand(
+                logits[r].tolist(), req.prompt_ids.tolist(), req.output_ids,
+                p.repetition_penalty, p.presence_penalty, p.frequency_penalty,
+            )  # fmt: skip
+            assert out[r].tolist() == pytest.approx(expected, rel=1e-6, abs=1e-6)
+        processor.record(pending, torch.full((4,), 9))
+        for req in batch:
+            req.output_ids.append(9)
+        plans.append(processor._last)
+    assert plans[1] is plans[0] and plans[3] is plans[2] and plans[4] is not plans[3]
+    assert plans[2] is not plans[1]
+
+
 def test_logit_bias_and_min_tokens_rows():
     processor = LogitsProcessor(VOCAB, torch.device("cpu"))
     biased = request([1, 2], logit_bias={4: 5.0, 9: -100.0})

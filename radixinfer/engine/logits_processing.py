@@ -13,6 +13,7 @@ lists.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -141,12 +142,36 @@ def _row_id_pairs(
     return pairs[0], pairs[1]
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """What a batch's processing needs that stays fixed while its requests do: whether any row
+    processes its logits, the penalised rows' batch positions and count rows (on the device), the
+    rows with ``logit_bias`` or ``min_tokens``, and each request's sequence when its count row
+    was last checked (a new one, after a preemption, means a refilled row: the plan is built
+    again)."""
+
+    reqs: tuple[Request, ...]
+    seqs: tuple[SeqKV | None, ...]
+    processes: bool
+    every: bool  # every row penalised
+    special: list[int]  # rows with logit_bias or min_tokens
+    columns: tuple[torch.Tensor, torch.Tensor] | None  # positions, count rows
+
+    def holds_for(self, reqs: Sequence[Request]) -> bool:
+        batch = tuple(reqs)
+        return self.reqs == batch and all(r.seq is s for r, s in zip(batch, self.seqs))
+
+
 class LogitsProcessor:
     """Applies the requests' ``min_tokens``, ``logit_bias`` and penalties to a step's logits and
-    keeps the token counts the penalties read (`TokenCounts`)."""
+    keeps the token counts the penalties read (`TokenCounts`).
+
+    Performance: a batch that keeps its requests from one step to the next reuses its `_Plan`, so
+    a penalised decode step costs the host a check of its requests and two launches."""
 
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.counts = TokenCounts(vocab_size, device)
+        self._last: _Plan | None = None
 
     def process(
         self, reqs: Sequence[Request], logits: torch.Tensor
@@ -155,29 +180,44 @@ class LogitsProcessor:
         (``logits`` itself when no request processes its own, else a copy), and for `record` the
         penalised rows' batch positions (None: every row) and count rows (None when no request is
         penalised)."""
-        if not any(r.params.processes_logits for r in reqs):
+        plan = self._plan(reqs, logits.device)
+        if not plan.processes:
             return logits, None
-        penalised = [i for i, r in enumerate(reqs) if r.params.penalized]
         # every row penalised and nothing else to apply: the kernel writes the copy itself
-        direct = len(penalised) == len(reqs) and logits.is_contiguous()
+        direct = plan.every and logits.is_contiguous()
         direct = direct and not any(
-            r.params.logit_bias or r.num_sampled < r.params.min_tokens for r in reqs
+            reqs[i].params.logit_bias or reqs[i].num_sampled < reqs[i].params.min_tokens
+            for i in plan.special
         )
         out = torch.empty_like(logits) if direct else logits.clone()
         if not direct:
             self._bias_and_min_tokens(reqs, out)
-        if not penalised:
+        if plan.columns is None:
             return out, None
-        every = len(penalised) == len(reqs)
-        pen_reqs = reqs if every else [reqs[i] for i in penalised]
-        # [2, n] int64, one copy to the device: which batch row reads which count row
-        host = np.array([penalised, self.counts.rows(pen_reqs)], dtype=np.int64)
-        positions, count_rows = upload(host, logits.device)
+        positions, count_rows = plan.columns
         penalize(
             logits if direct else out, positions, count_rows, self.counts.prompt_seen,
             self.counts.output_counts, self.counts.penalties, out=out,
         )  # fmt: skip
-        return out, (None if every else positions, count_rows)
+        return out, (None if plan.every else positions, count_rows)
+
+    def _plan(self, reqs: Sequence[Request], device: torch.device) -> _Plan:
+        """The last call's plan if it holds for ``reqs``, else a new one (filling count rows)."""
+        if self._last is not None and self._last.holds_for(reqs):
+            return self._last
+        params = [r.params for r in reqs]
+        penalised = [i for i, p in enumerate(params) if p.penalized]
+        special = [i for i, p in enumerate(params) if p.logit_bias or p.min_tokens > 0]
+        every = len(penalised) == len(reqs)
+        columns = None
+        if penalised:
+            pen_reqs = reqs if every else [reqs[i] for i in penalised]
+            # [2, n] int64, one copy to the device: which batch row reads which count row
+            host = np.array([penalised, self.counts.rows(pen_reqs)], dtype=np.int64)
+            columns = tuple(upload(host, device))
+        seqs = tuple(r.seq for r in reqs)
+        self._last = _Plan(tuple(reqs), seqs, bool(penalised or special), every, special, columns)
+        return self._last
 
     def record(
         self, pending: tuple[torch.Tensor | None, torch.Tensor] | None, tokens: torch.Tensor
