@@ -479,18 +479,23 @@ class Tiles:
     SM; ``histogram``: count digits through ``tl.histogram`` instead of the bucket sums;
     ``digit_bits`` (2 or 4): key bits found per search pass (4: 4 passes a search in bf16 with
     16 sums per logit; 2: 8 passes with 4); ``buckets_first``: the bucket sums' layout
-    (`_search_kernel`). Written as ``block=2048,warps=8,search_block=512,...,histogram=1`` in the
-    environment variable ``RADIXINFER_SAMPLING_TILES`` (any subset), read at import (`TILES`)."""
+    (`_search_kernel`); ``count_block``: the block of a count search's digit passes when
+    ``histogram`` is on (its sums are ``2**digit_bits`` counts a program, not a lane, so a wide block
+    costs no registers and keeps more loads in flight). Written as
+    ``block=2048,warps=8,search_block=256,...,histogram=1`` in the environment variable
+    ``RADIXINFER_SAMPLING_TILES`` (any subset), read at import (`TILES`). The defaults are the best
+    of a sweep on an H200 (`benchmarks/sweep_sampling.py`)."""
 
     block: int = 2048
     warps: int = 8
-    search_block: int = 512
+    search_block: int = 256
     search_warps: int = 8
     programs_per_sm: int = 16
     chunks: int | None = None
     histogram: bool = True
     digit_bits: int = 4
     buckets_first: bool = True
+    count_block: int = 2048
 
     def __post_init__(self) -> None:
         assert self.digit_bits in (2, 4), "4 or 16 buckets (a digit must divide 32 bits)"
@@ -516,7 +521,7 @@ class Tiles:
     def num_chunks(self, rows: int, vocab: int, device: torch.device) -> tuple[int, int]:
         """``(chunks, chunk_len)`` of a ``[rows, vocab]`` call: ``chunk_len`` a multiple of both
         blocks, no chunk empty."""
-        step = max(self.block, self.search_block)
+        step = max(self.block, self.search_block, self.count_block)
         chunks = self.chunks or triton.cdiv(self.programs_per_sm * num_sms(device), rows)
         chunks = max(1, min(chunks, triton.cdiv(vocab, step)))
         chunk_len = triton.cdiv(triton.cdiv(vocab, chunks), step) * step
@@ -555,8 +560,10 @@ def sample_triton(
     use_top_k, use_top_p, use_min_p = filters
     chunks, chunk_len = tiles.num_chunks(rows, vocab, device)
     chunks_p2 = triton.next_power_of_2(chunks)
-    block = min(tiles.block, triton.next_power_of_2(vocab))
-    search_block = min(tiles.search_block, triton.next_power_of_2(vocab))
+    block, search_block, count_block = (
+        min(b, triton.next_power_of_2(vocab))
+        for b in (tiles.block, tiles.search_block, tiles.count_block)
+    )
     has_max = use_top_p or use_min_p
     pmax = torch.empty(rows, chunks, dtype=torch.float32, device=device)
     state = torch.empty(2, rows, 4, dtype=torch.int32, device=device)
@@ -570,14 +577,15 @@ def sample_triton(
         )
     launch, shift = 0, 0
     for mass in [False] * use_top_k + [True] * use_top_p:
+        histogram = tiles.histogram and not mass
+        digit_block = count_block if histogram else search_block
         for digit in range(triton.cdiv(KEY_BITS[logits.dtype], bits)):
             prev_shift, shift = shift, 32 - bits * (digit + 1)
             _search_kernel[grid](
                 *common, rows, inv_temperature, top_k, top_p, min_p, pmax, state, partial,
                 launch % 2, (launch - 1) % 2, int(launch > 0), int(digit == 0), shift, prev_shift,
-                MASS=mass, HAS_MAX=has_max, HISTOGRAM=tiles.histogram and not mass,
-                BUCKETS_FIRST=tiles.buckets_first, BUCKETS=1 << bits, CHUNKS=chunks_p2,
-                BLOCK=search_block, num_warps=tiles.search_warps,
+                MASS=mass, HAS_MAX=has_max, HISTOGRAM=histogram, BUCKETS_FIRST=tiles.buckets_first,
+                BUCKETS=1 << bits, CHUNKS=chunks_p2, BLOCK=digit_block, num_warps=tiles.search_warps,
             )  # fmt: skip
             launch += 1
     vals = torch.empty(rows, chunks, dtype=torch.float32, device=device)
