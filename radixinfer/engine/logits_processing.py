@@ -6,7 +6,7 @@ dtype; the penalties compute in float32); a batch without such rows returns its 
 and pays nothing, and a batch whose every row is penalised (no ``logit_bias``, no ``min_tokens``
 pending) has the penalty kernel write the copy as it reads the logits (no separate copy). The
 penalties read each request's token counts from `TokenCounts`, rows of a device tensor that grow by
-the sampled tokens every step (one scatter-add of the new tokens), never rebuilt from the host's
+the sampled tokens every step (one launch adds the new tokens), never rebuilt from the host's
 lists.
 """
 
@@ -158,8 +158,11 @@ class _Plan:
     columns: tuple[torch.Tensor, torch.Tensor] | None  # positions, count rows
 
     def holds_for(self, reqs: Sequence[Request]) -> bool:
+        """Whether ``reqs`` are this plan's, with the same sequences where rows are penalised."""
         batch = tuple(reqs)
-        return self.reqs == batch and all(r.seq is s for r, s in zip(batch, self.seqs))
+        if self.reqs != batch:
+            return False
+        return self.columns is None or all(r.seq is s for r, s in zip(batch, self.seqs))
 
 
 class LogitsProcessor:
