@@ -57,7 +57,7 @@ def test_kernel_draws_the_reference_tokens(dtype):
     [
         (torch.bfloat16, SPLIT),
         (torch.bfloat16, Tiles(block=32, search_block=16, chunks=3, histogram=False)),
-        (torch.bfloat16, Tiles(block=16, search_block=16, chunks=4, count_block=64)),
+        (torch.bfloat16, Tiles(block=16, search_block=16, chunks=4, count_block=64, unroll=2)),
         (
             torch.float16,
             Tiles(
@@ -75,7 +75,8 @@ def test_kernel_draws_the_reference_tokens(dtype):
 def test_split_rows_draw_the_reference_tokens(dtype, tiles):
     """Rows cut into chunks (the vocabulary not a multiple of the chunk), with greedy rows, each
     filter alone and combined; top-k counted by histogram (its block wider than the others') or by
-    bucket sums, 4-bit or 2-bit digits, both layouts of the bucket sums."""
+    bucket sums, mass passes reading two blocks an iteration, 4-bit or 2-bit digits, both layouts
+    of the bucket sums."""
     args = random_rows(14, 203, dtype, seed=7)
     assert sample_triton(*args, tiles=tiles).tolist() == sample_ref(*args).tolist()
 
@@ -222,18 +223,20 @@ POINTERS = {"logits_ptr": "*bf16", "top_k_ptr": "*i64", "keys_ptr": "*i64", "out
 
 def compile_for_sm90(fn, num_warps, pointers=POINTERS, **constexprs):
     names = inspect.signature(fn.fn).parameters
-    signature = {n: "constexpr" if n in constexprs else pointers.get(n, "*fp32" if n.endswith("_ptr")
-                 else "i32") for n in names}
+    signature = {n: "constexpr" if n in constexprs
+                 else pointers.get(n, "*fp32" if n.endswith("_ptr") else "i32") for n in names}
     source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
     triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 
-search = dict(HAS_MAX=True, CHUNKS=16, BLOCK=512)
+search = dict(HAS_MAX=True, CHUNKS=16, BLOCK=512, UNROLL=1)
 for mass, histogram, first, buckets in [(True, False, True, 16), (True, False, False, 16),
                                         (False, True, True, 16), (True, False, True, 4)]:
     compile_for_sm90(s._search_kernel, 8, MASS=mass, HISTOGRAM=histogram, BUCKETS_FIRST=first,
                      BUCKETS=buckets, **search)
 compile_for_sm90(s._search_kernel, 8, MASS=False, HISTOGRAM=True, BUCKETS_FIRST=True, BUCKETS=16,
-                 HAS_MAX=True, CHUNKS=16, BLOCK=2048)
+                 HAS_MAX=True, CHUNKS=16, BLOCK=2048, UNROLL=1)
+compile_for_sm90(s._search_kernel, 8, MASS=True, HISTOGRAM=False, BUCKETS_FIRST=True, BUCKETS=16,
+                 HAS_MAX=True, CHUNKS=16, BLOCK=256, UNROLL=2)
 compile_for_sm90(s._draw_kernel, 8, HAS_MAX=True, BUCKETS=16, CHUNKS=16, BLOCK=2048)
 compile_for_sm90(s._chunk_max_kernel, 8, BLOCK=2048)
 compile_for_sm90(s._rowwise_kernel, 16, PASSES=4, BLOCK=512)
