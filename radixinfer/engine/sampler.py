@@ -72,8 +72,9 @@ MIN_TEMPERATURE = 1e-5
 
 @dataclass(frozen=True)
 class SamplingBatch:
-    """Per-row sampling parameters as device tensors, built once per step (empty tensors when all rows are
-    greedy). The noise of row ``r`` depends on its request's seed and on how many tokens the request has
+    """Per-row sampling parameters of one step as device tensors (empty tensors when all rows are
+    greedy): its keys are the step's own, the other columns shared by the steps of one batch
+    (`RowParams`). The noise of row ``r`` depends on its request's seed and on how many tokens the request has
     sampled so far (its step), through ``keys[r] = row_keys(seed, step)``."""
 
     inv_temperature: torch.Tensor  # [num_rows] float32: 1 / temperature; 0 = greedy
