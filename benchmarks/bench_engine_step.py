@@ -18,7 +18,7 @@ Cases (block_size 16, every time a median over many repetitions, `time.perf_coun
   one `engine.step()` with every request decoding. First timed clean, then again with every phase wrapped
   in a timer (the wrappers cost ~0.2 µs per call): `cache.reserve_step`, `runner.copy_blocks`, `runner.decode`
   (inclusive; of it the block-table rows and, on CUDA, the graph replay), `cache.mark_written`, and
-  `_sample` = `Sampler.sample` (of it `SamplingBatch.build` = sampling setup, and the `sample` call), and
+  `_sample` = `Sampler.sample` (of it `Sampler._row_params` = sampling setup, and the `sample` call), and
   `_read_back` = `OutputProcessor.read_back` =
   ``output processing``: reading back the previous step's tokens (steps overlap: step k's tokens are read
   after step k+1 is launched), stop checks, detokenizing and the stream deltas.
@@ -70,7 +70,6 @@ from radixinfer.engine.admission import AdmissionConfig
 from radixinfer.engine.engine import EngineConfig, LLMEngine
 from radixinfer.engine.kv_store import KVStore
 from radixinfer.engine.model_runner import ModelRunner
-from radixinfer.engine.sampler import SamplingBatch
 from radixinfer.engine.step_buffers import BlockTableRows
 from radixinfer.models.base import PagedCausalLM
 from radixinfer.sampling_params import SamplingParams
@@ -235,7 +234,7 @@ def decode_phases(engine: LLMEngine) -> list[tuple[str, Any, str]]:
         ("block tables", BlockTableRows, "update"),
         ("mark_written", engine.cache, "mark_written"),
         ("_sample", engine.sampler, "sample"),
-        ("sampling setup", SamplingBatch, "build"),
+        ("sampling setup", engine.sampler, "_row_params"),
         ("_read_back", engine.output, "read_back"),
         ("sample", sampler_module, "sample"),
     ]

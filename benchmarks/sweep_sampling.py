@@ -22,9 +22,10 @@ call gets the filter flags its batch would (`SamplingBatch.filters`).
    (`bench_kernels.ceilings`: the better of a copy and a sum); ``x floor`` the new kernel's ratio.
 3. ``sweep`` (at ``[256, 151936]``): on top-p the bucket sums' layout (``buckets_first``), the
    digit width (``digit_bits`` 4 or 2), the digit passes' ``search_block`` x ``search_warps``,
-   ``programs_per_sm`` (chunks per row); the streaming passes' ``block`` x ``warps`` on min-p;
-   ``histogram`` on top-k; one axis at a time from the defaults, each axis's best kept; then every
-   configuration again with the best settings. The last line prints them as the value of
+   ``programs_per_sm`` (chunks per row), ``unroll`` (blocks a mass pass reads an iteration); the
+   streaming passes' ``block`` x ``warps`` on min-p; ``histogram`` and the count passes'
+   ``count_block`` on top-k; one axis at a time from the defaults, each axis's best kept; then
+   every configuration again with the best settings. The last line prints them as the value of
    ``RADIXINFER_SAMPLING_TILES``, which the engine reads at import (`bench_sampling.py` end to end
    takes them the same way).
 """
@@ -201,10 +202,12 @@ def sweep(quick: bool) -> tuple[Tiles, list[dict]]:
             for b, w in ((512, 8), (256, 4), (256, 8), (512, 4), (512, 16), (1024, 8), (1024, 16))
         ]),
         ("T0.8 top-p 0.95", [{"programs_per_sm": p} for p in (16, 8, 32, 64)]),
+        ("T0.8 top-p 0.95", [{"unroll": u} for u in (1, 2, 4)]),
         ("T0.8 min-p 0.05", [
             {"block": b, "warps": w} for b, w in ((2048, 8), (1024, 4), (2048, 4), (4096, 8))
         ]),
         ("T0.8 top-k 50", [{"histogram": h} for h in (True, False)]),
+        ("T0.8 top-k 50", [{"count_block": b} for b in (2048, 256, 1024, 4096)]),
     ]  # fmt: skip
     if quick:
         axes = [(name, options[:2]) for name, options in axes]

@@ -4,12 +4,15 @@ reading each row's token counts from rows of persistent count tensors.
 vLLM's semantics: a token seen in the prompt (``prompt_seen``) or the output (``output_counts > 0``)
 has a positive logit divided by the row's repetition penalty and a negative one multiplied by it;
 then ``frequency`` times its output count and ``presence`` once if it occurs in the output are
-subtracted. The arithmetic is float32; the result is stored in the logits' dtype.
+subtracted. The arithmetic is float32; the result is stored in the logits' dtype. Each count row
+has its request's three penalties in a row of ``penalties`` ``[rows, 3]`` float32 (repetition,
+presence, frequency), so a step passes only which batch row reads which count row. `count_tokens`
+adds a step's sampled tokens to the counts.
 
-Performance: the Triton kernel reads each penalised row's logits, counts and prompt marks once and
-writes the logits once (no ``[rows, vocab]`` temporaries); the reference builds several. Given
-``out``, it writes there instead of in place, so a batch whose every row is penalised needs no
-copy of its logits first.
+Performance: the Triton kernels are one launch each, with no host work besides. The penalty kernel
+reads each penalised row's logits, counts and prompt marks once and writes the logits once (no
+``[rows, vocab]`` temporaries); the reference builds several. Given ``out``, it writes there instead
+of in place, so a batch whose every row is penalised needs no copy of its logits first.
 """
 
 from __future__ import annotations
@@ -27,15 +30,14 @@ def penalize_ref(
     count_rows: torch.Tensor,
     prompt_seen: torch.Tensor,
     output_counts: torch.Tensor,
-    repetition: torch.Tensor,
-    presence: torch.Tensor,
-    frequency: torch.Tensor,
+    penalties: torch.Tensor,
     out: torch.Tensor | None = None,
 ) -> None:
     """Penalise rows ``positions [n]`` of ``logits [batch, vocab]`` in place (or into the same rows
-    of ``out``, shaped like ``logits``), row ``positions[i]`` with counts row ``count_rows[i]`` of
-    ``prompt_seen`` (bool) and ``output_counts`` (int32) ``[rows, vocab]`` and penalties ``[n]``
-    float32."""
+    of ``out``, shaped like ``logits``), row ``positions[i]`` with row ``count_rows[i]`` of
+    ``prompt_seen`` (bool) and ``output_counts`` (int32) ``[rows, vocab]`` and of ``penalties``
+    ``[rows, 3]`` float32."""
+    repetition, presence, frequency = penalties[count_rows].unbind(1)
     x = logits[positions].float()
     counts = output_counts[count_rows]
     in_output = counts > 0
@@ -49,7 +51,7 @@ def penalize_ref(
 @triton.jit
 def _penalize_kernel(
     logits_ptr, out_ptr, stride_logits, positions_ptr, count_rows_ptr, seen_ptr, counts_ptr,
-    stride_counts, repetition_ptr, presence_ptr, frequency_ptr, vocab, BLOCK: tl.constexpr,
+    stride_counts, penalties_ptr, vocab, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Program (i, block): columns ``[block * BLOCK, (block + 1) * BLOCK)`` of penalised row i,
     read from ``logits_ptr`` and written to ``out_ptr`` (the same or a tensor of the same
@@ -59,9 +61,9 @@ def _penalize_kernel(
     valid = cols < vocab
     row = tl.load(positions_ptr + i).to(tl.int64)
     count_row = tl.load(count_rows_ptr + i).to(tl.int64)
-    rep = tl.load(repetition_ptr + i)
-    presence = tl.load(presence_ptr + i)
-    frequency = tl.load(frequency_ptr + i)
+    rep = tl.load(penalties_ptr + count_row * 3)
+    presence = tl.load(penalties_ptr + count_row * 3 + 1)
+    frequency = tl.load(penalties_ptr + count_row * 3 + 2)
     x = tl.load(logits_ptr + row * stride_logits + cols, mask=valid, other=0.0)
     xf = x.to(tl.float32)
     counts = tl.load(counts_ptr + count_row * stride_counts + cols, mask=valid, other=0)
@@ -79,9 +81,7 @@ def penalize_triton(
     count_rows: torch.Tensor,
     prompt_seen: torch.Tensor,
     output_counts: torch.Tensor,
-    repetition: torch.Tensor,
-    presence: torch.Tensor,
-    frequency: torch.Tensor,
+    penalties: torch.Tensor,
     out: torch.Tensor | None = None,
 ) -> None:
     """Same function as `penalize_ref` (up to float32 division rounding), one launch; every tensor
@@ -95,6 +95,39 @@ def penalize_triton(
     block = min(BLOCK, triton.next_power_of_2(vocab))
     _penalize_kernel[(n, triton.cdiv(vocab, block))](
         logits, out, logits.stride(0), positions, count_rows, prompt_seen.view(torch.uint8),
-        output_counts, output_counts.stride(0), repetition, presence, frequency, vocab,
-        BLOCK=block, num_warps=8,
+        output_counts, output_counts.stride(0), penalties, vocab, BLOCK=block, num_warps=8,
     )  # fmt: skip
+
+
+def count_tokens_ref(
+    output_counts: torch.Tensor, count_rows: torch.Tensor, tokens: torch.Tensor
+) -> None:
+    """Add one to ``output_counts[count_rows[i], tokens[i]]`` for each ``i`` (``[n]`` int64 each;
+    a pair may repeat): one scatter-add into the flattened counts (an accumulating ``index_put_``
+    sorts its indices first, and in older torch reads their range back to the host)."""
+    flat = count_rows * output_counts.shape[1] + tokens
+    output_counts.view(-1).scatter_add_(0, flat, torch.ones_like(flat, dtype=output_counts.dtype))
+
+
+@triton.jit
+def _count_kernel(counts_ptr, stride_counts, count_rows_ptr, tokens_ptr, n, BLOCK: tl.constexpr):
+    """Program: entries ``[pid * BLOCK, (pid + 1) * BLOCK)``, each one atomic add."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    valid = i < n
+    row = tl.load(count_rows_ptr + i, mask=valid, other=0).to(tl.int64)
+    token = tl.load(tokens_ptr + i, mask=valid, other=0).to(tl.int64)
+    tl.atomic_add(counts_ptr + row * stride_counts + token, 1, mask=valid)
+
+
+def count_tokens_triton(
+    output_counts: torch.Tensor, count_rows: torch.Tensor, tokens: torch.Tensor
+) -> None:
+    """Same function as `count_tokens_ref`, one launch (the reference's index arithmetic is three
+    launches more); ``count_rows`` and ``tokens`` of any integer dtype."""
+    n = count_rows.shape[0]
+    if n == 0:
+        return
+    block = min(1024, triton.next_power_of_2(n))
+    _count_kernel[(triton.cdiv(n, block),)](
+        output_counts, output_counts.stride(0), count_rows, tokens, n, BLOCK=block
+    )

@@ -332,6 +332,7 @@ def _search_kernel(
     top_p_ptr, min_p_ptr, pmax_ptr, state_ptr, partial_ptr, par, prev_par, has_prev, new_search,
     shift, prev_shift, MASS: tl.constexpr, HAS_MAX: tl.constexpr, HISTOGRAM: tl.constexpr,
     BUCKETS_FIRST: tl.constexpr, BUCKETS: tl.constexpr, CHUNKS: tl.constexpr, BLOCK: tl.constexpr,
+    UNROLL: tl.constexpr,
 ):  # fmt: skip
     """Program (row, chunk), one digit of a search (count, or ``MASS``): resolves the previous
     launch's digit (`_resolve`; ``new_search``: its threshold becomes the new search's ``min_key``,
@@ -339,9 +340,10 @@ def _search_kernel(
     candidates into the ``BUCKETS`` buckets of the window ``[base, base + BUCKETS << shift)``.
     Reads state and bucket sums at ``prev_par``, writes them at ``par`` (chunk 0 the state): one
     launch's writes never meet its reads. ``HISTOGRAM`` (a count search only): counts through
-    ``tl.histogram``;
-    ``BUCKETS_FIRST``: bucket sums held ``[BUCKETS, BLOCK]`` (Triton's default layout then gives
-    each thread whole columns: no logit computed by several threads), else ``[BLOCK, BUCKETS]``."""
+    ``tl.histogram``; ``UNROLL``: blocks a loop iteration reads (more loads in flight for the same
+    bucket sums); ``BUCKETS_FIRST``: bucket sums held ``[BUCKETS, BLOCK]`` (Triton's default
+    layout then gives each thread whole columns: no logit computed by several threads), else
+    ``[BLOCK, BUCKETS]``."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     shift = shift.to(tl.uint32)
@@ -383,19 +385,20 @@ def _search_kernel(
             acc = tl.zeros([BUCKETS, BLOCK], tl.float32)
         else:
             acc = tl.zeros([BLOCK, BUCKETS], tl.float32)
-        for off in range(start, end, BLOCK):
-            cols = off + offs
-            digit, weight, inside = _digits(
-                row_ptr, cols, cols < end, scale, row_max, base, min_key, min_s, shift, MASS,
-                BUCKETS,
-            )  # fmt: skip
-            if HISTOGRAM:
-                hit = inside & (digit < BUCKETS)  # (a digit of BUCKETS lies above the window)
-                acc += tl.histogram(tl.where(hit, digit, 0), BUCKETS, mask=hit)
-            elif BUCKETS_FIRST:
-                acc += tl.where(buckets[:, None] == digit[None, :], weight[None, :], 0.0)
-            else:
-                acc += tl.where(digit[:, None] == buckets[None, :], weight[:, None], 0.0)
+        for off in range(start, end, BLOCK * UNROLL):
+            for u in tl.static_range(UNROLL):  # UNROLL blocks' loads in flight, one acc
+                cols = off + u * BLOCK + offs
+                digit, weight, inside = _digits(
+                    row_ptr, cols, cols < end, scale, row_max, base, min_key, min_s, shift, MASS,
+                    BUCKETS,
+                )  # fmt: skip
+                if HISTOGRAM:
+                    hit = inside & (digit < BUCKETS)  # (a digit of BUCKETS lies above the window)
+                    acc += tl.histogram(tl.where(hit, digit, 0), BUCKETS, mask=hit)
+                elif BUCKETS_FIRST:
+                    acc += tl.where(buckets[:, None] == digit[None, :], weight[None, :], 0.0)
+                else:
+                    acc += tl.where(digit[:, None] == buckets[None, :], weight[:, None], 0.0)
         if HISTOGRAM:
             hist = acc.to(tl.float32)
         elif BUCKETS_FIRST:
@@ -479,18 +482,25 @@ class Tiles:
     SM; ``histogram``: count digits through ``tl.histogram`` instead of the bucket sums;
     ``digit_bits`` (2 or 4): key bits found per search pass (4: 4 passes a search in bf16 with
     16 sums per logit; 2: 8 passes with 4); ``buckets_first``: the bucket sums' layout
-    (`_search_kernel`). Written as ``block=2048,warps=8,search_block=512,...,histogram=1`` in the
-    environment variable ``RADIXINFER_SAMPLING_TILES`` (any subset), read at import (`TILES`)."""
+    (`_search_kernel`); ``count_block``: the block of a count search's digit passes when
+    ``histogram`` is on (its sums are ``2**digit_bits`` counts a program, not a lane, so a wide
+    block costs no registers and keeps more loads in flight); ``unroll``: blocks of
+    ``search_block`` a loop iteration of the other digit passes reads (more loads in flight, the
+    same bucket sums). Written as ``block=2048,warps=8,search_block=256,...,histogram=1`` in the
+    environment variable ``RADIXINFER_SAMPLING_TILES`` (any subset), read at import (`TILES`).
+    The defaults are the best of a sweep on an H200 (`benchmarks/sweep_sampling.py`)."""
 
     block: int = 2048
     warps: int = 8
-    search_block: int = 512
+    search_block: int = 256
     search_warps: int = 8
     programs_per_sm: int = 16
     chunks: int | None = None
     histogram: bool = True
     digit_bits: int = 4
     buckets_first: bool = True
+    count_block: int = 2048
+    unroll: int = 1
 
     def __post_init__(self) -> None:
         assert self.digit_bits in (2, 4), "4 or 16 buckets (a digit must divide 32 bits)"
@@ -516,7 +526,7 @@ class Tiles:
     def num_chunks(self, rows: int, vocab: int, device: torch.device) -> tuple[int, int]:
         """``(chunks, chunk_len)`` of a ``[rows, vocab]`` call: ``chunk_len`` a multiple of both
         blocks, no chunk empty."""
-        step = max(self.block, self.search_block)
+        step = max(self.block, self.search_block * self.unroll, self.count_block)
         chunks = self.chunks or triton.cdiv(self.programs_per_sm * num_sms(device), rows)
         chunks = max(1, min(chunks, triton.cdiv(vocab, step)))
         chunk_len = triton.cdiv(triton.cdiv(vocab, chunks), step) * step
@@ -555,8 +565,10 @@ def sample_triton(
     use_top_k, use_top_p, use_min_p = filters
     chunks, chunk_len = tiles.num_chunks(rows, vocab, device)
     chunks_p2 = triton.next_power_of_2(chunks)
-    block = min(tiles.block, triton.next_power_of_2(vocab))
-    search_block = min(tiles.search_block, triton.next_power_of_2(vocab))
+    block, search_block, count_block = (
+        min(b, triton.next_power_of_2(vocab))
+        for b in (tiles.block, tiles.search_block, tiles.count_block)
+    )
     has_max = use_top_p or use_min_p
     pmax = torch.empty(rows, chunks, dtype=torch.float32, device=device)
     state = torch.empty(2, rows, 4, dtype=torch.int32, device=device)
@@ -570,14 +582,16 @@ def sample_triton(
         )
     launch, shift = 0, 0
     for mass in [False] * use_top_k + [True] * use_top_p:
+        histogram = tiles.histogram and not mass
+        digit_block, unroll = (count_block, 1) if histogram else (search_block, tiles.unroll)
         for digit in range(triton.cdiv(KEY_BITS[logits.dtype], bits)):
             prev_shift, shift = shift, 32 - bits * (digit + 1)
             _search_kernel[grid](
                 *common, rows, inv_temperature, top_k, top_p, min_p, pmax, state, partial,
                 launch % 2, (launch - 1) % 2, int(launch > 0), int(digit == 0), shift, prev_shift,
-                MASS=mass, HAS_MAX=has_max, HISTOGRAM=tiles.histogram and not mass,
-                BUCKETS_FIRST=tiles.buckets_first, BUCKETS=1 << bits, CHUNKS=chunks_p2,
-                BLOCK=search_block, num_warps=tiles.search_warps,
+                MASS=mass, HAS_MAX=has_max, HISTOGRAM=histogram, BUCKETS_FIRST=tiles.buckets_first,
+                BUCKETS=1 << bits, CHUNKS=chunks_p2, BLOCK=digit_block, UNROLL=unroll,
+                num_warps=tiles.search_warps,
             )  # fmt: skip
             launch += 1
     vals = torch.empty(rows, chunks, dtype=torch.float32, device=device)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.penalties import penalize_ref, penalize_triton
+from kernels.penalties import count_tokens_ref, count_tokens_triton, penalize_ref, penalize_triton
 from radixinfer import LLM, SamplingParams
 from radixinfer.engine.logits_processing import LogitsProcessor
 from radixinfer.engine.request import Request
@@ -54,11 +54,12 @@ def test_each_penalty_matches_the_per_token_reference(penalize):
         for t in outputs[r]:
             counts[c, t] += 1
     positions = [r + 1 + (r > 1) for r in range(rows)]  # 1, 3, 4, ...
-    rep, pres, freq = (torch.tensor(c, dtype=torch.float32) for c in zip(*settings))
+    penalties = torch.zeros(rows + 2, 3)
+    penalties[count_rows] = torch.tensor(settings, dtype=torch.float32)
     out = logits.clone().to(DEVICE)
     penalize(
         out, torch.tensor(positions, device=DEVICE), torch.tensor(count_rows, device=DEVICE),
-        seen.to(DEVICE), counts.to(DEVICE), rep.to(DEVICE), pres.to(DEVICE), freq.to(DEVICE),
+        seen.to(DEVICE), counts.to(DEVICE), penalties.to(DEVICE),
     )  # fmt: skip
     out = out.cpu()
     for r, p in enumerate(positions):
@@ -76,13 +77,26 @@ def test_penalties_written_out_of_place_leave_the_logits(penalize):
     counts = torch.randint(0, 3, (3, VOCAB), generator=gen).int().to(DEVICE)
     rows = torch.tensor([2, 0, 1], device=DEVICE)
     args = [rows, torch.tensor([0, 1, 2], device=DEVICE), seen, counts]
-    args += [torch.tensor([1.3, 0.7, 1.1], device=DEVICE)] * 3
+    args += [torch.tensor([1.3, 0.7, 1.1], device=DEVICE)[:, None].expand(3, 3).contiguous()]
     before = logits.clone()
     inplace = logits.clone()
     penalize(inplace, *args)
     out = torch.empty_like(logits)
     penalize(logits, *args, out=out)
     assert torch.equal(logits, before) and torch.equal(out, inplace)
+
+
+@pytest.mark.parametrize("count", [count_tokens_ref, count_tokens_triton])
+def test_counting_tokens_adds_each_pair_once_repeats_included(count):
+    counts = torch.zeros(4, VOCAB, dtype=torch.int32, device=DEVICE)
+    rows = torch.tensor([2, 0, 2, 2, 3], device=DEVICE)
+    tokens = torch.tensor([5, 5, 7, 5, VOCAB - 1], device=DEVICE)
+    count(counts, rows, tokens)
+    count(counts, rows[:1], tokens[:1])
+    expected = torch.zeros(4, VOCAB, dtype=torch.int32)
+    for r, t in [(2, 5), (0, 5), (2, 7), (2, 5), (3, VOCAB - 1), (2, 5)]:
+        expected[r, t] += 1
+    assert torch.equal(counts.cpu(), expected)
 
 
 def test_the_penalty_kernel_keeps_the_logits_dtype():
@@ -93,7 +107,7 @@ def test_the_penalty_kernel_keeps_the_logits_dtype():
         torch.randint(0, 3, (2, VOCAB), device=DEVICE),
     ]
     args[-1] = args[-1].int()
-    args += [torch.tensor([1.3, 0.7], device=DEVICE)] * 3
+    args += [torch.tensor([1.3, 0.7], device=DEVICE)[:, None].expand(2, 3).contiguous()]
     out, ref = logits.clone(), logits.clone()
     penalize_triton(out, *args)
     penalize_ref(ref, *args)
@@ -163,7 +177,7 @@ def test_device_counts_follow_the_histories_across_steps_preemption_and_reused_r
 def test_a_batch_penalised_in_every_row_gets_a_new_tensor():
     """Every row penalised, nothing else to apply: the kernel writes a new tensor (no copy first),
     the logits stay as they were; one row with ``min_tokens`` pending takes the copying path."""
-    processor = LogitsProcessor(VOCAB, torch.device("cpu"))
+    processor = LogitsProcessor(VOCAB, torch.device("cpu"), 4)
     reqs = [request([1, 2, i], presence_penalty=0.5, frequency_penalty=0.5) for i in range(3)]
     logits = torch.randn(3, VOCAB)
     before = logits.clone()
@@ -183,6 +197,33 @@ def test_a_batch_penalised_in_every_row_gets_a_new_tensor():
     early = request([1], presence_penalty=0.5, min_tokens=4)
     out, _ = processor.process([early], logits[:1])
     assert out[0, [3, 7]].tolist() == [float("-inf")] * 2 and torch.equal(logits, before)
+
+
+def test_a_batch_keeps_its_plan_until_its_requests_or_their_sequences_change():
+    """Steps of one batch reuse its count rows on the device; another order, or a request
+    preempted and admitted again (a new sequence: its row refilled), builds the plan again."""
+    processor = LogitsProcessor(VOCAB, torch.device("cpu"), 4)
+    reqs = [request([1, 2, i], frequency_penalty=0.5) for i in range(3)] + [request([4])]
+    logits = torch.randn(4, VOCAB)
+    plans = []
+    for batch in (reqs, reqs, reqs[::-1], reqs[::-1], "preempt", reqs[::-1]):
+        if batch == "preempt":
+            reqs[0].seq = object()
+            continue
+        out, pending = processor.process(batch, logits)
+        for r, req in enumerate(batch):
+            p = req.params
+            expected = penalised_by_hand(
+                logits[r].tolist(), req.prompt_ids.tolist(), req.output_ids,
+                p.repetition_penalty, p.presence_penalty, p.frequency_penalty,
+            )  # fmt: skip
+            assert out[r].tolist() == pytest.approx(expected, rel=1e-6, abs=1e-6)
+        processor.record(pending, torch.full((4,), 9))
+        for req in batch:
+            req.output_ids.append(9)
+        plans.append(processor._last)
+    assert plans[1] is plans[0] and plans[3] is plans[2] and plans[4] is not plans[3]
+    assert plans[2] is not plans[1]
 
 
 def test_logit_bias_and_min_tokens_rows():

@@ -6,8 +6,10 @@ import numpy as np
 import torch
 
 from kernels.sampling import gumbel_from_keys
+from radixinfer import SamplingParams
 from radixinfer.engine.cuda_graphs import graph_batch_sizes
-from radixinfer.engine.sampler import SamplingBatch, row_keys, sample
+from radixinfer.engine.request import Request
+from radixinfer.engine.sampler import Sampler, SamplingBatch, row_keys, sample
 from radixinfer.engine.step_buffers import pack_block_tables
 
 
@@ -106,3 +108,42 @@ def test_graph_batch_sizes_cover_every_batch():
 def test_a_vanishing_temperature_samples_the_argmax():
     logits = torch.randn(8, 30) * 50
     assert torch.equal(sample(logits, batch(8, temperature=1e-40, top_p=0.9)), logits.argmax(-1))
+
+
+def test_a_sampler_keeps_a_batchs_parameters_only_while_its_requests_stay():
+    """Steps of one batch reuse its parameters (only the keys change, with each request's step);
+    a batch with other requests or another order builds them again; every step draws what a batch
+    built from scratch draws."""
+    rng = np.random.default_rng(0)
+    reqs = [
+        Request(
+            request_id=str(i),
+            prompt_ids=np.zeros(1, dtype=np.int64),
+            params=SamplingParams(temperature=0.5 + i / 4, top_k=i % 3, top_p=0.9 + i / 100),
+            salt=None,
+            seed=1000 + i,
+            arrival_index=i,
+            detokenizer=None,
+            arrival_time=0.0,
+        )
+        for i in range(5)
+    ]
+    sampler = Sampler(40, torch.device("cpu"), 5)
+    built = []
+    for batch_reqs in (reqs, reqs, reqs[::-1], reqs[1:]):
+        logits = torch.from_numpy(rng.standard_normal((len(batch_reqs), 40)).astype(np.float32))
+        params = [r.params for r in batch_reqs]
+        fresh = SamplingBatch.build(
+            [p.temperature for p in params],
+            [p.top_p for p in params],
+            [p.top_k for p in params],
+            [r.seed for r in batch_reqs],
+            [r.num_sampled for r in batch_reqs],
+            torch.device("cpu"),
+        )
+        assert torch.equal(sampler.sample(batch_reqs, logits), sample(logits, fresh))
+        assert sampler._last[0] == tuple(batch_reqs)
+        built.append(sampler._last[1])
+        for r in batch_reqs:
+            r.num_sampled += 1
+    assert built[1] is built[0] and len({id(b) for b in built}) == 3

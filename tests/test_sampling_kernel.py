@@ -26,7 +26,7 @@ from tests import _triton_env  # noqa: F401  (without CUDA, Triton runs interpre
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # 4 chunks of 64 logits a row at a vocabulary of 203 (the last one 11 long), 2 blocks a chunk
-SPLIT = Tiles(block=32, search_block=32, chunks=4)
+SPLIT = Tiles(block=32, search_block=32, chunks=4, count_block=32)
 
 
 def random_rows(rows: int, vocab: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, ...]:
@@ -57,17 +57,26 @@ def test_kernel_draws_the_reference_tokens(dtype):
     [
         (torch.bfloat16, SPLIT),
         (torch.bfloat16, Tiles(block=32, search_block=16, chunks=3, histogram=False)),
+        (torch.bfloat16, Tiles(block=16, search_block=16, chunks=4, count_block=64, unroll=2)),
         (
             torch.float16,
-            Tiles(block=64, search_block=64, chunks=2, digit_bits=2, buckets_first=False),
+            Tiles(
+                block=64,
+                search_block=64,
+                chunks=2,
+                digit_bits=2,
+                buckets_first=False,
+                count_block=64,
+            ),
         ),
         (torch.float32, SPLIT),
     ],
 )
 def test_split_rows_draw_the_reference_tokens(dtype, tiles):
     """Rows cut into chunks (the vocabulary not a multiple of the chunk), with greedy rows, each
-    filter alone and combined; top-k counted by histogram or by bucket sums, 4-bit or 2-bit digits,
-    both layouts of the bucket sums."""
+    filter alone and combined; top-k counted by histogram (its block wider than the others') or by
+    bucket sums, mass passes reading two blocks an iteration, 4-bit or 2-bit digits, both layouts
+    of the bucket sums."""
     args = random_rows(14, 203, dtype, seed=7)
     assert sample_triton(*args, tiles=tiles).tolist() == sample_ref(*args).tolist()
 
@@ -110,7 +119,7 @@ def test_kernel_handles_ties_infinities_and_signed_zeros():
     ref = sample_ref(*args).tolist()
     assert sample_triton(*args).tolist() == ref
     # chunks of 16 logits: every chunk boundary falls inside some tie group
-    tiles = Tiles(block=16, search_block=16, chunks=4)
+    tiles = Tiles(block=16, search_block=16, chunks=4, count_block=16)
     assert sample_triton(*args, tiles=tiles).tolist() == ref
 
 
@@ -212,21 +221,30 @@ import kernels.sampling as s
 POINTERS = {"logits_ptr": "*bf16", "top_k_ptr": "*i64", "keys_ptr": "*i64", "out_ptr": "*i64",
             "state_ptr": "*i32", "idx_ptr": "*i32"}
 
-def compile_for_sm90(fn, num_warps, **constexprs):
+def compile_for_sm90(fn, num_warps, pointers=POINTERS, **constexprs):
     names = inspect.signature(fn.fn).parameters
-    signature = {n: "constexpr" if n in constexprs else POINTERS.get(n, "*fp32" if n.endswith("_ptr")
-                 else "i32") for n in names}
+    signature = {n: "constexpr" if n in constexprs
+                 else pointers.get(n, "*fp32" if n.endswith("_ptr") else "i32") for n in names}
     source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
     triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 
-search = dict(HAS_MAX=True, CHUNKS=16, BLOCK=512)
+search = dict(HAS_MAX=True, CHUNKS=16, BLOCK=512, UNROLL=1)
 for mass, histogram, first, buckets in [(True, False, True, 16), (True, False, False, 16),
                                         (False, True, True, 16), (True, False, True, 4)]:
     compile_for_sm90(s._search_kernel, 8, MASS=mass, HISTOGRAM=histogram, BUCKETS_FIRST=first,
                      BUCKETS=buckets, **search)
+compile_for_sm90(s._search_kernel, 8, MASS=False, HISTOGRAM=True, BUCKETS_FIRST=True, BUCKETS=16,
+                 HAS_MAX=True, CHUNKS=16, BLOCK=2048, UNROLL=1)
+compile_for_sm90(s._search_kernel, 8, MASS=True, HISTOGRAM=False, BUCKETS_FIRST=True, BUCKETS=16,
+                 HAS_MAX=True, CHUNKS=16, BLOCK=256, UNROLL=2)
 compile_for_sm90(s._draw_kernel, 8, HAS_MAX=True, BUCKETS=16, CHUNKS=16, BLOCK=2048)
 compile_for_sm90(s._chunk_max_kernel, 8, BLOCK=2048)
 compile_for_sm90(s._rowwise_kernel, 16, PASSES=4, BLOCK=512)
+import kernels.penalties as pen
+ints = {"positions_ptr": "*i64", "count_rows_ptr": "*i64", "tokens_ptr": "*i64", "seen_ptr": "*u8",
+        "counts_ptr": "*i32", "logits_ptr": "*bf16", "out_ptr": "*bf16"}
+compile_for_sm90(pen._penalize_kernel, 8, pointers=ints, BLOCK=2048)
+compile_for_sm90(pen._count_kernel, 4, pointers=ints, BLOCK=256)
 print("compiled")
 """
 
@@ -234,8 +252,8 @@ print("compiled")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU compiles them in the other tests")
 def test_kernels_compile_for_sm90():
     """Triton's interpreter runs code its compiler refuses (a local flag made of constexprs is not
-    one), so without a GPU the kernels' variants are compiled for an H100 (sm_90) in a process
-    outside the interpreter; skipped where Triton has no CUDA toolchain."""
+    one), so without a GPU the kernels' variants (and the penalty kernels) are compiled for an H100
+    (sm_90) in a process outside the interpreter; skipped where Triton has no CUDA toolchain."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = Path(__file__).resolve().parents[1]
     run = subprocess.run(

@@ -6,19 +6,25 @@ dtype; the penalties compute in float32); a batch without such rows returns its 
 and pays nothing, and a batch whose every row is penalised (no ``logit_bias``, no ``min_tokens``
 pending) has the penalty kernel write the copy as it reads the logits (no separate copy). The
 penalties read each request's token counts from `TokenCounts`, rows of a device tensor that grow by
-the sampled tokens every step (one scatter-add of the new tokens), never rebuilt from the host's
+the sampled tokens every step (one launch adds the new tokens), never rebuilt from the host's
 lists.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from kernels.penalties import penalize_ref, penalize_triton
+from kernels.penalties import (
+    count_tokens_ref,
+    count_tokens_triton,
+    penalize_ref,
+    penalize_triton,
+)
 from radixinfer.models.layers import by_device
 
 if TYPE_CHECKING:
@@ -27,12 +33,14 @@ if TYPE_CHECKING:
 
 
 penalize = by_device(penalize_triton, penalize_ref)  # see `kernels.penalties`
+count_tokens = by_device(count_tokens_triton, count_tokens_ref)
 
 
 class TokenCounts:
     """Device rows of token counts, one per penalised request while it holds KV: ``prompt_seen``
     ``[rows, vocab]`` bool marks its prompt's tokens, ``output_counts`` ``[rows, vocab]`` int32
-    counts its sampled tokens, including those the host has not read back yet.
+    counts its sampled tokens, including those the host has not read back yet, and ``penalties``
+    ``[rows, 3]`` float32 holds its repetition, presence and frequency penalties.
 
     A request's row is valid while its sequence is the one the row was filled for: a request
     preempted and admitted again gets a new sequence, and its row is refilled from its prompt and
@@ -46,8 +54,8 @@ class TokenCounts:
     step holds every row (`radixinfer.engine.memory`). A row wanted beyond them is a broken
     promise: RuntimeError. `release` gives the rows back.
 
-    Performance: filling a row is three launches per batch of new requests; each step adds the
-    sampled tokens with one scatter-add."""
+    Performance: filling a row is a few launches per batch of new requests; each step adds the
+    sampled tokens with one launch (`kernels.penalties.count_tokens_triton`)."""
 
     def __init__(self, vocab_size: int, device: torch.device, capacity: int) -> None:
         if capacity < 1:
@@ -59,6 +67,7 @@ class TokenCounts:
         """Forget every row and give the tensors back (the next row needed allocates them again)."""
         self.prompt_seen = torch.zeros(0, self.vocab_size, dtype=torch.bool, device=self.device)
         self.output_counts = torch.zeros(0, self.vocab_size, dtype=torch.int32, device=self.device)
+        self.penalties = torch.zeros(0, 3, dtype=torch.float32, device=self.device)
         self._owners: dict[Request, tuple[int, SeqKV | None]] = {}
         self._free: list[int] = []
 
@@ -80,12 +89,8 @@ class TokenCounts:
         return rows
 
     def add(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Count ``tokens [n]`` (on the device) once each in ``rows [n]``: one scatter-add into
-        the flattened counts (an accumulating ``index_put_`` sorts its indices first, and in older
-        torch reads their range back to the host: a sync every step)."""
-        ones = torch.ones_like(tokens, dtype=torch.int32)
-        flat = rows * self.vocab_size + tokens
-        self.output_counts.view(-1).scatter_add_(0, flat, ones)
+        """Count ``tokens [n]`` (on the device) once each in ``rows [n]``."""
+        count_tokens(self.output_counts, rows, tokens)
 
     def _allocate(self) -> int:
         if not self._free:
@@ -112,12 +117,19 @@ class TokenCounts:
         with torch.inference_mode(False):
             self.prompt_seen = torch.zeros(shape, dtype=torch.bool, device=device)
             self.output_counts = torch.zeros(shape, dtype=torch.int32, device=device)
+            self.penalties = torch.zeros(self.capacity, 3, dtype=torch.float32, device=device)
         self._free = list(range(self.capacity - 1, -1, -1))
 
     def _fill(self, fresh: list[tuple[int, Request]]) -> None:
-        """Set each fresh row to its request's prompt and the output the host holds."""
+        """Set each fresh row to its request's prompt, the output the host holds and its
+        penalties."""
         device = self.device
-        rows = _upload(torch.tensor([row for row, _ in fresh]), device)
+        rows = upload(torch.tensor([row for row, _ in fresh]), device)
+        penalties = [
+            (q.params.repetition_penalty, q.params.presence_penalty, q.params.frequency_penalty)
+            for _, q in fresh
+        ]
+        self.penalties[rows] = upload(np.array(penalties, dtype=np.float32), device)
         self.prompt_seen.index_fill_(0, rows, False)
         self.output_counts.index_fill_(0, rows, 0)
         prompt_rows, prompt_ids = _row_id_pairs([(r, q.prompt_ids) for r, q in fresh], device)
@@ -126,9 +138,12 @@ class TokenCounts:
             self.add(*_row_id_pairs([(r, q.output_ids) for r, q in fresh], device))
 
 
-def _upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``host`` on ``device`` without waiting for the device: a pageable copy would synchronise the
-    stream (the host must never wait for the step it has just launched)."""
+def upload(host: torch.Tensor | np.ndarray, device: torch.device) -> torch.Tensor:
+    """``host`` (a tensor or an array) on ``device`` without waiting for the device: a pageable
+    copy would synchronise the stream (the host must never wait for the step it has just
+    launched)."""
+    if isinstance(host, np.ndarray):
+        host = torch.from_numpy(host)
     if device.type != "cuda":
         return host
     return host.pin_memory().to(device, non_blocking=True)
@@ -141,66 +156,104 @@ def _row_id_pairs(
     per id (one copy to the device)."""
     ids = [np.asarray(tokens, dtype=np.int64) for _, tokens in items]
     rows = np.repeat(np.asarray([row for row, _ in items], dtype=np.int64), [len(t) for t in ids])
-    pairs = _upload(torch.from_numpy(np.stack([rows, np.concatenate(ids)])), device)
+    pairs = upload(np.stack([rows, np.concatenate(ids)]), device)
     return pairs[0], pairs[1]
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What a batch's processing needs that stays fixed while its requests do: whether any row
+    processes its logits, the penalised rows' batch positions and count rows (on the device), the
+    rows with ``logit_bias`` or ``min_tokens``, and each request's sequence when its count row
+    was last checked (a new one, after a preemption, means a refilled row: the plan is built
+    again)."""
+
+    reqs: tuple[Request, ...]
+    seqs: tuple[SeqKV | None, ...]
+    processes: bool
+    every: bool  # every row penalised
+    special: list[int]  # rows with logit_bias or min_tokens
+    columns: tuple[torch.Tensor, torch.Tensor] | None  # positions, count rows
+
+    def holds_for(self, reqs: Sequence[Request]) -> bool:
+        """Whether ``reqs`` are this plan's, with the same sequences where rows are penalised."""
+        batch = tuple(reqs)
+        if self.reqs != batch:
+            return False
+        return self.columns is None or all(r.seq is s for r, s in zip(batch, self.seqs))
 
 
 class LogitsProcessor:
     """Applies the requests' ``min_tokens``, ``logit_bias`` and penalties to a step's logits and
     keeps the token counts the penalties read (`TokenCounts`, ``max_penalized`` rows: at most that
-    many penalised requests hold KV at once)."""
+    many penalised requests hold KV at once).
+
+    Performance: a batch that keeps its requests from one step to the next reuses its `_Plan`, so
+    a penalised decode step costs the host a check of its requests and two launches."""
 
     def __init__(self, vocab_size: int, device: torch.device, max_penalized: int) -> None:
         self.counts = TokenCounts(vocab_size, device, max_penalized)
+        self._last: _Plan | None = None
+
+    def release(self) -> None:
+        """Give back the token-count rows (`TokenCounts.release`) and forget the last batch's
+        plan, whose count rows they were."""
+        self.counts.release()
+        self._last = None
 
     def process(
         self, reqs: Sequence[Request], logits: torch.Tensor
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor | None, torch.Tensor] | None]:
         """``(logits, pending)``: the step's logits with every processing request's row processed
         (``logits`` itself when no request processes its own, else a copy), and for `record` the
-        penalised rows' batch positions and count rows (None when no request is penalised)."""
-        if not any(r.params.processes_logits for r in reqs):
+        penalised rows' batch positions (None: every row) and count rows (None when no request is
+        penalised)."""
+        plan = self._plan(reqs, logits.device)
+        if not plan.processes:
             return logits, None
-        penalised = [i for i, r in enumerate(reqs) if r.params.penalized]
         # every row penalised and nothing else to apply: the kernel writes the copy itself
-        direct = len(penalised) == len(reqs) and logits.is_contiguous()
+        direct = plan.every and logits.is_contiguous()
         direct = direct and not any(
-            r.params.logit_bias or r.num_sampled < r.params.min_tokens for r in reqs
+            reqs[i].params.logit_bias or reqs[i].num_sampled < reqs[i].params.min_tokens
+            for i in plan.special
         )
         out = torch.empty_like(logits) if direct else logits.clone()
         if not direct:
             self._bias_and_min_tokens(reqs, out)
-        if not penalised:
+        if plan.columns is None:
             return out, None
-        pen_reqs = [reqs[i] for i in penalised]
-        params = [r.params for r in pen_reqs]
-        # [5, n] float64 (row ids are exact in it), one copy to the device
-        host = np.array(
-            [
-                penalised,
-                self.counts.rows(pen_reqs),
-                [p.repetition_penalty for p in params],
-                [p.presence_penalty for p in params],
-                [p.frequency_penalty for p in params],
-            ],
-            dtype=np.float64,
-        )
-        columns = _upload(torch.from_numpy(host), logits.device)
-        positions, count_rows = columns[:2].long()
-        rep, presence, frequency = columns[2:].float()
+        positions, count_rows = plan.columns
         penalize(
             logits if direct else out, positions, count_rows, self.counts.prompt_seen,
-            self.counts.output_counts, rep, presence, frequency, out=out,
+            self.counts.output_counts, self.counts.penalties, out=out,
         )  # fmt: skip
-        return out, (positions, count_rows)
+        return out, (None if plan.every else positions, count_rows)
+
+    def _plan(self, reqs: Sequence[Request], device: torch.device) -> _Plan:
+        """The last call's plan if it holds for ``reqs``, else a new one (filling count rows)."""
+        if self._last is not None and self._last.holds_for(reqs):
+            return self._last
+        params = [r.params for r in reqs]
+        penalised = [i for i, p in enumerate(params) if p.penalized]
+        special = [i for i, p in enumerate(params) if p.logit_bias or p.min_tokens > 0]
+        every = len(penalised) == len(reqs)
+        columns = None
+        if penalised:
+            pen_reqs = reqs if every else [reqs[i] for i in penalised]
+            # [2, n] int64, one copy to the device: which batch row reads which count row
+            host = np.array([penalised, self.counts.rows(pen_reqs)], dtype=np.int64)
+            columns = tuple(upload(host, device))
+        seqs = tuple(r.seq for r in reqs)
+        self._last = _Plan(tuple(reqs), seqs, bool(penalised or special), every, special, columns)
+        return self._last
 
     def record(
-        self, pending: tuple[torch.Tensor, torch.Tensor] | None, tokens: torch.Tensor
+        self, pending: tuple[torch.Tensor | None, torch.Tensor] | None, tokens: torch.Tensor
     ) -> None:
         """Count the step's sampled ``tokens [batch]`` in the penalised requests' rows."""
         if pending is not None:
             positions, count_rows = pending
-            self.counts.add(count_rows, tokens[positions])
+            self.counts.add(count_rows, tokens if positions is None else tokens[positions])
 
     @staticmethod
     def _bias_and_min_tokens(reqs: Sequence[Request], logits: torch.Tensor) -> None:
@@ -211,7 +264,7 @@ class LogitsProcessor:
         if biased:
             rows, ids = _row_id_pairs([(i, list(bias)) for i, bias in biased], device)
             values = torch.tensor([v for _, bias in biased for v in bias.values()])
-            values = _upload(values, device).to(logits.dtype)
+            values = upload(values, device).to(logits.dtype)
             # a row's ids are distinct (dict keys): a gather and a plain put, no accumulating
             # index_put_ (which sorts its indices, and in older torch reads them back to check)
             logits[rows, ids] = logits[rows, ids] + values

@@ -20,7 +20,7 @@ import torch
 
 from kernels.argmax import argmax_ref, argmax_triton
 from kernels.sampling import sample_ref, sample_triton
-from radixinfer.engine.logits_processing import LogitsProcessor
+from radixinfer.engine.logits_processing import LogitsProcessor, upload
 from radixinfer.engine.logprobs import ScoredRows, raw_logprobs, score_sampled
 from radixinfer.models.layers import by_device
 
@@ -29,6 +29,9 @@ if TYPE_CHECKING:
 
 _MASK32 = 0xFFFFFFFF
 _MIX = 0x45D9F3B  # products of values < 2**32 with it stay below 2**63: no int64 overflow
+
+
+_Ints = torch.Tensor | np.ndarray  # int64, values < 2**32 unless said otherwise
 
 
 def _hash32(x: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
@@ -51,8 +54,17 @@ def row_keys(
     word is mixed in after, so seeds differing in any bit give different streams (one 32-bit key per
     step; a seed below 2**32 keys exactly as the low word alone). Numpy arrays or tensors alike (the
     sampler computes them on the host, where they are a few µs)."""
-    high = _hash32((seeds >> 32) & _MASK32)
-    return _hash32((seeds & _MASK32) ^ _hash32((steps & _MASK32) ^ high))
+    return _step_keys(*_seed_words(seeds), steps)
+
+
+def _seed_words(seeds: _Ints) -> tuple[_Ints, _Ints]:
+    """A seed's two parts of its keys (`row_keys`), fixed for a request: its low word, and the hash
+    of its high word."""
+    return seeds & _MASK32, _hash32((seeds >> 32) & _MASK32)
+
+
+def _step_keys(low: _Ints, high: _Ints, steps: _Ints) -> _Ints:
+    return _hash32(low ^ _hash32((steps & _MASK32) ^ high))
 
 
 _EMPTY: dict[torch.device, torch.Tensor] = {}
@@ -61,8 +73,9 @@ MIN_TEMPERATURE = 1e-5
 
 @dataclass(frozen=True)
 class SamplingBatch:
-    """Per-row sampling parameters as device tensors, built once per step (empty tensors when all rows are
-    greedy). The noise of row ``r`` depends on its request's seed and on how many tokens the request has
+    """Per-row sampling parameters of one step as device tensors (empty tensors when all rows are
+    greedy): its keys are the step's own, the other columns shared by the steps of one batch
+    (`RowParams`). The noise of row ``r`` depends on its request's seed and on how many tokens the request has
     sampled so far (its step), through ``keys[r] = row_keys(seed, step)``."""
 
     inv_temperature: torch.Tensor  # [num_rows] float32: 1 / temperature; 0 = greedy
@@ -93,30 +106,66 @@ class SamplingBatch:
         device: torch.device,
         min_p: list[float] | None = None,
     ) -> SamplingBatch:
-        """Five per-row columns in one host array and one copy to the device (none for all-greedy). The
-        noise keys are hashed here, on a few hundred ints, instead of in ~20 tiny device kernels."""
-        if not any(temperature):
-            return cls.greedy(device)
-        keys = row_keys(seed_bits(seeds), np.asarray(steps, dtype=np.int64))
+        """The batch of one step from its per-row columns (`RowParams`, then its step's keys)."""
+        params = RowParams.build(temperature, top_p, top_k, seeds, device, min_p)
+        return params.batch(np.asarray(steps, dtype=np.int64))
+
+
+@dataclass(frozen=True)
+class RowParams:
+    """A batch's per-row sampling parameters that stay fixed while its requests do: the filter
+    columns on the device (None when every row is greedy) and each seed's parts of its noise keys;
+    a step's `SamplingBatch` adds only its keys (`batch`), so a decode batch that keeps its requests
+    uploads ``[rows]`` keys a step and nothing else."""
+
+    device: torch.device
+    columns: tuple[torch.Tensor, ...] | None  # inv_temperature, top_p, top_k, min_p
+    seed_low: np.ndarray  # int64: each seed's low word
+    seed_high: np.ndarray  # int64: the hash of each seed's high word
+    filters: tuple[bool, bool, bool]
+
+    @classmethod
+    def build(
+        cls,
+        temperature: list[float],
+        top_p: list[float],
+        top_k: list[int],
+        seeds: list[int],
+        device: torch.device,
+        min_p: list[float] | None = None,
+    ) -> RowParams:
+        """Four per-row columns in one host array and one copy to the device (none for
+        all-greedy)."""
+        low, high = _seed_words(seed_bits(seeds))
         temps = np.asarray(temperature, dtype=np.float64)
+        if not temps.any():
+            return cls(device, None, low, high, (False, False, False))
         # 1 / max(T, 1e-5): a tinier temperature would scale logits to inf (then inf - inf = NaN)
         inv_temperature = np.divide(
             1.0, np.maximum(temps, MIN_TEMPERATURE), out=np.zeros_like(temps), where=temps > 0
         )
-        min_p = [0.0] * len(temps) if min_p is None else min_p
+        top_p = np.asarray(top_p, dtype=np.float64)
+        top_k = np.asarray(top_k, dtype=np.float64)
+        min_p = np.zeros_like(temps) if min_p is None else np.asarray(min_p, dtype=np.float64)
         sampled = temps > 0
         filters = (
-            bool((np.asarray(top_k) > 0)[sampled].any()),
-            bool((np.asarray(top_p) < 1)[sampled].any()),
-            bool((np.asarray(min_p) > 0)[sampled].any()),
+            bool((top_k > 0)[sampled].any()),
+            bool((top_p < 1)[sampled].any()),
+            bool((min_p > 0)[sampled].any()),
         )
-        # [5, rows] float64: holds every int < 2**53 exactly, so keys (< 2**32) and top-k survive the trip
-        host = torch.from_numpy(np.array([inv_temperature, top_p, min_p, top_k, keys], np.float64))
-        if device.type == "cuda":
-            host = host.pin_memory()
-        columns = host.to(device, non_blocking=True)
-        floats, ints = columns[:3].float(), columns[3:].long()
-        return cls(floats[0], floats[1], ints[0], floats[2], ints[1], False, filters)
+        # [4, rows] float64: holds every int < 2**53 exactly, so top-k survives the trip
+        columns = upload(np.stack([inv_temperature, top_p, min_p, top_k]), device)
+        floats = columns[:3].float()
+        return cls(device, (floats[0], floats[1], columns[3].long(), floats[2]), low, high, filters)
+
+    def batch(self, steps: np.ndarray) -> SamplingBatch:
+        """The step's batch: ``steps [rows]`` int64, each row's count of sampled tokens, hashed
+        into its keys on the host (a few hundred ints: a few µs, where the device would take ~20
+        tiny kernels) and copied to the device."""
+        if self.columns is None:
+            return SamplingBatch.greedy(self.device)
+        keys = upload(_step_keys(self.seed_low, self.seed_high, steps), self.device)
+        return SamplingBatch(*self.columns, keys, False, self.filters)
 
 
 argmax = by_device(
@@ -153,6 +202,7 @@ class Sampler:
 
     def __init__(self, vocab_size: int, device: torch.device, max_penalized: int) -> None:
         self.logits_processor = LogitsProcessor(vocab_size, device, max_penalized)
+        self._last: tuple[tuple[Request, ...], RowParams] | None = None  # the last batch's params
 
     def sample(
         self, reqs: Sequence[Request], logits: torch.Tensor, argmax_only: bool | None = None
@@ -164,17 +214,8 @@ class Sampler:
         if argmax_only:
             return argmax(logits)
         logits, pending = self.logits_processor.process(reqs, logits)
-        params = [r.params for r in reqs]
-        batch = SamplingBatch.build(
-            [p.temperature for p in params],
-            [p.top_p for p in params],
-            [p.top_k for p in params],
-            [r.seed for r in reqs],
-            [r.num_sampled for r in reqs],
-            logits.device,
-            min_p=[p.min_p for p in params],
-        )
-        tokens = sample(logits, batch)
+        steps = np.fromiter((r.num_sampled for r in reqs), dtype=np.int64, count=len(reqs))
+        tokens = sample(logits, self._row_params(reqs, logits.device).batch(steps))
         self.logits_processor.record(pending, tokens)
         return tokens
 
@@ -195,4 +236,21 @@ class Sampler:
     def release(self) -> None:
         """Give back the device state that lives between steps (the token-count rows). Only while
         no penalised request holds KV: a later one's row is refilled from what the host holds."""
-        self.logits_processor.counts.release()
+        self.logits_processor.release()
+
+    def _row_params(self, reqs: Sequence[Request], device: torch.device) -> RowParams:
+        """The requests' `RowParams`, built again only when the batch's requests (or their order)
+        changed since the last call: a request's parameters and seed never change."""
+        batch = tuple(reqs)
+        if self._last is None or self._last[0] != batch or self._last[1].device != device:
+            params = [r.params for r in reqs]
+            row_params = RowParams.build(
+                [p.temperature for p in params],
+                [p.top_p for p in params],
+                [p.top_k for p in params],
+                [r.seed for r in reqs],
+                device,
+                min_p=[p.min_p for p in params],
+            )
+            self._last = batch, row_params
+        return self._last[1]
