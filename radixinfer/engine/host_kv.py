@@ -13,8 +13,10 @@ Streams. On CUDA the host pool is pinned. An offload's gather into its staging t
 current stream, in order with the forwards: the blocks it frees may be written by the very next
 forward, which then needs no wait. Its copy across the bus, and every load, run on a side stream
 that waits for the work queued before it (a load may write a block a gather just read, or one a
-finished request held); the current stream waits for nothing there, so the step's forwards run
-while the bus copies do. Only the requests that read a loaded block wait, in the cache, until
+finished request held); the current stream waits for nothing there but the copies out of the one
+write-back staging tensor before it gathers into it again (`MAX_STAGED_BYTES` of device memory at
+most; a take that writes back less goes on at once), so the step's forwards run while the bus copies
+do. Only the requests that read a loaded block wait, in the cache, until
 `finished_ticket` reports their take's loads completed (an event on the side stream; the cache then
 lets them join); an offload that reads a block still loading (`TransferBatch.reads_loading`) has
 the current stream wait for the side stream first. The host side returns as soon as the copies are
@@ -78,7 +80,7 @@ class HostKVPool:
             pin_memory=cuda,
         )
         self.block_bytes = self.blocks[0].numel() * self.blocks.element_size()
-        self.max_staged_blocks = max(1, MAX_STAGED_BYTES // self.block_bytes)
+        self.max_staged_blocks = min(num_blocks, max(1, MAX_STAGED_BYTES // self.block_bytes))
         self._stream = torch.cuda.Stream(self.device) if cuda else None
         # Takes whose loads may be in flight, oldest first: (ticket, done event, load batch timings
         # as (start event, end event, bytes)).
@@ -86,6 +88,10 @@ class HostKVPool:
         self._finished = 0  # every take up to this ticket has its loads completed
         self.loaded_bytes = 0
         self.load_seconds = 0.0
+        # The write-backs' staging tensor (made at the first one) and, on CUDA, the event after
+        # the last copies out of it.
+        self._out: torch.Tensor | None = None
+        self._out_copied: torch.cuda.Event | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -178,20 +184,29 @@ class HostKVPool:
     def _offload(
         self, gpu_index: torch.Tensor, host_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor
     ) -> None:
-        """Gather the blocks on the current stream, then copy them out on the side stream (on a
-        CPU, at once)."""
-        staged = self._staging(len(host_ids), k)  # [n, 2, num_layers, block_size, heads, dim]
+        """Gather the blocks into the write-back staging tensor on the current stream, then copy
+        them out on the side stream (on a CPU, at once). One staging tensor serves every
+        write-back, so they hold at most `MAX_STAGED_BYTES` of device memory: a gather waits
+        for the copies out of the one before (long done, unless one take writes back more)."""
+        if self._out is None:
+            self._out = self._staging(self.max_staged_blocks, k)
+        side = self._stream
+        current = None if side is None else torch.cuda.current_stream(self.device)
+        if current is not None and self._out_copied is not None:
+            current.wait_event(self._out_copied)
+        staged = self._out[: len(host_ids)]  # [n, 2, num_layers, block_size, heads, dim]
         staged[:, 0].copy_(k.index_select(1, gpu_index).transpose(0, 1))
         staged[:, 1].copy_(v.index_select(1, gpu_index).transpose(0, 1))
-        side = self._stream
         if side is not None:
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            staged.record_stream(side)  # not reused before the side stream's copies are done
+            side.wait_stream(current)
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             for index, first, length in _runs(host_ids):
                 self.blocks[first : first + length].copy_(
                     staged[index : index + length], non_blocking=True
                 )
+            if side is not None:
+                self._out_copied = torch.cuda.Event()
+                self._out_copied.record()
 
     def _load(
         self, host_ids: Sequence[int], gpu_index: torch.Tensor, k: torch.Tensor, v: torch.Tensor
