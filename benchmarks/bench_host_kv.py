@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     measured = {
         "load_end_to_end": load_to_end,
-        "offload": lambda: host.run(offload, k, v, next(tickets)),
+        "offload": lambda: (host.run(offload, k, v, next(tickets)), host.join()),
         "plain_h2d": lambda: plain_dst.copy_(plain_src, non_blocking=True),
         "plain_d2h": lambda: plain_src.copy_(plain_dst, non_blocking=True),
     }

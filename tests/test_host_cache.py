@@ -10,6 +10,7 @@ import functools
 import random
 
 import pytest
+import torch
 
 from radixinfer import LLM, SamplingParams
 
@@ -24,9 +25,13 @@ def _bytes_per_block() -> int:
 
 
 @functools.cache
-def _llm(prefix_cache: bool, host_blocks: int, write_through_hits: int | None = None) -> LLM:
+def _llm(
+    prefix_cache: bool, host_blocks: int, write_through_hits: int | None = None, device="cpu"
+) -> LLM:
     return LLM(
         "tiny",
+        device=device,
+        dtype="float32",
         block_size=BLOCK_SIZE,
         num_blocks=NUM_BLOCKS,
         enable_prefix_cache=prefix_cache,
@@ -90,6 +95,21 @@ def test_multi_turn_history_many_times_the_pool_matches_no_cache_with_host_hits(
     after_reset = tiered.cache_stats()
     assert after_reset["free_blocks"] == NUM_BLOCKS
     assert after_reset["host_free_blocks"] == HOST_BLOCKS
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("write_through_hits", [None, 1])
+def test_on_a_gpu_the_host_tier_gives_the_no_cache_answers(write_through_hits):
+    """The copies on CUDA (pinned host pool, gathers on the current stream, bus copies and loads
+    on the side stream, requests waiting for their loads by event) move the right bytes in the
+    right order: multi-turn chat many times the pool answers as the engine without a cache."""
+    want = _chat(_llm(False, 0, device="cuda"), 6, 4, seed=3)
+    tiered = _llm(True, HOST_BLOCKS, write_through_hits, device="cuda")
+    tiered.reset_prefix_cache()
+    assert _chat(tiered, 6, 4, seed=3) == want
+    assert tiered.cache_stats()["host_hit_tokens"] > 0
+    tiered.engine.cache.check_integrity([])
 
 
 def test_a_host_tier_smaller_than_the_history_evicts_and_stays_exact():

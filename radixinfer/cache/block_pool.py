@@ -12,6 +12,7 @@ one place the rule is written).
 from __future__ import annotations
 
 import array
+from collections import deque
 from collections.abc import Iterable
 
 import numpy as np
@@ -121,3 +122,29 @@ class BlockPool:
             if expected_refcounts is not None:
                 want = expected_refcounts.get(b, 0)
                 assert r == want, f"block {b}: refcount {r}, but {want} holders"
+
+
+class QueuedBlockPool(BlockPool):
+    """A `BlockPool` that hands out the blocks freed longest ago first (its free list is a queue,
+    lowest ids first at the start): the host tier's pool. A host block freed by a load queued in
+    the same take as a later write-back is then not that write-back's destination unless the pool
+    is nearly full, so the two copies need not run in separate batches
+    (`radixinfer.cache.host_tier.HostTier.take_transfers`); and blocks freed together (a node's)
+    are handed out together, in consecutive runs, each one copy across the bus."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        super().__init__(num_blocks, block_size)
+        self._free = deque(range(num_blocks))  # type: ignore[assignment]
+
+    def allocate(self, n: int) -> list[int]:
+        """Hand out ``n`` fresh blocks (refcount 1, fill 0), the longest free first; all or
+        nothing."""
+        free = self._free
+        if n > len(free):
+            raise OutOfBlocks(f"asked for {n} KV blocks, {len(free)} of {self.num_blocks} free")
+        take = free.popleft
+        blocks = [take() for _ in range(n)]
+        refcount = self.refcount
+        for b in blocks:
+            refcount[b] = 1
+        return blocks

@@ -81,7 +81,11 @@ class HostResidency:
         blocks, node by node from the top, while ``make_room(n)`` can make ``n`` GPU blocks free.
         The path is locked meanwhile, so making room evicts neither it nor the host nodes still to
         load. Returns the match as far as it is GPU-resident now, with the host-resident rest (if
-        loading stopped short) as its host part."""
+        loading stopped short) as its host part.
+
+        Room for the whole part is asked for first, so its write-backs are queued before all of
+        its loads (the copies then form one batch of each direction, `HostTier.take_transfers`);
+        only when that fails is room made node by node."""
         tree = self.tree
         end = tree.split_at(match.host_node, match.host_length)
         tree.lock(end)
@@ -90,9 +94,10 @@ class HostResidency:
             chain.append(node)
             node = node.parent
         loaded = None
+        whole = make_room(sum(len(node.blocks) for node in chain))
         for node in reversed(chain):
             count = len(node.blocks)
-            if not make_room(count):
+            if not whole and not make_room(count):
                 break  # the rest is computed again
             self.load(node, tree.pool.allocate(count))
             loaded = node

@@ -14,9 +14,11 @@ read loaded blocks wait.
 
 Ordering. A queued copy reads its source when it runs, not when it was queued, so the queue is run
 before anything else writes a block: a GPU block freed by an offload may be handed out at once, but
-the next write into it (a load, a copy-on-write, a forward) runs after the offload read it. Copies
-of one direction in a row form one batch; within a batch only two copies into one destination can
-conflict (the first went to a block freed and handed out again since), and the later one wins.
+the next write into it (a load, a copy-on-write, a forward) runs after the offload read it. The
+take groups the copies into batches of one direction; a copy may run before an earlier one of the
+other direction only when they share no block (`take_transfers`), and within a batch only two
+copies into one destination can conflict (the first went to a block freed and handed out again
+since), and the later one wins.
 """
 
 from __future__ import annotations
@@ -24,18 +26,20 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from radixinfer.cache.block_pool import BlockPool
+from radixinfer.cache.block_pool import BlockPool, QueuedBlockPool
 
 
 @dataclass(frozen=True)
 class TransferBatch:
     """Block copies of one direction: ``src[i] -> dst[i]``, every layer, K and V. ``offload``: GPU
     blocks to host blocks; otherwise host blocks to GPU blocks (a load). Destinations are
-    distinct."""
+    distinct. ``reads_loading``: an offload reading a GPU block that a load may still be writing
+    (of this take, or of an earlier one not reported complete): it must wait for the loads."""
 
     offload: bool
     src: list[int]
     dst: list[int]
+    reads_loading: bool = False
 
 
 @dataclass
@@ -68,7 +72,7 @@ class HostTier:
     _loading: dict[int, int] = field(init=False, default_factory=dict)  # GPU block -> ticket
 
     def __post_init__(self) -> None:
-        self.pool = BlockPool(self.num_blocks, self.block_size)
+        self.pool = QueuedBlockPool(self.num_blocks, self.block_size)
 
     def queue(self, offload: bool, src: list[int], dst: list[int]) -> None:
         """Queue ``src[i] -> dst[i]`` (``offload``: GPU to host, else host to GPU). A load's GPU
@@ -80,23 +84,47 @@ class HostTier:
                 self._loading[block] = ticket
 
     def take_transfers(self) -> list[TransferBatch]:
-        """Every queued copy, in queue order, as batches of one direction (the caller runs them in
-        this order before its next block copy or forward); the queue is left empty. The take is
-        ticket `tickets_taken` (its loads' destinations are loading until `finish_loads` of it)."""
+        """Every queued copy as batches of one direction, to be run in the order given (before the
+        caller's next block copy or forward); the queue is left empty. The take is ticket
+        `tickets_taken` (its loads' destinations are loading until `finish_loads` of it).
+
+        Each copy goes into the first batch of its direction that comes after every earlier copy
+        of the other direction sharing a block with it (a GPU block, or a host block), and not
+        before an earlier copy into its own destination; the batches alternate in direction,
+        offloads first. Copies that share no block thus form one batch per direction, however
+        the queue interleaves them (an admission that loads several nodes queues a write-back,
+        then a load, per node). Within a batch, a later copy into a destination replaces the
+        earlier one (the first went to a block freed and handed out again since)."""
         self.tickets_taken += 1
-        batches: list[TransferBatch] = []
-        run: dict[int, int] = {}  # dst -> src of the current batch; a later copy to a dst wins
-        direction = None
+        levels: list[dict[int, int]] = []  # batch index -> {dst: src}, in queue order
+        # (direction, pool, block) -> the latest batch of that direction touching the block,
+        # and (direction, block) -> the latest batch of that direction writing the block
+        touched: dict[tuple[bool, bool, int], int] = {}
+        written: dict[tuple[bool, int], int] = {}
         for offload, src, dst in self._queue:
-            if offload is not direction and run:
-                batches.append(TransferBatch(direction, list(run.values()), list(run)))
-                run = {}
-            direction = offload
+            # offloads read GPU blocks and write host blocks, loads the reverse (pool: is host)
+            blocks = ((not offload, src), (offload, dst))
+            after = written.get((offload, dst), 0)
+            for pool, block in blocks:
+                after = max(after, touched.get((not offload, pool, block), -1) + 1)
+            level = after if (after % 2 == 0) == offload else after + 1
+            while len(levels) <= level:
+                levels.append({})
+            run = levels[level]
             run.pop(dst, None)  # keep the batch in queue order of the surviving copies
             run[dst] = src
-        if run:
-            batches.append(TransferBatch(direction, list(run.values()), list(run)))
+            for pool, block in blocks:
+                if touched.get((offload, pool, block), -1) < level:
+                    touched[(offload, pool, block)] = level
+            written[(offload, dst)] = level
         self._queue.clear()
+        loading = self._loading
+        batches = []
+        for index, run in enumerate(levels):
+            if run:
+                src, offload = list(run.values()), index % 2 == 0
+                reads_loading = offload and bool(loading) and any(b in loading for b in src)
+                batches.append(TransferBatch(offload, src, list(run), reads_loading))
         return batches
 
     def finish_loads(self, ticket: int) -> None:

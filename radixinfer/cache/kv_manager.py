@@ -120,17 +120,18 @@ class KVCacheManager:
         With a host tier, a match that goes on through host-resident nodes loads them into fresh GPU
         blocks, top down, as far as GPU blocks can be made free (`ensure_free`); the match ends
         where loading stopped, and the sequence computes the rest (``num_loaded``: tokens
-        loaded)."""
+        loaded). A host-resident part shorter than a block is computed, not loaded
+        (`_loads`)."""
         if not (self.enable_prefix_cache and use_cache):
             return SeqKV(salt, [], 0, 0, None, None)
         tokens = as_token_array(tokens)
         match = self._peeked(tokens, salt) or self.tree.match(tokens, salt)
         num_loaded = 0
-        if match.host_node is not None:
+        if self._loads(match):
             gpu_length = match.length
             match = self.tree.tiers.load_match(match, len(tokens), self.ensure_free)
             num_loaded = match.length - gpu_length
-        elif match.length and match.length < match.node.end:
+        elif match.host_node is None and match.length and match.length < match.node.end:
             match = MatchResult(
                 match.length, match.blocks, self.tree.split_at(match.node, match.length), None
             )
@@ -157,7 +158,14 @@ class KVCacheManager:
         tokens = as_token_array(tokens)
         peek = self._peeked(tokens, salt) or self.tree.match(tokens, salt)
         self._last_peek = (tokens, salt, TreeWalk(peek, len(tokens), self.tree.version))
-        return peek.total_length
+        return peek.total_length if self._loads(peek) else peek.length
+
+    def _loads(self, match: MatchResult) -> bool:
+        """Whether `admit` loads the host-resident part of ``match``: when it covers at least a
+        block's worth of positions. A shorter one costs the request a wait for its load (a step
+        or more) to save computing fewer positions than a block holds: it is computed, and its
+        publish takes the host-resident nodes' place (`HostResidency.promote`)."""
+        return match.host_node is not None and match.host_length - match.length >= self.block_size
 
     def _peeked(self, tokens: TokenArray, salt: Hashable) -> MatchResult | None:
         """The last peek, when it was of this very array under this salt and the tree has not changed since."""

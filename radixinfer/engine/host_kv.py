@@ -9,13 +9,18 @@ batch of blocks is gathered on the GPU into a staging tensor of the host layout 
 ``index_select`` per K and V) and copied out one run at a time, or copied in one run at a time and
 scattered (one ``index_copy_`` per K and V), never one copy per block per layer.
 
-Streams. On CUDA the host pool is pinned and the copies run on a side stream: it waits for the work
-queued before it (an offload reads what earlier forwards wrote, a load may write a block a finished
-request held). The current stream waits for the offloads (the next forward may write the blocks
-they free), not for the loads: the forwards of the step go on while loads run, and only requests
-that read a loaded block wait, in the cache, until `finished_ticket` reports their take's loads
-completed (an event on the side stream; the cache then lets them join). The host side returns as
-soon as the copies are queued.
+Streams. On CUDA the host pool is pinned. An offload's gather into its staging tensor runs on the
+current stream, in order with the forwards: the blocks it frees may be written by the very next
+forward, which then needs no wait. Its copy across the bus, and every load, run on a side stream
+that waits for the work queued before it (a load may write a block a gather just read, or one a
+finished request held); the current stream waits for nothing there but the copies out of the one
+write-back staging tensor before it gathers into it again (`MAX_STAGED_BYTES` of device memory at
+most; a take that writes back less goes on at once), so the step's forwards run while the bus copies
+do. Only the requests that read a loaded block wait, in the cache, until
+`finished_ticket` reports their take's loads completed (an event on the side stream; the cache then
+lets them join); an offload that reads a block still loading (`TransferBatch.reads_loading`) has
+the current stream wait for the side stream first. The host side returns as soon as the copies are
+queued; index tensors go up from pinned memory, so nothing here waits for the device.
 
 Load bandwidth: each load batch is timed on the side stream with CUDA events (wall time on a CPU)
 and counted once complete: ``loaded_bytes`` over ``load_seconds``.
@@ -23,6 +28,7 @@ and counted once complete: ``loaded_bytes`` over ``load_seconds``.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -30,6 +36,7 @@ from collections.abc import Sequence
 import torch
 
 from radixinfer.cache.host_tier import TransferBatch
+from radixinfer.engine.pipeline import device_index
 
 # `HostKVPool.load_stats` without a host tier.
 NO_LOADS = {"loaded_bytes": 0, "load_seconds": 0.0, "load_gb_per_s": 0.0}
@@ -73,7 +80,7 @@ class HostKVPool:
             pin_memory=cuda,
         )
         self.block_bytes = self.blocks[0].numel() * self.blocks.element_size()
-        self.max_staged_blocks = max(1, MAX_STAGED_BYTES // self.block_bytes)
+        self.max_staged_blocks = min(num_blocks, max(1, MAX_STAGED_BYTES // self.block_bytes))
         self._stream = torch.cuda.Stream(self.device) if cuda else None
         # Takes whose loads may be in flight, oldest first: (ticket, done event, load batch timings
         # as (start event, end event, bytes)).
@@ -81,6 +88,10 @@ class HostKVPool:
         self._finished = 0  # every take up to this ticket has its loads completed
         self.loaded_bytes = 0
         self.load_seconds = 0.0
+        # The write-backs' staging tensor (made at the first one) and, on CUDA, the event after
+        # the last copies out of it.
+        self._out: torch.Tensor | None = None
+        self._out_copied: torch.cuda.Event | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -91,8 +102,9 @@ class HostKVPool:
         self, batches: Sequence[TransferBatch], k: torch.Tensor, v: torch.Tensor, ticket: int
     ) -> None:
         """Run ``batches`` (take ``ticket`` of the cache) in order against the GPU tensors ``k`` and
-        ``v``: on CUDA queued on the side stream, the current stream waiting for the offloads only
-        (the module says why); on a CPU at once."""
+        ``v``: on CUDA queued, the offloads' gathers on the current stream and every copy across
+        the bus on the side stream, which the current stream does not wait for (the module says
+        why); on a CPU at once."""
         if self._stream is None:
             for batch in batches:
                 begin = time.perf_counter()
@@ -104,17 +116,16 @@ class HostKVPool:
             return
         if not batches:
             return
-        current = torch.cuda.current_stream(self.device)
-        self._stream.wait_stream(current)
-        offloaded = None
+        current, side = torch.cuda.current_stream(self.device), self._stream
         timings = []
-        with torch.cuda.stream(self._stream):
-            for batch in batches:
-                if batch.offload:
-                    self._run(batch, k, v)
-                    offloaded = torch.cuda.Event()
-                    offloaded.record()
-                    continue
+        for batch in batches:
+            if batch.offload:
+                if batch.reads_loading:
+                    current.wait_stream(side)
+                self._run(batch, k, v)  # its gathers on the current stream, its copies on the side
+                continue
+            side.wait_stream(current)
+            with torch.cuda.stream(side):
                 start, end = (
                     torch.cuda.Event(enable_timing=True),
                     torch.cuda.Event(enable_timing=True),
@@ -122,13 +133,16 @@ class HostKVPool:
                 start.record()
                 self._run(batch, k, v)
                 end.record()
-                timings.append((start, end, len(batch.src) * self.block_bytes))
-            if timings:
-                done = torch.cuda.Event()
-                done.record()
-                self._in_flight.append((ticket, done, timings))
-        if offloaded is not None:
-            current.wait_event(offloaded)
+            timings.append((start, end, len(batch.src) * self.block_bytes))
+        if timings:
+            done = torch.cuda.Event()
+            done.record(side)
+            self._in_flight.append((ticket, done, timings))
+
+    def join(self) -> None:
+        """Make the current stream wait for every copy queued so far (a benchmark's timing)."""
+        if self._stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._stream)
 
     def finished_ticket(self, wait: bool = False) -> int:
         """The latest take whose loads, and every earlier take's, have completed (``wait``: wait
@@ -157,29 +171,47 @@ class HostKVPool:
         step = self.max_staged_blocks
         for start in range(0, len(pairs), step):
             host_part, gpu_part = zip(*pairs[start : start + step])
-            gpu_index = torch.tensor(gpu_part, dtype=torch.int64).to(self.device, non_blocking=True)
+            gpu_index = device_index(list(gpu_part), self.device)
             if batch.offload:
                 self._offload(gpu_index, host_part, k, v)
             else:
                 self._load(host_part, gpu_index, k, v)
 
+    def _staging(self, count: int, k: torch.Tensor) -> torch.Tensor:
+        """A staging tensor of ``count`` blocks in the host layout, on the device."""
+        return torch.empty((count, *self.blocks.shape[1:]), dtype=k.dtype, device=self.device)
+
     def _offload(
         self, gpu_index: torch.Tensor, host_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor
     ) -> None:
-        # [n, 2, num_layers, block_size, num_kv_heads, head_dim]
-        pair = (k.index_select(1, gpu_index), v.index_select(1, gpu_index))
-        staged = torch.stack(pair, dim=1).transpose(0, 2).contiguous()
-        for index, first, length in _runs(host_ids):
-            self.blocks[first : first + length].copy_(
-                staged[index : index + length], non_blocking=True
-            )
+        """Gather the blocks into the write-back staging tensor on the current stream, then copy
+        them out on the side stream (on a CPU, at once). One staging tensor serves every
+        write-back, so they hold at most `MAX_STAGED_BYTES` of device memory: a gather waits
+        for the copies out of the one before (long done, unless one take writes back more)."""
+        if self._out is None:
+            self._out = self._staging(self.max_staged_blocks, k)
+        side = self._stream
+        current = None if side is None else torch.cuda.current_stream(self.device)
+        if current is not None and self._out_copied is not None:
+            current.wait_event(self._out_copied)
+        staged = self._out[: len(host_ids)]  # [n, 2, num_layers, block_size, heads, dim]
+        staged[:, 0].copy_(k.index_select(1, gpu_index).transpose(0, 1))
+        staged[:, 1].copy_(v.index_select(1, gpu_index).transpose(0, 1))
+        if side is not None:
+            side.wait_stream(current)
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            for index, first, length in _runs(host_ids):
+                self.blocks[first : first + length].copy_(
+                    staged[index : index + length], non_blocking=True
+                )
+            if side is not None:
+                self._out_copied = torch.cuda.Event()
+                self._out_copied.record()
 
     def _load(
         self, host_ids: Sequence[int], gpu_index: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
-        staged = torch.empty(
-            (len(host_ids), *self.blocks.shape[1:]), dtype=k.dtype, device=self.device
-        )
+        staged = self._staging(len(host_ids), k)
         for index, first, length in _runs(host_ids):
             staged[index : index + length].copy_(
                 self.blocks[first : first + length], non_blocking=True
