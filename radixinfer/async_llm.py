@@ -37,7 +37,6 @@ import itertools
 import threading
 from collections.abc import AsyncIterator, Callable, Hashable
 from concurrent.futures import Future
-from dataclasses import replace
 from typing import Protocol, TypeVar
 
 import numpy as np
@@ -174,8 +173,8 @@ class AsyncLLM:
         )
         detokenizer = IncrementalDetokenizer(self.tokenizer) if front_decodes else None
         if front_decodes:
-            params = replace(params, detokenize=False)
-        request_id = self.submit(prompt_ids, params, cache_salt, router)
+            params = params.ids_only()
+        request_id = self._submit(prompt_ids, params, cache_salt, router)
         return router.open(self, request_id, prompt_ids, timeout, detokenizer)
 
     async def generate(
@@ -225,8 +224,14 @@ class AsyncLLM:
         Raises ``ValueError`` for a bad prompt, `QueueFullError`, `EngineLoopError` if the loop has
         died and ``RuntimeError`` after `close`; a request the engine rejects later gets a
         `StreamFailure`."""
-        prompt_ids = self._prompts.token_ids(prompt)
-        params = _checked_params(params)
+        return self._submit(
+            self._prompts.token_ids(prompt), _checked_params(params), cache_salt, sink
+        )
+
+    def _submit(
+        self, prompt_ids: np.ndarray, params: SamplingParams, cache_salt: Hashable, sink: Sink
+    ) -> str:
+        """`submit` of a prompt and params checked already (`add_request` checks them once)."""
         with self._lock:
             self._check_open()
             if self.max_waiting is not None and self.num_waiting >= self.max_waiting:

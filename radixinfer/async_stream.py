@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -147,7 +146,7 @@ class AsyncStream:
             text = self._detokenizer.add_many(ids)
             if last.finished:
                 text += self._detokenizer.flush()
-            events[-1] = replace(last, text=text)
+            last.text = text  # the stream's own delta (the router built it, or unpickled it)
         return events
 
     def _push(self, event: StreamDelta | StreamFailure) -> None:
