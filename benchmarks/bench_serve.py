@@ -17,7 +17,9 @@ on a free loopback port, wait for ``/health``, run the bench's ``openai`` backen
 the in-process / served ratios (> 1: in-process is better). ``--skip-in-process`` runs the served
 half only; ``--serve-flag=--stream-interval=4`` (repeatable) passes a flag to the server alone;
 ``--server-timeout S`` bounds its start-up (300 s); ``--json PATH`` writes both results and the CPU
-counts.
+counts; ``--profile-front PATH`` runs the server under cProfile (its event loop's thread, start-up
+included, in CPU seconds of that thread; cProfile slows it, so its tables are not the ones to
+compare) and prints its top functions.
 
 CPU counts (Linux ``/proc``): the server's HTTP process (``front``) and its engine process
 (``engine``), and this process (``client``: the bench's OpenAI client and run loop), over the whole
@@ -44,6 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 STUB_ENV = "BENCH_SERVE_STUB"
+PROFILE_ENV = "BENCH_SERVE_PROFILE"  # where the server's process writes its event loop's profile
 STUB_MODEL = "tiny"  # the preset --stub-model defaults --model to (its byte vocabulary)
 
 
@@ -109,12 +112,20 @@ def _engine_pid(pid: int) -> int | None:
 class Server:
     """``radixinfer serve`` with ``engine_flags`` on a free loopback port, as a subprocess."""
 
-    def __init__(self, engine_flags: list[str], serve_flags: list[str], timeout: float) -> None:
+    def __init__(
+        self,
+        engine_flags: list[str],
+        serve_flags: list[str],
+        timeout: float,
+        profile: str | None = None,
+    ) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         command = [sys.executable, str(Path(__file__).resolve()), "--serve"]
         command += [*engine_flags, *serve_flags, "--host", "127.0.0.1", "--port", str(self.port)]
         env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        if profile:
+            env[PROFILE_ENV] = str(Path(profile).resolve())
         self.process = subprocess.Popen(command, env=env)
         self._wait_healthy(timeout)
         self.engine_pid = _engine_pid(self.process.pid)
@@ -155,8 +166,19 @@ def _bench(argv: list[str]) -> dict:
     return run_bench(parse_bench_args(argv))
 
 
+def _server_stack() -> str:
+    """What uvicorn runs on in this environment (the server's, a subprocess of the same Python):
+    httptools and uvloop when installed, else h11 and asyncio's loop, both pure Python."""
+    import importlib.util
+
+    http = "httptools" if importlib.util.find_spec("httptools") else "h11"
+    loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
+    return f"server HTTP: {http}, event loop: {loop}"
+
+
 def _cpu_table(cpu: dict[str, float], requests: int, tokens: int) -> str:
-    lines = [f"{'CPU (served bench)':<12} {'seconds':>9} {'ms/request':>11} {'us/token':>9}"]
+    lines = [_server_stack()]
+    lines.append(f"{'CPU (served bench)':<12} {'seconds':>9} {'ms/request':>11} {'us/token':>9}")
     for name, seconds in cpu.items():
         per_request = 1e3 * seconds / max(requests, 1)
         per_token = 1e6 * seconds / max(tokens, 1)
@@ -185,6 +207,7 @@ def main(argv: list[str]) -> int:
     own.add_argument("--server-timeout", type=float, default=300.0)
     own.add_argument("--json", default=None)
     own.add_argument("--serve-flag", action="append", default=[], metavar="FLAG")
+    own.add_argument("--profile-front", default=None, metavar="PATH")
     if "-h" in argv or "--help" in argv:
         print(__doc__)
         return 0
@@ -196,7 +219,7 @@ def main(argv: list[str]) -> int:
             bench_argv = ["--model", STUB_MODEL, *bench_argv]
     parsed = parse_bench_args(bench_argv)  # bad flags stop here, before a server starts
     engine_flags, _ = _split_flags(bench_argv)
-    server = Server(engine_flags, args.serve_flag, args.server_timeout)
+    server = Server(engine_flags, args.serve_flag, args.server_timeout, args.profile_front)
     try:
         before, client_before = server.cpu(), time.process_time()
         served = _bench([*bench_argv, "--backend", "openai", "--base-url", server.url])
@@ -212,16 +235,40 @@ def main(argv: list[str]) -> int:
     result = {"config": served["config"], "runs": runs, "comparisons": comparisons(runs)}
     print(format_report(result))
     print(_cpu_table(cpu, requests, tokens), flush=True)
+    if args.profile_front:
+        _print_profile(args.profile_front)
     if args.json:
         result["served_cpu"] = {"seconds": cpu, "requests": requests, "tokens": tokens}
         Path(args.json).write_text(json.dumps(result, indent=2, default=str))
     return 0
 
 
+def _print_profile(path: str, top: int = 30) -> None:
+    import pstats
+
+    print(f"\nthe server's event loop thread (cProfile, {path}), by own time:")
+    pstats.Stats(path).sort_stats("tottime").print_stats(top)
+
+
 def _serve(argv: list[str]) -> int:
+    """``radixinfer serve``; under cProfile (its main thread: the event loop) when `PROFILE_ENV`
+    names a file, written when the server stops."""
     from radixinfer.cli import main as cli_main
 
-    return cli_main(["serve", *argv])
+    if not (path := os.environ.get(PROFILE_ENV)):
+        return cli_main(["serve", *argv])
+    import cProfile
+    import signal
+
+    # uvicorn re-raises the SIGTERM that stopped it once it has shut down: exit through `finally`.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    profiler = cProfile.Profile(time.thread_time)  # CPU time: not the waits for the GIL
+    profiler.enable()
+    try:
+        return cli_main(["serve", *argv])
+    finally:
+        profiler.disable()
+        profiler.dump_stats(path)
 
 
 if __name__ == "__main__":
