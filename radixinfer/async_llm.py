@@ -159,8 +159,22 @@ class AsyncLLM(StreamFront):
         Raises ``ValueError`` for a bad prompt, `QueueFullError`, `EngineLoopError` if the loop has
         died and ``RuntimeError`` after `close`; a request the engine rejects later gets a
         `StreamFailure`."""
-        prompt_ids = self.prompts.token_ids(prompt)
-        params = checked_params(params)
+        return self.submit_checked(
+            self.prompts.token_ids(prompt), checked_params(params), cache_salt, sink,
+            request_id=request_id,
+        )  # fmt: skip
+
+    def submit_checked(
+        self,
+        prompt_ids: np.ndarray,
+        params: SamplingParams,
+        cache_salt: Hashable,
+        sink: Sink,
+        *,
+        request_id: str | None = None,
+    ) -> str:
+        """`submit` of a prompt and params checked already (`StreamFront.add_request` and a
+        data-parallel front check them once)."""
         with self._lock:
             self._check_open()
             if self.max_waiting is not None and self.num_waiting >= self.max_waiting:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Hashable
-from dataclasses import replace
 from typing import Protocol
 
 import numpy as np
@@ -156,7 +155,7 @@ class AsyncStream:
             text = self._detokenizer.add_many(ids)
             if last.finished:
                 text += self._detokenizer.flush()
-            events[-1] = replace(last, text=text)
+            last.text = text  # the stream's own delta (the router built it, or unpickled it)
         return events
 
     def _push(self, event: StreamDelta | StreamFailure) -> None:
@@ -208,9 +207,9 @@ class StreamFront:
         self.max_context_len: int = prompts.max_context_len
         self._routers: dict[asyncio.AbstractEventLoop, StreamRouter] = {}
 
-    # what a subclass implements: queue a checked prompt whose events go to a sink (returns its
-    # request id), and abort a request
-    submit: Callable[[np.ndarray, SamplingParams, Hashable, Sink], str]
+    # what a subclass implements: queue a prompt and params checked already whose events go to a
+    # sink (returns its request id), and abort a request
+    submit_checked: Callable[[np.ndarray, SamplingParams, Hashable, Sink], str]
     abort: Callable[[str], None]
 
     def add_request(
@@ -242,8 +241,8 @@ class StreamFront:
         front_decodes = params.detokenize and not params.needs_engine_text
         detokenizer = IncrementalDetokenizer(self.tokenizer) if front_decodes else None
         if front_decodes:
-            params = replace(params, detokenize=False)
-        request_id = self.submit(prompt_ids, params, cache_salt, router)
+            params = params.ids_only()
+        request_id = self.submit_checked(prompt_ids, params, cache_salt, router)
         return router.open(self, request_id, prompt_ids, timeout, detokenizer)
 
     async def generate(

@@ -227,8 +227,14 @@ class DataParallelLLM(StreamFront):
         """`AsyncLLM.submit`: queue a request whose events go to ``sink``; returns its id at once.
         It reaches a replica when the router places it; an error there (every replica down) comes
         as a `StreamFailure`."""
-        prompt_ids = self.prompts.token_ids(prompt)
-        params = checked_params(params)
+        return self.submit_checked(
+            self.prompts.token_ids(prompt), checked_params(params), cache_salt, sink
+        )
+
+    def submit_checked(
+        self, prompt_ids: np.ndarray, params: SamplingParams, cache_salt: Hashable, sink: Sink
+    ) -> str:
+        """`submit` of a prompt and params checked already."""
         with self._lock:
             if self._error is not None:
                 raise self._error
@@ -373,7 +379,7 @@ class DataParallelLLM(StreamFront):
         if sink is None:
             sink = self._sinks[replica, queued.sink] = _ReplicaSink(self, queued.sink)
         try:
-            self.replicas[replica].submit(
+            self.replicas[replica].submit_checked(
                 queued.prompt, queued.params, queued.salt, sink, request_id=request_id
             )
         except Exception as exc:  # noqa: BLE001 - the replica died or refused: the caller hears

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -149,6 +150,17 @@ class SamplingParams:
                 raise ValueError(f"logit_bias[{token_id}] must be in [-100, 100], got {value}")
             checked[token_id] = value
         return checked
+
+    def ids_only(self) -> SamplingParams:
+        """These params with ``detokenize=False``, not checked again: every check still holds (only
+        stop strings need ``detokenize``, and params with stop strings raise ``ValueError`` here).
+        A front that decodes the text itself asks the engine for ids; checking all the fields again
+        (``dataclasses.replace``) cost as much as building them did, once per request."""
+        if self.stop:
+            raise ValueError("stop: stop strings need detokenize=True (they match the text)")
+        params = copy.copy(self)
+        object.__setattr__(params, "detokenize", False)
+        return params
 
     @property
     def needs_engine_text(self) -> bool:

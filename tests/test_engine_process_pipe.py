@@ -1,14 +1,19 @@
 """The engine process's pipe (`radixinfer.engine_process._PipeEnd`): what one end sends, the other
-receives, every message once and in order, however the sender groups them into frames."""
+receives, every message once and in order, however the sender groups them into frames; an
+`AddRequest` crosses it whole (its prompt as bytes), with params asked for ids only."""
 
 from __future__ import annotations
 
 import multiprocessing
+import pickle
 import threading
 
 import numpy as np
+import pytest
 
+from radixinfer.core_messages import AddRequest
 from radixinfer.engine_process import _PipeEnd
+from radixinfer.sampling_params import SamplingParams
 
 
 def test_messages_sent_from_several_bursts_arrive_once_each_and_in_order():
@@ -56,3 +61,23 @@ def test_a_send_after_the_other_end_has_gone_is_dropped_and_the_reader_sees_the_
         pass
     else:
         raise AssertionError("a closed pipe must end the reader with EOFError")
+
+
+def test_an_add_request_crosses_with_its_prompt_params_and_salt():
+    prompt = np.arange(1152, dtype=np.int64) % 259
+    params = SamplingParams(max_tokens=7, temperature=0.5, seed=3, stop_token_ids=[4])
+    message = pickle.loads(pickle.dumps(AddRequest("req-9", prompt, params, "tenant"), 5))
+    assert message.request_id == "req-9" and message.cache_salt == "tenant"
+    assert message.params == params and message.prompt.dtype == np.int64
+    assert np.array_equal(message.prompt, prompt)
+
+
+def test_ids_only_params_keep_every_other_field_and_refuse_stop_strings():
+    params = SamplingParams(max_tokens=5, top_p=0.9, presence_penalty=0.5, logit_bias={3: 1.0})
+    ids_only = params.ids_only()
+    assert not ids_only.detokenize and params.detokenize
+    assert ids_only == SamplingParams(
+        max_tokens=5, top_p=0.9, presence_penalty=0.5, logit_bias={3: 1.0}, detokenize=False
+    )
+    with pytest.raises(ValueError, match="stop"):
+        SamplingParams(stop="x").ids_only()

@@ -5,6 +5,7 @@ shapes when asked for."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -27,10 +28,12 @@ class Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
-    def extend(self, part: Choice) -> None:
+    def extend(self, part: Choice | StreamDelta) -> None:
+        """Append what ``part`` (a choice, or one delta of this completion) produced."""
         self.text += part.text
         self.token_ids += part.token_ids
-        self.logprobs += part.logprobs
+        if part.logprobs:
+            self.logprobs += part.logprobs
         if part.finish_reason is not None:
             self.finish_reason, self.stop_reason = part.finish_reason, part.stop_reason
 
@@ -54,18 +57,17 @@ class Run:
             part = parts.get(delta.index)
             if part is None:
                 part = parts[delta.index] = Choice(delta.index)
-            part.extend(
-                Choice(
-                    delta.index, delta.text, delta.token_ids, delta.logprobs or [],
-                    delta.finish_reason, delta.stop_reason,
-                )
-            )  # fmt: skip
+            part.extend(delta)
             self.token_times += [delta.timestamp] * len(delta.token_ids)
             self.cached_tokens = delta.num_cached_tokens
             if delta.finished:
                 self.finish_reason = delta.finish_reason
+        choices = self.choices
         for index, part in parts.items():
-            self.choices.setdefault(index, Choice(index)).extend(part)
+            whole = choices.get(index)
+            if whole is None:
+                whole = choices[index] = Choice(index)
+            whole.extend(part)
         return list(parts.values())
 
     def usage(self) -> dict[str, Any]:
@@ -77,6 +79,15 @@ class Run:
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": max(self.cached_tokens, 0)},
         }
+
+
+# One encoder for every event: ``json.dumps`` with separators builds a new encoder each call.
+_encode = json.JSONEncoder(separators=(",", ":")).encode
+
+
+def sse(payload: dict) -> str:
+    """``payload`` as one server-sent event."""
+    return f"data: {_encode(payload)}\n\n"
 
 
 class CompletionChunks:
@@ -91,13 +102,20 @@ class CompletionChunks:
         }
         self.with_ids = body.return_token_ids
         self.num_logprobs = body.num_logprobs
+        self._event_head: str | None = None
 
     def opening(self) -> dict | None:
         return None
 
-    def delta(self, part: Choice, whole: Choice) -> dict:
-        """The chunk of what ``part`` added to the completion that is now ``whole``."""
-        return {**self.head, "choices": [self._choice(part, len(whole.text) - len(part.text))]}
+    def delta_event(self, part: Choice, whole: Choice) -> str:
+        """The server-sent event of the chunk of what ``part`` added to the completion that is now
+        ``whole``. The chunk's head (id, object, created, model) is encoded once per request."""
+        if self._event_head is None:
+            self._event_head = "data: " + _encode(self.head)[:-1] + ',"choices":['
+        return self._event_head + _encode(self.delta_choice(part, whole)) + "]}\n\n"
+
+    def delta_choice(self, part: Choice, whole: Choice) -> dict:
+        return self._choice(part, len(whole.text) - len(part.text))
 
     def usage(self, usage: dict) -> dict:
         return {**self.head, "choices": [], "usage": usage}
@@ -142,8 +160,8 @@ class ChatChunks(CompletionChunks):
         ]
         return {**self.head, "choices": choices}
 
-    def delta(self, part: Choice, whole: Choice) -> dict:
-        return {**self.head, "choices": [self._chat_choice(part, "delta")]}
+    def delta_choice(self, part: Choice, whole: Choice) -> dict:
+        return self._chat_choice(part, "delta")
 
     def whole(self, run: Run) -> dict:
         choices = [self._chat_choice(run.choices[i], "message") for i in sorted(run.choices)]

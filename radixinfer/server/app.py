@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from typing import TypeVar
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from radixinfer.async_llm import AsyncLLM, EngineLoopError, QueueFullError
@@ -34,7 +34,7 @@ from radixinfer.async_stream import AsyncStream, RequestTimeoutError
 from radixinfer.chat import chat_prompt_ids
 from radixinfer.data_parallel import DataParallelLLM
 from radixinfer.outputs import StreamDelta
-from radixinfer.server.answers import ChatChunks, CompletionChunks, Run
+from radixinfer.server.answers import ChatChunks, CompletionChunks, Run, sse
 from radixinfer.server.body_limit import BodyLimit
 from radixinfer.server.metrics import ServerMetrics
 from radixinfer.server.protocol import (
@@ -45,6 +45,7 @@ from radixinfer.server.protocol import (
 )
 
 T = TypeVar("T")
+R = TypeVar("R", bound=SamplingRequest)
 
 # OpenAI's default for /v1/completions; chat completions default to what the context leaves
 COMPLETION_DEFAULT_MAX_TOKENS = 16
@@ -130,7 +131,9 @@ def build_app(llm: AsyncLLM | DataParallelLLM, config: ServerConfig) -> FastAPI:
     async def _engine_down(_: Request, exc: EngineLoopError) -> JSONResponse:
         return _error(503, str(exc), "server_error")
 
-    def authorized(request: Request) -> None:
+    async def authorized(request: Request) -> None:
+        # A coroutine: FastAPI runs a plain function dependency on its thread pool, a thread handoff
+        # per request under the GIL that the event loop is busy with.
         if config.api_key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
@@ -187,30 +190,36 @@ def build_app(llm: AsyncLLM | DataParallelLLM, config: ServerConfig) -> FastAPI:
     async def _events(
         body: SamplingRequest, run: Run, first: list[StreamDelta], chunks: CompletionChunks
     ) -> AsyncIterator[str]:
+        usage_sent = False
         try:
             if (opening := chunks.opening()) is not None:
-                yield _sse(opening)
+                yield sse(opening)
             deltas = first
             while deltas:
                 while not deltas[-1].finished and _num_tokens(deltas) < config.stream_interval:
                     if not (more := await run.stream.next_deltas()):
                         break
                     deltas += more
-                for part in run.take(deltas):
-                    if (
-                        part.text
-                        or part.finish_reason
-                        or (body.return_token_ids and part.token_ids)
-                    ):
-                        yield _sse(chunks.delta(part, run.choices[part.index]))
+                # One write for what one take added (and the usage, after the last): each write
+                # crosses the ASGI middleware, the HTTP protocol and a socket send.
+                events = [
+                    chunks.delta_event(part, run.choices[part.index])
+                    for part in run.take(deltas)
+                    if part.text or part.finish_reason or (body.return_token_ids and part.token_ids)
+                ]
+                if run.finish_reason is not None and body.include_usage and not usage_sent:
+                    events.append(sse(chunks.usage(run.usage())))
+                    usage_sent = True
+                if events:
+                    yield "".join(events)
                 deltas = await run.stream.next_deltas() if run.finish_reason is None else []
-            if body.include_usage:
-                yield _sse(chunks.usage(run.usage()))
+            if body.include_usage and not usage_sent:
+                yield sse(chunks.usage(run.usage()))
         except (RequestTimeoutError, EngineLoopError) as exc:
             timeout = isinstance(exc, RequestTimeoutError)
             run.finish_reason = "timeout" if timeout else "error"
             error = {"message": str(exc), "type": "server_error", "code": 504 if timeout else 503}
-            yield _sse({"error": error})
+            yield sse({"error": error})
         finally:
             if run.finish_reason is None:
                 run.finish_reason = "abort"  # cancelled: the client went away
@@ -218,12 +227,14 @@ def build_app(llm: AsyncLLM | DataParallelLLM, config: ServerConfig) -> FastAPI:
         yield "data: [DONE]\n\n"
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
-    async def completions(request: Request, body: CompletionRequest) -> Response:
+    async def completions(request: Request) -> Response:
+        body = _parsed(CompletionRequest, await request.body())
         run = start(request, body, body.single_prompt(), COMPLETION_DEFAULT_MAX_TOKENS)
         return await answer(request, body, run, CompletionChunks(config.model_name, body))
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
-    async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
+    async def chat_completions(request: Request) -> Response:
+        body = _parsed(ChatCompletionRequest, await request.body())
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         prompt = chat_prompt_ids(llm.tokenizer, messages)
         run = start(request, body, prompt, llm.max_context_len)
@@ -261,6 +272,17 @@ def build_app(llm: AsyncLLM | DataParallelLLM, config: ServerConfig) -> FastAPI:
     return app
 
 
+def _parsed(schema: type[R], body: bytes) -> R:
+    """``body`` (JSON bytes) validated as ``schema``: one pass of pydantic's parser, which builds the
+    model straight from the bytes (a prompt of 1,152 token ids: ~3x cheaper than ``json.loads`` and
+    validating the dict, which is what a FastAPI body parameter does). Raises
+    `RequestValidationError` (422) for bad JSON or a body that is not the schema."""
+    try:
+        return schema.model_validate_json(body)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors(include_input=False, include_url=False)) from None
+
+
 def _num_tokens(deltas: list[StreamDelta]) -> int:
     return sum(len(delta.token_ids) for delta in deltas)
 
@@ -270,7 +292,3 @@ async def _rest(stream: AsyncStream) -> list[StreamDelta]:
     while batch := await stream.next_deltas():
         deltas += batch
     return deltas
-
-
-def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"

@@ -1,0 +1,277 @@
+"""Served against in-process: the same ``radixinfer bench`` workload through ``radixinfer serve`` (the
+bench's OpenAI client on loopback) and through the engine in this process, side by side, with the
+ratio, and the CPU time the server's two processes spent per request and per streamed token.
+
+    python benchmarks/bench_serve.py --model qwen2.5-0.5b --dtype bfloat16 --max-batch-size 512 \
+        --dataset shared-prefix --num-groups 16 --prompts-per-group 32 --system-prompt-len 1024 \
+        --question-len 128 --output-len 128 --no-stop-on-eos --cold-cache --warmup-runs 1 \
+        --repeat-runs 3
+    python benchmarks/bench_serve.py --stub-model --max-batch-size 512 --dataset shared-prefix \
+        --num-groups 16 --prompts-per-group 32 --system-prompt-len 1024 --question-len 128 \
+        --output-len 16 --no-stop-on-eos     # CPU: the server's own costs, the model's forward stubbed
+
+Every flag is a ``radixinfer bench`` flag (``--backend`` and ``--base-url`` are set here); the model
+and engine flags among them also start the server. Steps: start ``radixinfer serve`` as a subprocess
+on a free loopback port, wait for ``/health``, run the bench's ``openai`` backend against it, stop it
+(its GPU memory is released), run the ``radixinfer`` backend in this process, print both tables and
+the in-process / served ratios (> 1: in-process is better). ``--skip-in-process`` runs the served
+half only; ``--serve-flag=--stream-interval=4`` (repeatable) passes a flag to the server alone;
+``--server-timeout S`` bounds its start-up (300 s); ``--json PATH`` writes both results and the CPU
+counts; ``--profile-front PATH`` runs the server under cProfile (its event loop's thread, start-up
+included, in CPU seconds of that thread; cProfile slows it, so its tables are not the ones to
+compare) and prints its top functions.
+
+CPU counts (Linux ``/proc``): the server's HTTP process (``front``) and its engine process
+(``engine``), and this process (``client``: the bench's OpenAI client and run loop), over the whole
+served bench (warm-up runs included), per request and per streamed token.
+
+``--stub-model`` replaces the model's forward by its embedding lookup (no attention, no layers) in
+every process of this script, the server's engine process included (the environment variable
+``BENCH_SERVE_STUB`` is inherited, and multiprocessing's spawn re-imports this file there), so a CPU
+measures the server's intake and streaming instead of the model. Llama-shaped models only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+STUB_ENV = "BENCH_SERVE_STUB"
+PROFILE_ENV = "BENCH_SERVE_PROFILE"  # where the server's process writes its event loop's profile
+STUB_MODEL = "tiny"  # the preset --stub-model defaults --model to (its byte vocabulary)
+
+
+def install_stub() -> None:
+    """Make every Llama-shaped model's forward its embedding lookup: ``[T] -> [T, hidden]``."""
+    from radixinfer.models.llama import LlamaModel
+
+    LlamaModel.forward = lambda self, input_ids, positions, ctx: self.embed_tokens(input_ids)
+
+
+if os.environ.get(STUB_ENV):  # here and in the server's processes, which inherit the variable
+    install_stub()
+
+
+def _split_flags(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``argv`` split into (the model and engine flags, which ``radixinfer serve`` takes too, the
+    rest), each flag with its values."""
+    from radixinfer.engine_args import add_engine_arguments
+
+    engine = argparse.ArgumentParser(add_help=False)
+    add_engine_arguments(engine)
+    known = {flag: action for action in engine._actions for flag in action.option_strings}
+    ours: list[str] = []
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        flag = argv[i].split("=", 1)[0]
+        action = known.get(flag)
+        takes = 0 if "=" in argv[i] or action is None or action.nargs == 0 else 1
+        (ours if action is not None else rest).extend(argv[i : i + 1 + takes])
+        i += 1 + takes
+    return ours, rest
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (0.0 where ``/proc`` cannot tell)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _engine_pid(pid: int) -> int | None:
+    """The child of process ``pid`` that multiprocessing spawned (the engine process), if any."""
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+        children = [int(c) for task in tasks for c in (task / "children").read_text().split()]
+        for child in children:
+            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+                return child
+    except OSError:
+        pass
+    return None
+
+
+class Server:
+    """``radixinfer serve`` with ``engine_flags`` on a free loopback port, as a subprocess."""
+
+    def __init__(
+        self,
+        engine_flags: list[str],
+        serve_flags: list[str],
+        timeout: float,
+        profile: str | None = None,
+    ) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        command = [sys.executable, str(Path(__file__).resolve()), "--serve"]
+        command += [*engine_flags, *serve_flags, "--host", "127.0.0.1", "--port", str(self.port)]
+        env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        if profile:
+            env[PROFILE_ENV] = str(Path(profile).resolve())
+        self.process = subprocess.Popen(command, env=env)
+        self._wait_healthy(timeout)
+        self.engine_pid = _engine_pid(self.process.pid)
+
+    def _wait_healthy(self, timeout: float) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the server exited with code {self.process.returncode}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"the server was not healthy within {timeout:g} s")
+
+    def cpu(self) -> dict[str, float]:
+        engine = _cpu_seconds(self.engine_pid) if self.engine_pid else 0.0
+        return {"front": _cpu_seconds(self.process.pid), "engine": engine}
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def _bench(argv: list[str]) -> dict:
+    from radixinfer.bench.args import parse_bench_args
+    from radixinfer.bench.runner import run_bench
+
+    return run_bench(parse_bench_args(argv))
+
+
+def _server_stack() -> str:
+    """What uvicorn runs on in this environment (the server's, a subprocess of the same Python):
+    httptools and uvloop when installed, else h11 and asyncio's loop, both pure Python."""
+    import importlib.util
+
+    http = "httptools" if importlib.util.find_spec("httptools") else "h11"
+    loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
+    return f"server HTTP: {http}, event loop: {loop}"
+
+
+def _cpu_table(cpu: dict[str, float], requests: int, tokens: int) -> str:
+    lines = [_server_stack()]
+    lines.append(f"{'CPU (served bench)':<12} {'seconds':>9} {'ms/request':>11} {'us/token':>9}")
+    for name, seconds in cpu.items():
+        per_request = 1e3 * seconds / max(requests, 1)
+        per_token = 1e6 * seconds / max(tokens, 1)
+        lines.append(f"{name:<18} {seconds:>9.2f} {per_request:>11.3f} {per_token:>9.1f}")
+    return "\n".join(lines)
+
+
+def _served_counts(result: dict, args: argparse.Namespace) -> tuple[int, int]:
+    """Requests and completion tokens of every run of the served bench, warm-up included."""
+    metrics = result["runs"][0]["metrics"]
+    runs = args.warmup_runs + args.repeat_runs
+    per_run = (
+        metrics["requests"] / args.repeat_runs,
+        metrics["completion_tokens"] / args.repeat_runs,
+    )
+    return round(per_run[0] * runs), round(per_run[1] * runs)
+
+
+def main(argv: list[str]) -> int:
+    from radixinfer.bench.args import parse_bench_args
+    from radixinfer.bench.report import comparisons, format_report
+
+    own = argparse.ArgumentParser(description=__doc__.splitlines()[0], add_help=False)
+    own.add_argument("--stub-model", action="store_true")
+    own.add_argument("--skip-in-process", action="store_true")
+    own.add_argument("--server-timeout", type=float, default=300.0)
+    own.add_argument("--json", default=None)
+    own.add_argument("--serve-flag", action="append", default=[], metavar="FLAG")
+    own.add_argument("--profile-front", default=None, metavar="PATH")
+    if "-h" in argv or "--help" in argv:
+        print(__doc__)
+        return 0
+    args, bench_argv = own.parse_known_args(argv)
+    if args.stub_model:
+        os.environ[STUB_ENV] = "1"
+        install_stub()
+        if not any(a.split("=")[0] == "--model" for a in bench_argv):
+            bench_argv = ["--model", STUB_MODEL, *bench_argv]
+    parsed = parse_bench_args(bench_argv)  # bad flags stop here, before a server starts
+    engine_flags, _ = _split_flags(bench_argv)
+    server = Server(engine_flags, args.serve_flag, args.server_timeout, args.profile_front)
+    try:
+        before, client_before = server.cpu(), time.process_time()
+        served = _bench([*bench_argv, "--backend", "openai", "--base-url", server.url])
+        after, client_after = server.cpu(), time.process_time()
+    finally:
+        server.stop()
+    cpu = {name: after[name] - before[name] for name in after}
+    cpu["client"] = client_after - client_before
+    requests, tokens = _served_counts(served, parsed)
+    runs = list(served["runs"])
+    if not args.skip_in_process:
+        runs = _bench([*bench_argv, "--backend", "radixinfer"])["runs"] + runs
+    result = {"config": served["config"], "runs": runs, "comparisons": comparisons(runs)}
+    print(format_report(result))
+    print(_cpu_table(cpu, requests, tokens), flush=True)
+    if args.profile_front:
+        _print_profile(args.profile_front)
+    if args.json:
+        result["served_cpu"] = {"seconds": cpu, "requests": requests, "tokens": tokens}
+        Path(args.json).write_text(json.dumps(result, indent=2, default=str))
+    return 0
+
+
+def _print_profile(path: str, top: int = 30) -> None:
+    import pstats
+
+    print(f"\nthe server's event loop thread (cProfile, {path}), by own time:")
+    pstats.Stats(path).sort_stats("tottime").print_stats(top)
+
+
+def _serve(argv: list[str]) -> int:
+    """``radixinfer serve``; under cProfile (its main thread: the event loop) when `PROFILE_ENV`
+    names a file, written when the server stops."""
+    from radixinfer.cli import main as cli_main
+
+    if not (path := os.environ.get(PROFILE_ENV)):
+        return cli_main(["serve", *argv])
+    import cProfile
+    import signal
+
+    # uvicorn re-raises the SIGTERM that stopped it once it has shut down: exit through `finally`.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    profiler = cProfile.Profile(time.thread_time)  # CPU time: not the waits for the GIL
+    profiler.enable()
+    try:
+        return cli_main(["serve", *argv])
+    finally:
+        profiler.disable()
+        profiler.dump_stats(path)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--serve"]:
+        sys.exit(_serve(sys.argv[2:]))
+    sys.exit(main(sys.argv[1:]))
