@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -151,12 +152,29 @@ class Server:
         return {"front": _cpu_seconds(self.process.pid), "engine": engine}
 
     def stop(self) -> None:
+        """Stop the server and wait until its engine process has exited too: the in-process half
+        that follows needs the GPU memory the engine held (killed after 30 s)."""
         self.process.terminate()
         try:
             self.process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+        if self.engine_pid is None:
+            return
+        deadline = time.monotonic() + 30
+        while _alive(self.engine_pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if _alive(self.engine_pid):
+            os.kill(self.engine_pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (not a zombie waiting for its parent)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][0] != "Z"
+    except OSError:
+        return False
 
 
 def _bench(argv: list[str]) -> dict:
@@ -230,11 +248,13 @@ def main(argv: list[str]) -> int:
     cpu["client"] = client_after - client_before
     requests, tokens = _served_counts(served, parsed)
     runs = list(served["runs"])
+    print(format_report(served))  # before the in-process half, which may fail on its own
+    print(_cpu_table(cpu, requests, tokens), flush=True)
     if not args.skip_in_process:
         runs = _bench([*bench_argv, "--backend", "radixinfer"])["runs"] + runs
     result = {"config": served["config"], "runs": runs, "comparisons": comparisons(runs)}
-    print(format_report(result))
-    print(_cpu_table(cpu, requests, tokens), flush=True)
+    if not args.skip_in_process:
+        print(format_report(result), flush=True)
     if args.profile_front:
         _print_profile(args.profile_front)
     if args.json:
@@ -258,7 +278,6 @@ def _serve(argv: list[str]) -> int:
     if not (path := os.environ.get(PROFILE_ENV)):
         return cli_main(["serve", *argv])
     import cProfile
-    import signal
 
     # uvicorn re-raises the SIGTERM that stopped it once it has shut down: exit through `finally`.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
