@@ -202,8 +202,12 @@ class LLM:
         ids = self._add_all(prompts, per_prompt, cache_salt)
         engine = self.engine
         try:
-            while not all(engine.is_finished(i) for i in ids):
-                self._step()
+            done = 0  # ids[:done] have finished (a finished request stays so until popped)
+            while done < len(ids):
+                if engine.is_finished(ids[done]):
+                    done += 1
+                else:
+                    self._step()
         except BaseException:
             self._abort_all(ids)
             raise

@@ -114,7 +114,8 @@ class SamplingParams:
         if not 0.0 < checked["top_p"] <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         for name, value in checked.items():
-            object.__setattr__(self, name, value)
+            if value is not getattr(self, name):  # most fields come as they stay
+                object.__setattr__(self, name, value)
 
     def _checked_stop_token_ids(self) -> tuple[int, ...] | None:
         ids = self.stop_token_ids
