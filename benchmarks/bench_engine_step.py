@@ -34,7 +34,7 @@ With ``--model NAME`` on CUDA the same decode batches run on a real model (`api.
 of 600 tokens) and the GPU time of each step's decode graph replay and `sample` call is taken with CUDA events;
 ``host_us`` = step - those two, i.e. the host time not hidden behind the GPU (host work between the replay and
 the ``.tolist()`` sync overlaps it). The decode floor is (weight bytes + KV bytes the step reads) /
-``--hbm-tbps`` (measured by a 2 GiB device copy when not given); with ``--tensor-parallel-size N``
+``--hbm-tbps`` (measured by `bench_kernels.ceilings` when not given); with ``--tensor-parallel-size N``
 the model is sharded over N GPUs, the times are rank 0's (its graph holds the all-reduces) and the
 weights and KV are rank 0's shard: the floor per GPU. The fraction achieved is that floor over
 the graph's GPU time and over the whole step.
@@ -464,25 +464,6 @@ def bench_model_decode(
     }
 
 
-def measured_hbm_tbps(device: torch.device, nbytes: int = 2**31) -> float:
-    """HBM bandwidth in TB/s: bytes read plus bytes written by a ``nbytes`` device-to-device copy,
-    the median of 10 after a warm-up."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    times = []
-    for i in range(11):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        torch.cuda.synchronize(device)
-        if i:
-            times.append(start.elapsed_time(end) / 1e3)
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * nbytes / statistics.median(times) / 1e12
-
-
 # ---------------------------------------------------------------------------------------------- report
 def machine() -> dict[str, str]:
     info = {
@@ -566,7 +547,7 @@ def main() -> None:
         "--hbm-tbps",
         type=float,
         default=None,
-        help="HBM bandwidth for the decode floor (default: measured, a 2 GiB device copy)",
+        help="HBM bandwidth for the decode floor (default: measured, bench_kernels.ceilings)",
     )
     parser.add_argument("--skip-stub", action="store_true")
     parser.add_argument(
@@ -613,7 +594,9 @@ def main() -> None:
         context = PROMPT_LEN + args.warmup + 2 * args.model_steps + 16
         t0 = time.perf_counter()
         if args.hbm_tbps is None and device.type == "cuda":
-            args.hbm_tbps = measured_hbm_tbps(device)
+            from bench_kernels import ceilings  # this script's folder: benchmarks/
+
+            args.hbm_tbps = ceilings()["hbm_TBps"]
             print(f"HBM bandwidth for the floor: {args.hbm_tbps:.2f} TB/s (measured)")
         result["hbm_tbps"] = args.hbm_tbps
         llm = LLM(
