@@ -42,7 +42,7 @@ from typing import Protocol, TypeVar
 import numpy as np
 
 from radixinfer.api import LLM
-from radixinfer.async_stream import StreamFront, check_front_options, checked_params
+from radixinfer.async_stream import StreamFront, check_front_options
 from radixinfer.core_messages import (
     Abort,
     AddRequest,
@@ -142,28 +142,6 @@ class AsyncLLM(StreamFront):
         return await asyncio.wrap_future(self.call(_stats))
 
     # ------------------------------------------------------------------ any thread
-    def submit(
-        self,
-        prompt: str | list[int] | np.ndarray,
-        params: SamplingParams | None,
-        cache_salt: Hashable,
-        sink: Sink,
-        *,
-        request_id: str | None = None,
-    ) -> str:
-        """Queue a request whose events go to ``sink`` (in lists, one per step, shared with the
-        sink's other requests: a delta carries its ``request_id``, a `TokenBatch` one per row).
-        Returns its request id: ``request_id`` when given (a front over several engines names its
-        requests itself; it must be unique among this front's open requests), else a new one.
-
-        Raises ``ValueError`` for a bad prompt, `QueueFullError`, `EngineLoopError` if the loop has
-        died and ``RuntimeError`` after `close`; a request the engine rejects later gets a
-        `StreamFailure`."""
-        return self.submit_checked(
-            self.prompts.token_ids(prompt), checked_params(params), cache_salt, sink,
-            request_id=request_id,
-        )  # fmt: skip
-
     def submit_checked(
         self,
         prompt_ids: np.ndarray,
@@ -173,8 +151,14 @@ class AsyncLLM(StreamFront):
         *,
         request_id: str | None = None,
     ) -> str:
-        """`submit` of a prompt and params checked already (`StreamFront.add_request` and a
-        data-parallel front check them once)."""
+        """Queue a request, its prompt and params checked already (`StreamFront.submit` checks
+        them), whose events go to ``sink`` (in lists, one per step, shared with the sink's other
+        requests: a delta carries its ``request_id``, a `TokenBatch` one per row). Returns its
+        request id: ``request_id`` when given (a front over several engines names its requests
+        itself; it must be unique among this front's open requests), else a new one.
+
+        Raises `QueueFullError`, `EngineLoopError` if the loop has died and ``RuntimeError`` after
+        `close`; a request the engine rejects later gets a `StreamFailure`."""
         with self._lock:
             self._check_open()
             if self.max_waiting is not None and self.num_waiting >= self.max_waiting:

@@ -212,6 +212,20 @@ class StreamFront:
     submit_checked: Callable[[np.ndarray, SamplingParams, Hashable, Sink], str]
     abort: Callable[[str], None]
 
+    def submit(
+        self,
+        prompt: str | list[int] | np.ndarray,
+        params: SamplingParams | None,
+        cache_salt: Hashable,
+        sink: Sink,
+    ) -> str:
+        """Check a request and queue it (`submit_checked`); its events go to ``sink``. Returns its
+        request id at once; callable from any thread. Raises ``ValueError`` for a bad prompt or
+        params, and what `submit_checked` raises."""
+        return self.submit_checked(
+            self.prompts.token_ids(prompt), checked_params(params), cache_salt, sink
+        )
+
     def add_request(
         self,
         prompt: str | list[int] | np.ndarray,

@@ -3,7 +3,7 @@ with its own KV pool and radix tree, as one front with `AsyncLLM`'s interface (w
 ``radixinfer serve --data-parallel-size M`` runs)::
 
     add_request / submit ──▶ queued ──▶ router thread: ask every replica's tree (cache_aware),
-                                         `Router.place`, then that replica's `AsyncLLM.submit`
+                                         `Router.place`, then that replica's `AsyncLLM.submit_checked`
     replica r's events ──▶ its sink wrapper (a request that ends leaves the router's books) ──▶ sink
 
 Routing (`radixinfer.router`) runs on a thread of its own, in rounds: every request queued since
@@ -38,7 +38,7 @@ import numpy as np
 
 from radixinfer.api import LLM
 from radixinfer.async_llm import AsyncLLM, EngineLoopError, QueueFullError
-from radixinfer.async_stream import PromptInput, StreamFront, check_front_options, checked_params
+from radixinfer.async_stream import StreamFront, check_front_options
 from radixinfer.cache.tree_node import as_token_array
 from radixinfer.core_messages import Sink, StreamEvents, StreamFailure
 from radixinfer.engine_process import EngineProcess
@@ -221,20 +221,12 @@ class DataParallelLLM(StreamFront):
         return [replica.engine_pid for replica in self.replicas]
 
     # ------------------------------------------------------------------ any thread
-    def submit(
-        self, prompt: PromptInput, params: SamplingParams | None, cache_salt: Hashable, sink: Sink
-    ) -> str:
-        """`AsyncLLM.submit`: queue a request whose events go to ``sink``; returns its id at once.
-        It reaches a replica when the router places it; an error there (every replica down) comes
-        as a `StreamFailure`."""
-        return self.submit_checked(
-            self.prompts.token_ids(prompt), checked_params(params), cache_salt, sink
-        )
-
     def submit_checked(
         self, prompt_ids: np.ndarray, params: SamplingParams, cache_salt: Hashable, sink: Sink
     ) -> str:
-        """`submit` of a prompt and params checked already."""
+        """`AsyncLLM.submit_checked`: queue a request whose events go to ``sink``; returns its id at
+        once. It reaches a replica when the router places it; an error there (every replica down)
+        comes as a `StreamFailure`."""
         with self._lock:
             if self._error is not None:
                 raise self._error
