@@ -219,7 +219,7 @@ class LogitsProcessor:
         )
         out = torch.empty_like(logits) if direct else logits.clone()
         if not direct:
-            self._bias_and_min_tokens(reqs, out)
+            self._bias_and_min_tokens([(i, reqs[i]) for i in plan.special], out)
         if plan.columns is None:
             return out, None
         positions, count_rows = plan.columns
@@ -256,11 +256,12 @@ class LogitsProcessor:
             self.counts.add(count_rows, tokens if positions is None else tokens[positions])
 
     @staticmethod
-    def _bias_and_min_tokens(reqs: Sequence[Request], logits: torch.Tensor) -> None:
-        """Add each request's ``logit_bias`` to its row of ``logits``, then forbid its stop tokens
-        while it has sampled fewer than ``min_tokens``."""
+    def _bias_and_min_tokens(special: list[tuple[int, Request]], logits: torch.Tensor) -> None:
+        """Add each ``(row, request)``'s ``logit_bias`` to its row of ``logits``, then forbid its
+        stop tokens while it has sampled fewer than ``min_tokens``. ``special``: the rows with a
+        bias or ``min_tokens`` (the plan's), not the whole batch."""
         device = logits.device
-        biased = [(i, r.params.logit_bias) for i, r in enumerate(reqs) if r.params.logit_bias]
+        biased = [(i, r.params.logit_bias) for i, r in special if r.params.logit_bias]
         if biased:
             rows, ids = _row_id_pairs([(i, list(bias)) for i, bias in biased], device)
             values = torch.tensor([v for _, bias in biased for v in bias.values()])
@@ -268,11 +269,7 @@ class LogitsProcessor:
             # a row's ids are distinct (dict keys): a gather and a plain put, no accumulating
             # index_put_ (which sorts its indices, and in older torch reads them back to check)
             logits[rows, ids] = logits[rows, ids] + values
-        early = [
-            (i, sorted(r.stop_ids))
-            for i, r in enumerate(reqs)
-            if r.num_sampled < r.params.min_tokens
-        ]
+        early = [(i, sorted(r.stop_ids)) for i, r in special if r.num_sampled < r.params.min_tokens]
         if early:
             rows, ids = _row_id_pairs(early, device)
             logits[rows, ids] = float("-inf")
