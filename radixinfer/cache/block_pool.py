@@ -56,13 +56,20 @@ class BlockPool:
         free = self._free
         if n > len(free):
             raise OutOfBlocks(f"asked for {n} KV blocks, {len(free)} of {self.num_blocks} free")
-        if n == 0:
-            return []
-        blocks = free[-n:]
-        del free[-n:]
+        blocks = self._take(n)
         refcount = self.refcount
         for b in blocks:
             refcount[b] = 1
+        return blocks
+
+    def _take(self, n: int) -> list[int]:
+        """Remove ``n <= num_free`` blocks from the free list, the order in which the pool hands
+        them out: the most recently freed first."""
+        if n == 0:
+            return []
+        free = self._free
+        blocks = free[-n:]
+        del free[-n:]
         return blocks
 
     def fork(self, block: int) -> int:
@@ -71,7 +78,7 @@ class BlockPool:
         if not self._free:
             raise OutOfBlocks(f"asked for 1 KV block, 0 of {self.num_blocks} free")
         assert self.refcount[block] > 1, f"fork of block {block}, which has no other holder"
-        fresh = self._free.pop()
+        (fresh,) = self._take(1)
         self.refcount[fresh] = 1
         self.refcount[block] -= 1
         return fresh
@@ -136,15 +143,6 @@ class QueuedBlockPool(BlockPool):
         super().__init__(num_blocks, block_size)
         self._free = deque(range(num_blocks))  # type: ignore[assignment]
 
-    def allocate(self, n: int) -> list[int]:
-        """Hand out ``n`` fresh blocks (refcount 1, fill 0), the longest free first; all or
-        nothing."""
-        free = self._free
-        if n > len(free):
-            raise OutOfBlocks(f"asked for {n} KV blocks, {len(free)} of {self.num_blocks} free")
-        take = free.popleft
-        blocks = [take() for _ in range(n)]
-        refcount = self.refcount
-        for b in blocks:
-            refcount[b] = 1
-        return blocks
+    def _take(self, n: int) -> list[int]:
+        take = self._free.popleft
+        return [take() for _ in range(n)]
