@@ -287,6 +287,7 @@ def test_random_weights_are_seeded():
         ("qwen3-0.6b", 596.0e6),
         ("llama-3.2-1b", 1235.8e6),
         ("llama-3.1-8b", 8030.3e6),
+        ("llama-3.1-70b", 70553.7e6),
     ],
 )
 def test_real_shape_presets_on_meta(name, params):
@@ -301,6 +302,7 @@ def test_preset_names():
         "qwen3-0.6b",
         "llama-3.2-1b",
         "llama-3.1-8b",
+        "llama-3.1-70b",
         "gpt2",
     } <= set(PRESET_NAMES)
 

@@ -45,6 +45,9 @@ def _llama3_rope(factor: float) -> dict:
     }
 
 
+# What Llama 3.1's sizes share (8B, 70B).
+_LLAMA31 = dict(_LLAMA3, head_dim=128, rope_scaling=_llama3_rope(8.0), tie_word_embeddings=False)
+
 # name -> (config class, keyword arguments)
 _PRESETS: dict[str, tuple[type[PretrainedConfig], dict]] = {
     "tiny": (
@@ -105,14 +108,16 @@ _PRESETS: dict[str, tuple[type[PretrainedConfig], dict]] = {
     ),
     "llama-3.1-8b": (
         LlamaConfig,
-        dict(  # 8.03B params
-            _LLAMA3,
-            hidden_size=4096,
-            intermediate_size=14336,
-            num_hidden_layers=32,
-            head_dim=128,
-            rope_scaling=_llama3_rope(8.0),
-            tie_word_embeddings=False,
+        dict(_LLAMA31, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32),  # 8.03B
+    ),
+    "llama-3.1-70b": (
+        LlamaConfig,
+        dict(  # 70.6B params
+            _LLAMA31,
+            hidden_size=8192,
+            intermediate_size=28672,
+            num_hidden_layers=80,
+            num_attention_heads=64,
         ),
     ),
     "gpt2": (
