@@ -218,8 +218,10 @@ class EventTimer(PhaseTimer):
         return timed
 
     def median_us(self, phase: str) -> float:
+        """Median GPU µs of the phase's calls; 0 when it was never called."""
         torch.cuda.synchronize()
-        return statistics.median(start.elapsed_time(end) * 1e3 for start, end in self.events[phase])
+        times = [start.elapsed_time(end) * 1e3 for start, end in self.events[phase]]
+        return statistics.median(times) if times else 0.0
 
 
 def median_us(values_ns: list[float]) -> float:
@@ -429,7 +431,7 @@ def bench_model_decode(
     time_steps(engine, warmup)
     clean, _ = time_steps(engine, steps)
     context_start = np.mean([len(r.prompt_ids) + len(r.output_ids) for r in running])
-    spec = [("forward", torch.cuda.CUDAGraph, "replay"), ("sample", sampler_module, "sample")]
+    spec = [("forward", torch.cuda.CUDAGraph, "replay"), ("sample", engine.sampler, "sample")]
     with EventTimer(spec) as timer:
         evented, _ = time_steps(engine, steps)
     context_end = np.mean([len(r.prompt_ids) + len(r.output_ids) for r in running])
@@ -512,8 +514,13 @@ def print_decode(rows: list[dict], title: str) -> None:
             print(f"{name:<24}" + "".join(f"{r['phases_us'].get(name, 0.0):>10.1f}" for r in rows))
 
 
-def sampling_modes(args: argparse.Namespace) -> list[SamplingParams]:
+def sampling_modes(args: argparse.Namespace, max_tokens: int | None = None) -> list[SamplingParams]:
+    """The sampling modes asked for; ``max_tokens`` bounds each request's output (the engine refuses
+    a request whose prompt plus ``max_tokens`` cannot fit its KV pool, and a real model's pool is
+    sized for the steps measured)."""
     modes = [GREEDY] if args.sampling == "greedy" else [GREEDY, RANDOM]
+    if max_tokens is not None:
+        modes = [dataclasses.replace(m, max_tokens=max_tokens) for m in modes]
     return [dataclasses.replace(m, detokenize=False) for m in modes] if args.ids_only else modes
 
 
@@ -611,7 +618,7 @@ def main() -> None:
         result["model_build_s"] = time.perf_counter() - t0
         engine = llm.engine
         rows = []
-        for params in sampling_modes(args):
+        for params in sampling_modes(args, max_tokens=context - PROMPT_LEN):
             for b in batches:
                 try:  # one failing case (say, out of memory at the largest batch) keeps the others
                     if device.type == "cuda":
