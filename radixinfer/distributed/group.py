@@ -19,6 +19,8 @@ but a rank that dies closes its sockets, and every other rank's next operation t
 
 from __future__ import annotations
 
+import logging
+import threading
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -29,6 +31,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, ProcessGroup, Store
 
+logger = logging.getLogger(__name__)
+
+END_TIMEOUT_S = 10.0  # the longest `TensorParallel.close` waits for one group to end
 STEP_TIMEOUT = timedelta(minutes=10)  # one collective of a step; first steps may compile kernels
 IDLE_TIMEOUT = timedelta(days=365)  # a worker waiting for rank 0's next step plan
 
@@ -170,11 +175,33 @@ class TensorParallel:
     def close(self) -> None:
         """Leave the group (this object is unusable after). The device group is aborted rather
         than shut down in order: an NCCL communicator that CUDA graphs captured can hang in an
-        orderly destroy (pytorch/pytorch#115388), and nothing is in flight by now."""
+        orderly destroy (pytorch/pytorch#115388), and nothing is in flight by now. Neither end
+        blocks the caller longer than ``END_TIMEOUT_S`` each (see `_end_group`)."""
         for group, end in ((self.device_group, "abort"), (self.control_group, "shutdown")):
             if group is not None:
-                try:
-                    getattr(group, end)()
-                except RuntimeError:  # a group whose other ranks are gone may fail to end cleanly
-                    pass
+                _end_group(group, end)
         self.device_group = self.control_group = self.store = None
+
+
+def _end_group(group: ProcessGroup, end: str, timeout_s: float = END_TIMEOUT_S) -> None:
+    """``group.abort()`` or ``group.shutdown()`` (``end``), waited for at most ``timeout_s``.
+
+    It runs on a daemon thread: on H200s with torch 2.11 an NCCL group whose all-reduces CUDA
+    graphs captured was seen to hang in its abort as well as in an orderly destroy. A group that
+    does not end in time is left to the process's exit (its communicator leaks until then) rather
+    than hanging `LLM.close`. A group whose other ranks are gone may raise instead: nothing is
+    left to end then."""
+
+    def run() -> None:
+        try:
+            getattr(group, end)()
+        except RuntimeError:
+            pass
+
+    thread = threading.Thread(target=run, name=f"radixinfer-tp-{end}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        logger.warning(
+            "tensor-parallel %s did not finish in %.0f s; left to the process exit", end, timeout_s
+        )
