@@ -14,30 +14,33 @@ Thresholds are found as keys: a float32's bits mapped to an unsigned 32-bit inte
 order (``-0.0`` as ``+0.0``; negative values' bits inverted, positive ones' sign bit set). The
 Triton kernels search the key a digit per pass over the row, most significant first (the largest
 bucket whose suffix still meets the target wins), instead of a sort. A count search (top-k) counts
-8 key bits a pass through ``tl.histogram`` (256 counts a program): 2 passes in bf16. A mass search
-(top-p) weighs 4 bits a pass (each logit adds ``exp(s - max)`` to one of 16 sums a lane holds)
-until 8 bits are left, then counts those 8 in one pass: there each bucket holds one value (the
-dtype has no lower bits), so its mass is its count times that value's weight, computed once per
-bucket instead of once per logit: 3 passes in bf16 (2 weighted, 1 counted), 7 in float32. The
-widths are `Tiles` settings. The result is exact: the kernels keep the same tokens as the sorting
-reference (`sample_ref`) up to float rounding of the top-p masses, and with the same noise draw the
-same token.
+8 key bits a pass through ``tl.histogram``: 2 passes in bf16. A mass search (top-p) weighs 4 bits
+a pass (each logit adds ``exp(s - max)`` to one of 16 sums a lane holds) until 12 bits are left,
+then counts those 12 in one pass: there each bucket holds one value (the dtype has no lower bits),
+so its mass is its count times that value's weight, computed once per bucket instead of once per
+logit: 2 passes in bf16 (1 weighted, 1 counted), 6 in float32. The widths are `Tiles` settings.
+The result is exact: the kernels keep the same tokens as the sorting reference (`sample_ref`) up
+to float rounding of the top-p masses, and with the same noise draw the same token.
 
 Performance: `sample_triton` cuts each row into chunks, one program each, so every pass streams the
-batch from all SMs (a pass reads 78 MB at batch 256 x 151,936 bf16); a pass's programs leave
-per-chunk bucket sums and the next launch's programs each merge their row's (up to a few thousand
-floats) to pick the digit, so there is no separate reduction launch. Passes run only for the
-filters some row uses (min-p and top-p need the row maximum, top-k the count search, top-p the
-mass search, every row the draw). `sample_triton_rowwise`, one program per row, is the
-benchmarks' baseline. The search and draw passes are compute-bound, not memory-bound: compiled for
-sm_90 (Triton 3.9, default `Tiles`), PTX instructions a logit: a weighted digit pass ~77 (48 of
-them the 16 bucket select-adds), a counted pass ~29 whatever its width (``tl.histogram`` is one
-shared-memory atomic a logit), the draw ~111 where a block keeps a token (the hash and two exact
-logs, ``__nv_logf``) and ~23 where none does (the block skips the noise), the max pass ~12. Top-p
-in bf16 so costs ~306 instructions a logit, top-k ~81 to ~170 (before: 4 weighted or 4 counted
-4-bit passes, ~420 and ~216); at ~33 T thread-instructions/s that is ~360 us and under ~200 us at
-batch 256 x 151,936 on an H100, against ~25 us to read the logits once (estimates from instruction
-counts; `benchmarks/sweep_sampling.py` measures).
+batch from all SMs (a pass reads 78 MB at batch 256 x 151,936 bf16). A weighted pass's programs
+leave per-chunk bucket sums (16 floats) and a counted pass's programs add their counts into the
+row's (atomic int32 adds: exact in any order, 4096 counts a row whatever the chunks); the next
+launch's programs each read their row's to pick the digit, so there is no separate reduction
+launch. Passes run only for the filters some row uses (min-p and top-p need the row maximum, top-k
+the count search, top-p the mass search, every row the draw): with default tiles in bf16, top-p
+reads the logits 4 times (max, weighted, counted, draw; 7 launches before: max, 4 weighted
+digits, draw, merge -> 5 launches now), top-k 3 times (5 before), min-p 2, temperature alone 1.
+`sample_triton_rowwise`, one program per row, is the benchmarks' baseline. The passes are
+compute-bound, not memory-bound: compiled for sm_90 (Triton 3.9, default `Tiles`), PTX
+instructions a logit: a weighted pass ~77 (48 of them the 16 bucket select-adds), a counted pass
+~29 at 256 buckets and ~35 at 4096 (``tl.histogram`` is a shared-memory atomic a logit), the draw
+~111 where a block keeps a token (the hash and two exact logs, ``__nv_logf``) and ~23 where none
+does (the block skips the noise), the max pass ~12. Top-p in bf16 so costs ~235 instructions a
+logit (before: ~420), top-k ~81 to ~170 (before: ~216); at ~33 T thread-instructions/s that is
+~280 us and under ~200 us at batch 256 x 151,936 on an H100 (before: 0.74 and 0.57 ms measured on
+an H200), against ~25 us to read the logits once (estimates from instruction counts;
+`benchmarks/sweep_sampling.py` and `benchmarks/compare_sampling.py` measure).
 """
 
 from __future__ import annotations
@@ -322,13 +325,16 @@ def _key_weights(keys, scale, row_max):
 
 
 @triton.jit
-def _resolve(state_ptr, partial_ptr, row, rows, num_chunks, top_p, prev_par, has_prev,
-             prev_shift, scale, row_max, CHUNKS: tl.constexpr, BUCKETS: tl.constexpr,
-             EXACT: tl.constexpr, STRIDE: tl.constexpr):  # fmt: skip
+def _resolve(state_ptr, partial_ptr, counts_ptr, row, rows, num_chunks, top_p, prev_par,
+             has_prev, prev_shift, scale, row_max, CHUNKS: tl.constexpr, BUCKETS: tl.constexpr,
+             COUNTED: tl.constexpr, EXACT: tl.constexpr, STRIDE: tl.constexpr):  # fmt: skip
     """A row's search state ``(min_key, base, above, target)`` after the previous launch (none when
     ``has_prev`` is 0: all zero): the state that launch read, its digit chosen from its programs'
     ``BUCKETS`` bucket sums (a pending mass target, -1, becomes ``top_p`` times the first window's
-    total; an inactive search, target ``inf``, keeps its base). ``EXACT``: that launch counted a
+    total; an inactive search, target ``inf``, keeps its base): per-chunk float sums ``STRIDE``
+    apart in ``partial_ptr``, or (``COUNTED``) the row's counts, which that launch's programs added
+    into ``counts_ptr`` ``[rows, BUCKETS]`` int32 (exact and in any order: one load of the row
+    whatever the chunks, so a digit may have thousands of buckets). ``EXACT``: that launch counted a
     mass digit whose buckets each hold one value (the dtype's last key bits), so a bucket's mass is
     its count times that value's weight (`_key_weights`), exact without a weight per logit: a
     value's key has its low ``prev_shift`` bits zero when positive and one when negative (bits
@@ -340,11 +346,16 @@ def _resolve(state_ptr, partial_ptr, row, rows, num_chunks, top_p, prev_par, has
     above = tl.load(sp + 2, mask=prev, other=0).to(tl.float32, bitcast=True)
     target = tl.load(sp + 3, mask=prev, other=0).to(tl.float32, bitcast=True)
     active = prev & (target != float("inf"))
-    c = tl.arange(0, CHUNKS)
     b = tl.arange(0, BUCKETS)
-    parts = partial_ptr + ((prev_par * rows + row) * num_chunks + c[:, None]) * STRIDE + b[None, :]
-    mask = tl.where(active, (c[:, None] < num_chunks) & (b[None, :] < BUCKETS), False)
-    hist = tl.sum(tl.load(parts, mask=mask, other=0.0), axis=0)
+    if COUNTED:
+        mask = tl.where(active, b < BUCKETS, False)
+        hist = tl.load(counts_ptr + row * BUCKETS + b, mask=mask, other=0)
+        hist = hist.to(tl.float32)
+    else:
+        c = tl.arange(0, CHUNKS)
+        parts = partial_ptr + ((prev_par * rows + row) * num_chunks + c[:, None]) * STRIDE
+        mask = tl.where(active, (c[:, None] < num_chunks) & (b[None, :] < BUCKETS), False)
+        hist = tl.sum(tl.load(parts + b[None, :], mask=mask, other=0.0), axis=0)
     if EXACT:
         low = prev_shift.to(tl.uint32)
         keys = base + (b.to(tl.uint32) << low)  # a bucket's least key: a positive value's
@@ -359,11 +370,11 @@ def _resolve(state_ptr, partial_ptr, row, rows, num_chunks, top_p, prev_par, has
 @triton.jit(do_not_specialize=["par", "prev_par", "has_prev", "new_search", "shift", "prev_shift"])
 def _search_kernel(
     logits_ptr, stride_row, vocab, chunk_len, num_chunks, rows, inv_temp_ptr, top_k_ptr,
-    top_p_ptr, min_p_ptr, pmax_ptr, state_ptr, partial_ptr, par, prev_par, has_prev, new_search,
-    shift, prev_shift, MASS: tl.constexpr, HAS_MAX: tl.constexpr, COUNTS: tl.constexpr,
-    BUCKETS_FIRST: tl.constexpr, BUCKETS: tl.constexpr, PREV_BUCKETS: tl.constexpr,
-    PREV_EXACT: tl.constexpr, STRIDE: tl.constexpr, CHUNKS: tl.constexpr, BLOCK: tl.constexpr,
-    UNROLL: tl.constexpr,
+    top_p_ptr, min_p_ptr, pmax_ptr, state_ptr, partial_ptr, counts_in_ptr, counts_out_ptr, par,
+    prev_par, has_prev, new_search, shift, prev_shift, MASS: tl.constexpr, HAS_MAX: tl.constexpr,
+    COUNTS: tl.constexpr, BUCKETS_FIRST: tl.constexpr, BUCKETS: tl.constexpr,
+    PREV_BUCKETS: tl.constexpr, PREV_COUNTED: tl.constexpr, PREV_EXACT: tl.constexpr,
+    STRIDE: tl.constexpr, CHUNKS: tl.constexpr, BLOCK: tl.constexpr, UNROLL: tl.constexpr,
 ):  # fmt: skip
     """Program (row, chunk), one digit of a search (count, or ``MASS``): resolves the previous
     launch's digit (`_resolve`, its ``PREV_BUCKETS`` sums; ``new_search``: its threshold becomes
@@ -377,7 +388,8 @@ def _search_kernel(
     loop iteration reads (more loads in flight for the same bucket sums); ``BUCKETS_FIRST``:
     bucket sums held ``[BUCKETS, BLOCK]`` (Triton's default layout then gives each thread whole
     columns: no logit computed by several threads), else ``[BLOCK, BUCKETS]``. Bucket sums are
-    stored ``STRIDE`` apart (the widest digit's buckets)."""
+    stored per chunk ``STRIDE`` apart (the widest weighted digit's buckets); counts are added into
+    the row's ``[BUCKETS]`` of ``counts_out_ptr`` (zeroed before the launch)."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     shift = shift.to(tl.uint32)
@@ -386,8 +398,8 @@ def _search_kernel(
     )
     top_p = tl.load(top_p_ptr + row)
     min_key, base, above, target = _resolve(
-        state_ptr, partial_ptr, row, rows, num_chunks, top_p, prev_par, has_prev, prev_shift,
-        scale, row_max, CHUNKS, PREV_BUCKETS, PREV_EXACT, STRIDE,
+        state_ptr, partial_ptr, counts_in_ptr, row, rows, num_chunks, top_p, prev_par, has_prev,
+        prev_shift, scale, row_max, CHUNKS, PREV_BUCKETS, PREV_COUNTED, PREV_EXACT, STRIDE,
     )  # fmt: skip
     fresh = new_search != 0
     if MASS:
@@ -434,13 +446,15 @@ def _search_kernel(
                 else:
                     acc += tl.where(digit[:, None] == buckets[None, :], weight[:, None], 0.0)
         if COUNTS:
-            hist = acc.to(tl.float32)
-        elif BUCKETS_FIRST:
-            hist = tl.sum(acc, axis=1)
+            out = counts_out_ptr + row * BUCKETS + buckets
+            tl.atomic_add(out, acc, mask=acc > 0, sem="relaxed")
         else:
-            hist = tl.sum(acc, axis=0)
-        part = partial_ptr + ((par * rows + row) * num_chunks + chunk) * STRIDE
-        tl.store(part + buckets, hist)
+            if BUCKETS_FIRST:
+                hist = tl.sum(acc, axis=1)
+            else:
+                hist = tl.sum(acc, axis=0)
+            part = partial_ptr + ((par * rows + row) * num_chunks + chunk) * STRIDE
+            tl.store(part + buckets, hist)
 
 
 @triton.jit
@@ -472,9 +486,10 @@ def _chunk_max_kernel(
 @triton.jit(do_not_specialize=["prev_par", "has_prev", "prev_shift"])
 def _draw_kernel(
     logits_ptr, stride_row, vocab, chunk_len, num_chunks, rows, inv_temp_ptr, top_p_ptr,
-    min_p_ptr, keys_ptr, pmax_ptr, state_ptr, partial_ptr, prev_par, has_prev, prev_shift,
-    val_ptr, idx_ptr, HAS_MAX: tl.constexpr, BUCKETS: tl.constexpr, EXACT: tl.constexpr,
-    STRIDE: tl.constexpr, CHUNKS: tl.constexpr, BLOCK: tl.constexpr,
+    min_p_ptr, keys_ptr, pmax_ptr, state_ptr, partial_ptr, counts_ptr, prev_par, has_prev,
+    prev_shift, val_ptr, idx_ptr, HAS_MAX: tl.constexpr, BUCKETS: tl.constexpr,
+    COUNTED: tl.constexpr, EXACT: tl.constexpr, STRIDE: tl.constexpr, CHUNKS: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Program (row, chunk): resolves the last search digit (the row's threshold), then the
     Gumbel-max of the chunk's kept tokens and its first index (for a greedy row, the chunk's
@@ -485,8 +500,8 @@ def _draw_kernel(
         inv_temp_ptr, min_p_ptr, pmax_ptr, row, num_chunks, HAS_MAX, CHUNKS
     )
     min_key, base, _, _ = _resolve(
-        state_ptr, partial_ptr, row, rows, num_chunks, tl.load(top_p_ptr + row), prev_par,
-        has_prev, prev_shift, scale, row_max, CHUNKS, BUCKETS, EXACT, STRIDE,
+        state_ptr, partial_ptr, counts_ptr, row, rows, num_chunks, tl.load(top_p_ptr + row),
+        prev_par, has_prev, prev_shift, scale, row_max, CHUNKS, BUCKETS, COUNTED, EXACT, STRIDE,
     )  # fmt: skip
     threshold = tl.maximum(min_key, base)
     noise_scale = tl.where(greedy, 0.0, 1.0)
@@ -515,15 +530,15 @@ class Tiles:
     ``search_block << digit_bits`` floats a program); ``chunks`` per row, or (None) enough for
     ``programs_per_sm`` programs per SM; ``histogram``: count digits through ``tl.histogram``
     instead of bucket sums (needs ``count_bits`` <= 4); ``digit_bits`` (2 or 4): key bits a
-    weighted mass pass finds; ``count_bits`` (1 to 8): key bits a count pass finds (8: top-k in 2
-    passes in bf16, 256 counts a program); ``exact_bits`` (0 to 8): the last key bits of a mass
+    weighted mass pass finds; ``count_bits`` (1 to 12): key bits a count pass finds (8: top-k in 2
+    passes in bf16, 256 counts a row); ``exact_bits`` (0 to 12): the last key bits of a mass
     search found by one counted pass (each bucket then holds one value, so its mass is its count
-    times that value's weight: `_resolve`), the bits above by weighted passes (8: top-p in bf16
-    with 2 weighted passes and 1 counted; 0: weighted passes only); ``buckets_first``: the bucket
-    sums' layout (`_search_kernel`); ``count_block``: the block of the counted passes (their sums
-    are counts a program, not a lane, so a wide block costs no registers and keeps more loads in
-    flight); ``unroll``: blocks of ``search_block`` a loop iteration of the weighted passes reads
-    (more loads in flight, the same bucket sums). Written as
+    times that value's weight: `_resolve`), the bits above by weighted passes (12: top-p in bf16
+    with 1 weighted pass and 1 counted; 8: 2 and 1; 0: weighted passes only); ``buckets_first``:
+    the bucket sums' layout (`_search_kernel`); ``count_block``: the block of the counted passes
+    (their counts are a program's, not a lane's, so a wide block costs no registers and keeps more
+    loads in flight); ``unroll``: blocks of ``search_block`` a loop iteration of the weighted
+    passes reads (more loads in flight, the same bucket sums). Written as
     ``block=2048,warps=8,search_block=256,...,histogram=1`` in the environment variable
     ``RADIXINFER_SAMPLING_TILES`` (any subset), read at import (`TILES`). The defaults are the
     best of a sweep on an H200 (`benchmarks/sweep_sampling.py`), ``count_bits`` and
@@ -541,11 +556,11 @@ class Tiles:
     count_block: int = 2048
     unroll: int = 1
     count_bits: int = 8
-    exact_bits: int = 8
+    exact_bits: int = 12
 
     def __post_init__(self) -> None:
         assert self.digit_bits in (2, 4), "4 or 16 buckets (a digit must divide 32 bits)"
-        assert 1 <= self.count_bits <= 8 and 0 <= self.exact_bits <= 8, "at most 256 counts"
+        assert 1 <= self.count_bits <= 12 and 0 <= self.exact_bits <= 12, "at most 4096 counts"
         assert self.histogram or self.count_bits <= 4, "bucket sums per lane: at most 16"
 
     @classmethod
@@ -613,10 +628,10 @@ def sample_triton(
 
     Each row is cut into chunks, one program each (`Tiles`): a max pass (when top-p or min-p is on),
     one launch per digit of each search (`Tiles.digits`: with the default tiles top-k's count in 2
-    passes in bf16, then top-p's mass in 3: 2 weighted and 1 counted), a draw pass and the merge
-    of the chunks' draws: 6 launches (5 passes over the logits) for top-p alone in bf16, 4 for
-    top-k, 3 for min-p, 2 for temperature alone. Rows without a filter skip its passes (their
-    programs return at once)."""
+    passes in bf16, then top-p's mass in 2: 1 weighted and 1 counted), a draw pass and the merge
+    of the chunks' draws: 5 launches (4 passes over the logits) for top-p alone in bf16, 4 for
+    top-k, 3 for min-p, 2 for temperature alone, and a memset of the counted passes' counts. Rows
+    without a filter skip its passes (their programs return at once)."""
     rows, vocab = logits.shape
     assert logits.stride(1) == 1
     tiles = tiles or TILES
@@ -639,32 +654,40 @@ def sample_triton(
         for mass in [False] * use_top_k + [True] * use_top_p
         for i, digit in enumerate(tiles.digits(KEY_BITS[logits.dtype], mass))
     ]
-    stride = max([1 << bits for _, _, (_, bits, _) in plan], default=1)
+    # weighted digits: float sums per chunk; counted ones: int32 counts per row, one zeroed
+    # [rows, buckets] slice per launch (a launch adds into its own, the next one reads it)
+    stride = max([1 << bits for _, _, (_, bits, counted) in plan if not counted], default=1)
     partial = torch.empty(2, rows, chunks, stride, dtype=torch.float32, device=device)
+    widths = [rows << bits if counted else 0 for _, _, (_, bits, counted) in plan]
+    counts = torch.zeros(max(sum(widths), 1), dtype=torch.int32, device=device)
+    slices = iter(counts.split([w for w in widths if w]) if any(widths) else ())
+    outs = [next(slices) if w else counts for w in widths]
     grid = (rows, chunks)
     common = (logits, logits.stride(0), vocab, chunk_len, chunks)
     if has_max:
         _chunk_max_kernel[grid](
             *common, inv_temperature, top_p, min_p, pmax, BLOCK=block, num_warps=tiles.warps
         )
-    shift, buckets, exact = 0, 1, False  # the previous launch's digit
+    shift, buckets, prev_counted, exact, counts_in = 0, 1, False, False, counts  # previous digit
     for launch, (mass, first, (digit_shift, bits, counted)) in enumerate(plan):
         digit_block, unroll = (count_block, 1) if counted else (search_block, tiles.unroll)
         _search_kernel[grid](
-            *common, rows, inv_temperature, top_k, top_p, min_p, pmax, state, partial,
-            launch % 2, (launch - 1) % 2, int(launch > 0), int(first), digit_shift, shift,
-            MASS=mass, HAS_MAX=has_max, COUNTS=counted, BUCKETS_FIRST=tiles.buckets_first,
-            BUCKETS=1 << bits, PREV_BUCKETS=buckets, PREV_EXACT=exact, STRIDE=stride,
-            CHUNKS=chunks_p2, BLOCK=digit_block, UNROLL=unroll, num_warps=tiles.search_warps,
+            *common, rows, inv_temperature, top_k, top_p, min_p, pmax, state, partial, counts_in,
+            outs[launch], launch % 2, (launch - 1) % 2, int(launch > 0), int(first), digit_shift,
+            shift, MASS=mass, HAS_MAX=has_max, COUNTS=counted, BUCKETS_FIRST=tiles.buckets_first,
+            BUCKETS=1 << bits, PREV_BUCKETS=buckets, PREV_COUNTED=prev_counted, PREV_EXACT=exact,
+            STRIDE=stride, CHUNKS=chunks_p2, BLOCK=digit_block, UNROLL=unroll,
+            num_warps=tiles.search_warps,
         )  # fmt: skip
-        shift, buckets, exact = digit_shift, 1 << bits, mass and counted
+        shift, buckets, prev_counted = digit_shift, 1 << bits, counted
+        exact, counts_in = mass and counted, outs[launch]
     vals = torch.empty(rows, chunks, dtype=torch.float32, device=device)
     idxs = torch.empty(rows, chunks, dtype=torch.int32, device=device)
     _draw_kernel[grid](
-        *common, rows, inv_temperature, top_p, min_p, keys, pmax, state, partial,
+        *common, rows, inv_temperature, top_p, min_p, keys, pmax, state, partial, counts_in,
         (len(plan) - 1) % 2, int(len(plan) > 0), shift, vals, idxs, HAS_MAX=has_max,
-        BUCKETS=buckets, EXACT=exact, STRIDE=stride, CHUNKS=chunks_p2, BLOCK=block,
-        num_warps=tiles.warps,
+        BUCKETS=buckets, COUNTED=prev_counted, EXACT=exact, STRIDE=stride, CHUNKS=chunks_p2,
+        BLOCK=block, num_warps=tiles.warps,
     )  # fmt: skip
     _argmax_merge_kernel[(rows,)](vals, idxs, out, chunks, BLOCK_C=chunks_p2)
     return out
