@@ -24,7 +24,8 @@ call gets the filter flags its batch would (`SamplingBatch.filters`).
 3. ``sweep`` (at ``[256, 151936]``): on top-p the bucket sums' layout (``buckets_first``), the
    digit width (``digit_bits`` 4 or 2), the digit passes' ``search_block`` x ``search_warps``,
    ``programs_per_sm`` (chunks per row), ``unroll`` (blocks a mass pass reads an iteration),
-   ``exact_bits`` (the mass search's counted last bits: 12, 8, or 0 for none); the streaming
+   ``exact_bits`` (the mass search's counted last bits: 12, 8, or 0 for none), ``fuse_max`` (the
+   first weighted pass finds the maxima, or a max pass runs); the streaming
    passes' ``block`` x ``warps`` on min-p; on top-k ``count_bits`` (key bits a count pass finds),
    ``histogram`` (at 4 bits), the count passes' ``count_block``, and ``block`` x ``warps`` again
    (the draw skips blocks keeping no token: smaller blocks skip more); one axis at a time from the
@@ -210,6 +211,7 @@ def sweep(quick: bool) -> tuple[Tiles, list[dict]]:
         ("T0.8 top-p 0.95", [{"programs_per_sm": p} for p in (16, 8, 32, 64)]),
         ("T0.8 top-p 0.95", [{"unroll": u} for u in (1, 2, 4)]),
         ("T0.8 top-p 0.95", [{"exact_bits": e} for e in (12, 8, 0)]),
+        ("T0.8 top-p 0.95", [{"fuse_max": f} for f in (True, False)]),
         ("T0.8 min-p 0.05", [
             {"block": b, "warps": w} for b, w in ((2048, 8), (1024, 4), (2048, 4), (4096, 8))
         ]),

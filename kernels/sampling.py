@@ -28,9 +28,11 @@ leave per-chunk bucket sums (16 floats) and a counted pass's programs add their 
 row's (atomic int32 adds: exact in any order, 4096 counts a row whatever the chunks); the next
 launch's programs each read their row's to pick the digit, so there is no separate reduction
 launch. Passes run only for the filters some row uses (min-p and top-p need the row maximum, top-k
-the count search, top-p the mass search, every row the draw): with default tiles in bf16, top-p
-reads the logits 4 times (max, weighted, counted, draw; 7 launches before: max, 4 weighted
-digits, draw, merge -> 5 launches now), top-k 3 times (5 before), min-p 2, temperature alone 1.
+the count search, top-p the mass search, every row the draw); without min-p, top-p's first weighted
+pass finds each chunk's maximum itself (a second read of its chunk, mostly from L2) and the next
+launch rescales the chunks' sums, so no max pass runs. With default tiles in bf16, top-p alone is
+3 passes over the batch (weighted with the maxima, counted, draw; before: max, 4 weighted digits,
+draw: 6), top-k 3 (count, count, draw; before 5), top-k and top-p 5, min-p 2, temperature alone 1.
 `sample_triton_rowwise`, one program per row, is the benchmarks' baseline. The passes are
 compute-bound, not memory-bound: compiled for sm_90 (Triton 3.9, default `Tiles`), PTX
 instructions a logit: a weighted pass ~77 (48 of them the 16 bucket select-adds), a counted pass
@@ -325,16 +327,20 @@ def _key_weights(keys, scale, row_max):
 
 
 @triton.jit
-def _resolve(state_ptr, partial_ptr, counts_ptr, row, rows, num_chunks, top_p, prev_par,
-             has_prev, prev_shift, scale, row_max, CHUNKS: tl.constexpr, BUCKETS: tl.constexpr,
-             COUNTED: tl.constexpr, EXACT: tl.constexpr, STRIDE: tl.constexpr):  # fmt: skip
+def _resolve(state_ptr, partial_ptr, counts_ptr, pmax_ptr, row, rows, num_chunks, top_p,
+             prev_par, has_prev, prev_shift, scale, row_max, CHUNKS: tl.constexpr,
+             BUCKETS: tl.constexpr, COUNTED: tl.constexpr, EXACT: tl.constexpr,
+             RESCALE: tl.constexpr, STRIDE: tl.constexpr):  # fmt: skip
     """A row's search state ``(min_key, base, above, target)`` after the previous launch (none when
     ``has_prev`` is 0: all zero): the state that launch read, its digit chosen from its programs'
     ``BUCKETS`` bucket sums (a pending mass target, -1, becomes ``top_p`` times the first window's
     total; an inactive search, target ``inf``, keeps its base): per-chunk float sums ``STRIDE``
     apart in ``partial_ptr``, or (``COUNTED``) the row's counts, which that launch's programs added
     into ``counts_ptr`` ``[rows, BUCKETS]`` int32 (exact and in any order: one load of the row
-    whatever the chunks, so a digit may have thousands of buckets). ``EXACT``: that launch counted a
+    whatever the chunks, so a digit may have thousands of buckets). ``RESCALE``: that launch
+    weighed each chunk against the chunk's own maximum (``pmax_ptr``; it found the maxima itself),
+    so a chunk's sums are scaled by ``exp(chunk max - row_max)`` (0 for a chunk of ``-inf``, whose
+    sums are 0) before they add up. ``EXACT``: that launch counted a
     mass digit whose buckets each hold one value (the dtype's last key bits), so a bucket's mass is
     its count times that value's weight (`_key_weights`), exact without a weight per logit: a
     value's key has its low ``prev_shift`` bits zero when positive and one when negative (bits
@@ -355,7 +361,11 @@ def _resolve(state_ptr, partial_ptr, counts_ptr, row, rows, num_chunks, top_p, p
         c = tl.arange(0, CHUNKS)
         parts = partial_ptr + ((prev_par * rows + row) * num_chunks + c[:, None]) * STRIDE
         mask = tl.where(active, (c[:, None] < num_chunks) & (b[None, :] < BUCKETS), False)
-        hist = tl.sum(tl.load(parts + b[None, :], mask=mask, other=0.0), axis=0)
+        sums = tl.load(parts + b[None, :], mask=mask, other=0.0)
+        if RESCALE:
+            m = tl.load(pmax_ptr + row * num_chunks + c, mask=c < num_chunks, other=float("-inf"))
+            sums = sums * tl.where(m == float("-inf"), 0.0, tl.exp(m - row_max))[:, None]
+        hist = tl.sum(sums, axis=0)
     if EXACT:
         low = prev_shift.to(tl.uint32)
         keys = base + (b.to(tl.uint32) << low)  # a bucket's least key: a positive value's
@@ -374,7 +384,8 @@ def _search_kernel(
     prev_par, has_prev, new_search, shift, prev_shift, MASS: tl.constexpr, HAS_MAX: tl.constexpr,
     COUNTS: tl.constexpr, BUCKETS_FIRST: tl.constexpr, BUCKETS: tl.constexpr,
     PREV_BUCKETS: tl.constexpr, PREV_COUNTED: tl.constexpr, PREV_EXACT: tl.constexpr,
-    STRIDE: tl.constexpr, CHUNKS: tl.constexpr, BLOCK: tl.constexpr, UNROLL: tl.constexpr,
+    PREV_FUSED: tl.constexpr, FUSED_MAX: tl.constexpr, STRIDE: tl.constexpr,
+    CHUNKS: tl.constexpr, BLOCK: tl.constexpr, UNROLL: tl.constexpr,
 ):  # fmt: skip
     """Program (row, chunk), one digit of a search (count, or ``MASS``): resolves the previous
     launch's digit (`_resolve`, its ``PREV_BUCKETS`` sums; ``new_search``: its threshold becomes
@@ -389,7 +400,11 @@ def _search_kernel(
     bucket sums held ``[BUCKETS, BLOCK]`` (Triton's default layout then gives each thread whole
     columns: no logit computed by several threads), else ``[BLOCK, BUCKETS]``. Bucket sums are
     stored per chunk ``STRIDE`` apart (the widest weighted digit's buckets); counts are added into
-    the row's ``[BUCKETS]`` of ``counts_out_ptr`` (zeroed before the launch)."""
+    the row's ``[BUCKETS]`` of ``counts_out_ptr`` (zeroed before the launch). ``FUSED_MAX`` (a
+    weighted digit, no min-p in the batch, so no pass before needs the row maximum): the program
+    first finds its chunk's maximum (a second read of the chunk, mostly from L2, instead of a max
+    pass over the batch), stores it for the later launches and weighs against it; the next launch
+    rescales (``PREV_FUSED``, `_resolve`'s ``RESCALE``)."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     shift = shift.to(tl.uint32)
@@ -398,8 +413,9 @@ def _search_kernel(
     )
     top_p = tl.load(top_p_ptr + row)
     min_key, base, above, target = _resolve(
-        state_ptr, partial_ptr, counts_in_ptr, row, rows, num_chunks, top_p, prev_par, has_prev,
-        prev_shift, scale, row_max, CHUNKS, PREV_BUCKETS, PREV_COUNTED, PREV_EXACT, STRIDE,
+        state_ptr, partial_ptr, counts_in_ptr, pmax_ptr, row, rows, num_chunks, top_p, prev_par,
+        has_prev, prev_shift, scale, row_max, CHUNKS, PREV_BUCKETS, PREV_COUNTED, PREV_EXACT,
+        PREV_FUSED, STRIDE,
     )  # fmt: skip
     fresh = new_search != 0
     if MASS:
@@ -425,6 +441,14 @@ def _search_kernel(
         end = tl.minimum(start + chunk_len, vocab)
         offs = tl.arange(0, BLOCK)
         buckets = tl.arange(0, BUCKETS)
+        if FUSED_MAX:
+            top = tl.full([BLOCK], float("-inf"), tl.float32)
+            for off in range(start, end, BLOCK):
+                _, s = _row_values(row_ptr, off + offs, off + offs < end, scale)
+                top = tl.maximum(top, s)
+            chunk_max = tl.max(top, axis=0)
+            tl.store(pmax_ptr + row * num_chunks + chunk, chunk_max)
+            row_max = tl.where(chunk_max == float("-inf"), 0.0, chunk_max)
         if COUNTS:
             acc = tl.zeros([BUCKETS], tl.int32)
         elif BUCKETS_FIRST:
@@ -488,8 +512,8 @@ def _draw_kernel(
     logits_ptr, stride_row, vocab, chunk_len, num_chunks, rows, inv_temp_ptr, top_p_ptr,
     min_p_ptr, keys_ptr, pmax_ptr, state_ptr, partial_ptr, counts_ptr, prev_par, has_prev,
     prev_shift, val_ptr, idx_ptr, HAS_MAX: tl.constexpr, BUCKETS: tl.constexpr,
-    COUNTED: tl.constexpr, EXACT: tl.constexpr, STRIDE: tl.constexpr, CHUNKS: tl.constexpr,
-    BLOCK: tl.constexpr,
+    COUNTED: tl.constexpr, EXACT: tl.constexpr, RESCALE: tl.constexpr, STRIDE: tl.constexpr,
+    CHUNKS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Program (row, chunk): resolves the last search digit (the row's threshold), then the
     Gumbel-max of the chunk's kept tokens and its first index (for a greedy row, the chunk's
@@ -500,8 +524,9 @@ def _draw_kernel(
         inv_temp_ptr, min_p_ptr, pmax_ptr, row, num_chunks, HAS_MAX, CHUNKS
     )
     min_key, base, _, _ = _resolve(
-        state_ptr, partial_ptr, counts_ptr, row, rows, num_chunks, tl.load(top_p_ptr + row),
-        prev_par, has_prev, prev_shift, scale, row_max, CHUNKS, BUCKETS, COUNTED, EXACT, STRIDE,
+        state_ptr, partial_ptr, counts_ptr, pmax_ptr, row, rows, num_chunks,
+        tl.load(top_p_ptr + row), prev_par, has_prev, prev_shift, scale, row_max, CHUNKS, BUCKETS,
+        COUNTED, EXACT, RESCALE, STRIDE,
     )  # fmt: skip
     threshold = tl.maximum(min_key, base)
     noise_scale = tl.where(greedy, 0.0, 1.0)
@@ -518,8 +543,10 @@ def _draw_kernel(
             row_ptr, cols, cols < end, scale, threshold, min_s, noise_scale, row_key, best, idx
         )
     top = tl.max(best, axis=0)
+    first = tl.min(tl.where(best == top, idx, 2147483647), 0)
     tl.store(val_ptr + row * num_chunks + chunk, top)
-    tl.store(idx_ptr + row * num_chunks + chunk, tl.min(tl.where(best == top, idx, 2147483647), 0))
+    # a chunk keeping nothing (a row of -inf) answers its first column, as argmax would
+    tl.store(idx_ptr + row * num_chunks + chunk, tl.where(first == 2147483647, start, first))
 
 
 @dataclass(frozen=True)
@@ -538,7 +565,9 @@ class Tiles:
     the bucket sums' layout (`_search_kernel`); ``count_block``: the block of the counted passes
     (their counts are a program's, not a lane's, so a wide block costs no registers and keeps more
     loads in flight); ``unroll``: blocks of ``search_block`` a loop iteration of the weighted
-    passes reads (more loads in flight, the same bucket sums). Written as
+    passes reads (more loads in flight, the same bucket sums); ``fuse_max``: without min-p,
+    top-p's first weighted pass finds its chunk's maximum itself instead of a max pass before it.
+    Written as
     ``block=2048,warps=8,search_block=256,...,histogram=1`` in the environment variable
     ``RADIXINFER_SAMPLING_TILES`` (any subset), read at import (`TILES`). The defaults are the
     best of a sweep on an H200 (`benchmarks/sweep_sampling.py`), ``count_bits`` and
@@ -557,6 +586,7 @@ class Tiles:
     unroll: int = 1
     count_bits: int = 8
     exact_bits: int = 12
+    fuse_max: bool = True
 
     def __post_init__(self) -> None:
         assert self.digit_bits in (2, 4), "4 or 16 buckets (a digit must divide 32 bits)"
@@ -572,7 +602,7 @@ class Tiles:
             if name not in cls.__dataclass_fields__:
                 raise ValueError(f"unknown sampling tile setting {name!r} in {text!r}")
             number = int(value)
-            if name in ("histogram", "buckets_first"):
+            if name in ("histogram", "buckets_first", "fuse_max"):
                 fields[name] = bool(number)
             else:
                 fields[name] = None if name == "chunks" and number == 0 else number
@@ -626,10 +656,11 @@ def sample_triton(
     host sync. ``filters``: whether any row may use top-k, top-p, min-p (a launch plan covering
     more filters than the rows use is still exact, only slower; one covering fewer is wrong).
 
-    Each row is cut into chunks, one program each (`Tiles`): a max pass (when top-p or min-p is on),
-    one launch per digit of each search (`Tiles.digits`: with the default tiles top-k's count in 2
+    Each row is cut into chunks, one program each (`Tiles`): a max pass (when min-p is on, or top-p
+    with ``fuse_max`` off; else top-p's first weighted pass finds the maxima), one launch per digit
+    of each search (`Tiles.digits`: with the default tiles top-k's count in 2
     passes in bf16, then top-p's mass in 2: 1 weighted and 1 counted), a draw pass and the merge
-    of the chunks' draws: 5 launches (4 passes over the logits) for top-p alone in bf16, 4 for
+    of the chunks' draws: 4 launches (3 passes over the logits) for top-p alone in bf16, 4 for
     top-k, 3 for min-p, 2 for temperature alone, and a memset of the counted passes' counts. Rows
     without a filter skip its passes (their programs return at once)."""
     rows, vocab = logits.shape
@@ -646,7 +677,6 @@ def sample_triton(
         min(b, triton.next_power_of_2(vocab))
         for b in (tiles.block, tiles.search_block, tiles.count_block)
     )
-    has_max = use_top_p or use_min_p
     pmax = torch.empty(rows, chunks, dtype=torch.float32, device=device)
     state = torch.empty(2, rows, 4, dtype=torch.int32, device=device)
     plan = [
@@ -654,6 +684,11 @@ def sample_triton(
         for mass in [False] * use_top_k + [True] * use_top_p
         for i, digit in enumerate(tiles.digits(KEY_BITS[logits.dtype], mass))
     ]
+    # without min-p no pass before top-p's first weighted one needs the row maximum: it finds it
+    fused = next((i for i, (mass, _, (_, _, counted)) in enumerate(plan) if mass), None)
+    if not tiles.fuse_max or use_min_p or fused is None or plan[fused][2][2]:
+        fused = None
+    has_max = use_top_p or use_min_p
     # weighted digits: float sums per chunk; counted ones: int32 counts per row, one zeroed
     # [rows, buckets] slice per launch (a launch adds into its own, the next one reads it)
     stride = max([1 << bits for _, _, (_, bits, counted) in plan if not counted], default=1)
@@ -664,7 +699,7 @@ def sample_triton(
     outs = [next(slices) if w else counts for w in widths]
     grid = (rows, chunks)
     common = (logits, logits.stride(0), vocab, chunk_len, chunks)
-    if has_max:
+    if has_max and fused is None:
         _chunk_max_kernel[grid](
             *common, inv_temperature, top_p, min_p, pmax, BLOCK=block, num_warps=tiles.warps
         )
@@ -674,10 +709,11 @@ def sample_triton(
         _search_kernel[grid](
             *common, rows, inv_temperature, top_k, top_p, min_p, pmax, state, partial, counts_in,
             outs[launch], launch % 2, (launch - 1) % 2, int(launch > 0), int(first), digit_shift,
-            shift, MASS=mass, HAS_MAX=has_max, COUNTS=counted, BUCKETS_FIRST=tiles.buckets_first,
-            BUCKETS=1 << bits, PREV_BUCKETS=buckets, PREV_COUNTED=prev_counted, PREV_EXACT=exact,
-            STRIDE=stride, CHUNKS=chunks_p2, BLOCK=digit_block, UNROLL=unroll,
-            num_warps=tiles.search_warps,
+            shift, MASS=mass, HAS_MAX=has_max and (fused is None or launch > fused),
+            COUNTS=counted, BUCKETS_FIRST=tiles.buckets_first, BUCKETS=1 << bits,
+            PREV_BUCKETS=buckets, PREV_COUNTED=prev_counted, PREV_EXACT=exact,
+            PREV_FUSED=launch - 1 == fused, FUSED_MAX=launch == fused, STRIDE=stride,
+            CHUNKS=chunks_p2, BLOCK=digit_block, UNROLL=unroll, num_warps=tiles.search_warps,
         )  # fmt: skip
         shift, buckets, prev_counted = digit_shift, 1 << bits, counted
         exact, counts_in = mass and counted, outs[launch]
@@ -686,8 +722,8 @@ def sample_triton(
     _draw_kernel[grid](
         *common, rows, inv_temperature, top_p, min_p, keys, pmax, state, partial, counts_in,
         (len(plan) - 1) % 2, int(len(plan) > 0), shift, vals, idxs, HAS_MAX=has_max,
-        BUCKETS=buckets, COUNTED=prev_counted, EXACT=exact, STRIDE=stride, CHUNKS=chunks_p2,
-        BLOCK=block, num_warps=tiles.warps,
+        BUCKETS=buckets, COUNTED=prev_counted, EXACT=exact, RESCALE=len(plan) - 1 == fused,
+        STRIDE=stride, CHUNKS=chunks_p2, BLOCK=block, num_warps=tiles.warps,
     )  # fmt: skip
     _argmax_merge_kernel[(rows,)](vals, idxs, out, chunks, BLOCK_C=chunks_p2)
     return out
