@@ -9,7 +9,8 @@ with min-p 0.05, with presence and frequency penalties 0.5; plain temperature 1.
 run in interleaved rounds (each round in a rotated order, fresh random prompts every run, so nothing
 hits the prefix cache), after one short warm-up run each (kernel compilation); reported: the median
 output tokens per second (completion tokens over the wall time of the whole batch, prefill included,
-as `radixinfer bench` counts it) and its ratio to greedy's.
+as `radixinfer bench` counts it), its ratio to greedy's, and the engine's prefill and decode
+forwards, preemptions and recomputed rows over the configuration's last run.
 
 The sampler alone: ``[--batch, 151936]`` bf16 logits (N(0, 2^2)), each configuration through the
 sorting-free Triton kernel (`kernels.sampling.sample_triton`, split rows, with the filter flags of
@@ -61,8 +62,13 @@ CONFIGS = {
 VOCAB = 151936  # qwen2.5's
 
 
-def bench_engine(args: argparse.Namespace) -> dict[str, float]:
-    """Median output tokens per second of each configuration, end to end."""
+STEP_COUNTERS = ("prefill_forwards", "decode_forwards", "preemptions", "recomputed_tokens")
+
+
+def bench_engine(args: argparse.Namespace) -> tuple[dict[str, float], dict[str, dict[str, int]]]:
+    """Median output tokens per second of each configuration, end to end, and the engine's step
+    counters over each configuration's last run (forwards, preemptions: a configuration that runs
+    more steps, or preempts, for the same tokens shows it here rather than in its kernels)."""
     llm = LLM(
         args.model,
         device=args.device,
@@ -72,14 +78,19 @@ def bench_engine(args: argparse.Namespace) -> dict[str, float]:
     vocab = llm.engine.vocab_size
     rng = np.random.default_rng(0)
     gc.set_threshold(50_000)  # as `radixinfer bench` runs (its --gc-threshold)
+    counters = llm.engine.counters
+    steps: dict[str, dict[str, int]] = {}
 
-    def run(fields: dict, num: int, input_len: int, output_len: int) -> float:
+    def run(fields: dict, num: int, input_len: int, output_len: int, name: str = "") -> float:
         prompts = [rng.integers(0, vocab, input_len).tolist() for _ in range(num)]
         params = SamplingParams(max_tokens=output_len, ignore_eos=True, detokenize=False, **fields)
         llm.reset_prefix_cache()
+        before = [getattr(counters, c) for c in STEP_COUNTERS]
         start = time.perf_counter()
         outs = llm.generate(prompts, params)
         wall = time.perf_counter() - start
+        if name:  # a measured run (the warm-ups have none)
+            steps[name] = {c: getattr(counters, c) - b for c, b in zip(STEP_COUNTERS, before)}
         return sum(len(o.token_ids) for o in outs) / wall
 
     for fields in CONFIGS.values():  # compile every kernel the configurations use
@@ -88,9 +99,11 @@ def bench_engine(args: argparse.Namespace) -> dict[str, float]:
     rates: dict[str, list[float]] = {name: [] for name in names}
     for r in range(args.rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:
-            rates[name].append(run(CONFIGS[name], args.batch, args.input_len, args.output_len))
+            rates[name].append(
+                run(CONFIGS[name], args.batch, args.input_len, args.output_len, name)
+            )
     gc.set_threshold(700)
-    return {name: statistics.median(values) for name, values in rates.items()}
+    return {name: statistics.median(values) for name, values in rates.items()}, steps
 
 
 def sampler_inputs(fields: dict, rows: int) -> SamplingBatch:
@@ -176,16 +189,18 @@ def main() -> None:
     }
 
     if not args.skip_engine:
-        rates = bench_engine(args)
+        rates, steps = bench_engine(args)
         gc.collect()  # the engine's pool goes back before the sampler's own runs
         torch.cuda.empty_cache()
         greedy = rates["greedy"]
         print(f"\n{args.model}, batch {args.batch}, {args.input_len} in / {args.output_len} out")
-        print(f"{'configuration':<30} {'out tok/s':>10} {'vs greedy':>10}")
+        heads = "".join(f" {c.split('_')[0]:>10}" for c in STEP_COUNTERS)
+        print(f"{'configuration':<30} {'out tok/s':>10} {'vs greedy':>10}{heads}")
         for name, rate in rates.items():
-            print(f"{name:<30} {rate:>10,.0f} {rate / greedy:>10.3f}")
+            counts = "".join(f" {steps[name][c]:>10}" for c in STEP_COUNTERS)
+            print(f"{name:<30} {rate:>10,.0f} {rate / greedy:>10.3f}{counts}")
         result["engine"] = {
-            name: {"out_tok_s": rate, "ratio_to_greedy": rate / greedy}
+            name: {"out_tok_s": rate, "ratio_to_greedy": rate / greedy, "steps": steps[name]}
             for name, rate in rates.items()
         }
 
