@@ -41,12 +41,14 @@ class Choice:
 @dataclass
 class Run:
     """One request being answered: its stream, and what each of its completions produced so far.
-    ``finish_reason`` is set once the whole request has ended (every completion)."""
+    ``finish_reason`` is set once the whole request has ended (every completion). ``step_times``:
+    the engine-step time of each step that gave the request tokens, in order, once per step (the
+    deltas of one step's several completions share it), for the latency metrics."""
 
     stream: AsyncStream
     arrival: float
     choices: dict[int, Choice] = field(default_factory=dict)
-    token_times: list[float] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     cached_tokens: int = 0
 
@@ -58,7 +60,9 @@ class Run:
             if part is None:
                 part = parts[delta.index] = Choice(delta.index)
             part.extend(delta)
-            self.token_times += [delta.timestamp] * len(delta.token_ids)
+            times = self.step_times
+            if delta.token_ids and (not times or times[-1] != delta.timestamp):
+                times.append(delta.timestamp)
             self.cached_tokens = delta.num_cached_tokens
             if delta.finished:
                 self.finish_reason = delta.finish_reason
@@ -70,9 +74,12 @@ class Run:
             whole.extend(part)
         return list(parts.values())
 
+    def num_generated(self) -> int:
+        return sum(len(choice.token_ids) for choice in self.choices.values())
+
     def usage(self) -> dict[str, Any]:
         prompt_tokens = len(self.stream.prompt_token_ids)
-        completion_tokens = sum(len(c.token_ids) for c in self.choices.values())
+        completion_tokens = self.num_generated()
         return {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,

@@ -185,7 +185,9 @@ def build_app(llm: AsyncLLM | DataParallelLLM, config: ServerConfig) -> FastAPI:
         run.stream.close()
         if run.finish_reason is not None:
             prompt_tokens = len(run.stream.prompt_token_ids)
-            metrics.record(run.finish_reason, prompt_tokens, run.token_times, run.arrival)
+            metrics.record(
+                run.finish_reason, prompt_tokens, run.num_generated(), run.step_times, run.arrival
+            )
 
     async def _events(
         body: SamplingRequest, run: Run, first: list[StreamDelta], chunks: CompletionChunks
