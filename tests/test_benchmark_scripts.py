@@ -25,6 +25,10 @@ SCRIPTS = {
         + ["--repeats", "2"],
         '"load_vs_plain"',
     ),
+    "bench_stream_front.py": (
+        ["--streams", "8", "--tokens", "6", "--behind", "1", "2", "--repeats", "1"],
+        "tokens/chunk",
+    ),
 }
 
 

@@ -41,14 +41,11 @@ class Choice:
 @dataclass
 class Run:
     """One request being answered: its stream, and what each of its completions produced so far.
-    ``finish_reason`` is set once the whole request has ended (every completion). ``step_times``:
-    the engine-step time of each step that gave the request tokens, in order, once per step (the
-    deltas of one step's several completions share it), for the latency metrics."""
+    ``finish_reason`` is set once the whole request has ended (every completion)."""
 
     stream: AsyncStream
     arrival: float
     choices: dict[int, Choice] = field(default_factory=dict)
-    step_times: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     cached_tokens: int = 0
 
@@ -60,9 +57,6 @@ class Run:
             if part is None:
                 part = parts[delta.index] = Choice(delta.index)
             part.extend(delta)
-            times = self.step_times
-            if delta.token_ids and (not times or times[-1] != delta.timestamp):
-                times.append(delta.timestamp)
             self.cached_tokens = delta.num_cached_tokens
             if delta.finished:
                 self.finish_reason = delta.finish_reason

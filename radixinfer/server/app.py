@@ -186,7 +186,11 @@ def build_app(llm: AsyncLLM | DataParallelLLM, config: ServerConfig) -> FastAPI:
         if run.finish_reason is not None:
             prompt_tokens = len(run.stream.prompt_token_ids)
             metrics.record(
-                run.finish_reason, prompt_tokens, run.num_generated(), run.step_times, run.arrival
+                run.finish_reason,
+                prompt_tokens,
+                run.num_generated(),
+                run.stream.step_times,
+                run.arrival,
             )
 
     async def _events(

@@ -231,7 +231,7 @@ class ServerMetrics:
         arrival: float,
     ) -> None:
         """One finished request: its reason, prompt length, tokens generated, and the engine-step
-        times that gave it tokens, in order (`Run.step_times`)."""
+        times that gave it tokens, in order (`AsyncStream.step_times`)."""
         self.requests.labels(finish_reason).inc()
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(generated_tokens)
