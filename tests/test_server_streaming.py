@@ -1,11 +1,18 @@
-"""What keeps streaming cheap under load: the latency histograms filled a request at a time expose
-what ``prometheus_client``'s own would."""
+"""What keeps streaming cheap under load, and what it must not change: the latency histograms
+filled a request at a time expose what ``prometheus_client``'s own would; a chunk written without
+building a dict is the dict's JSON."""
 
 from __future__ import annotations
 
+import itertools
+import json
+
+import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
+from radixinfer.server.answers import ChatChunks, Choice, CompletionChunks
 from radixinfer.server.metrics import _LATENCY_BUCKETS, ServerMetrics
+from radixinfer.server.protocol import ChatCompletionRequest, CompletionRequest
 
 
 def _samples(text: bytes) -> dict[str, str]:
@@ -41,3 +48,25 @@ def test_the_latency_histograms_expose_what_prometheus_histograms_would():
     exposed = generate_latest(metrics.registry).decode()
     assert "# TYPE radixinfer_inter_token_latency_seconds histogram" in exposed
     assert "radixinfer_inter_token_latency_seconds_created " in exposed
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("with_ids", [False, True])
+def test_a_chunk_without_logprobs_is_written_as_its_dict_would_encode(chat, with_ids):
+    """The chunk written without building a dict has the same characters as the dict encoded."""
+    if chat:
+        body = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], n=2)
+        chunks = ChatChunks("m", body.model_copy(update={"return_token_ids": with_ids}))
+    else:
+        body = CompletionRequest(prompt="x", return_token_ids=with_ids)
+        chunks = CompletionChunks("m", body)
+    head = json.dumps({**chunks.head}, separators=(",", ":"))[:-1] + ',"choices":['
+    texts = ["", "a", 'quote " and \\ and \n', "é中😀", "\ud800 lone", "\x00\x1f"]
+    endings = [(None, None), ("length", None), ("stop", 7), ("stop", "END\n")]
+    for index, text, (reason, stop) in itertools.product([0, 1], texts, endings):
+        part = Choice(index, text, [3, 1, 4][: len(text) % 4], [], reason, stop)
+        whole = Choice(index, "earlier " + text, [9, *part.token_ids])
+        event = chunks.delta_event(part, whole)
+        expected = json.dumps(chunks.delta_choice(part, whole), separators=(",", ":"))
+        assert event == f"data: {head}{expected}]}}\n\n"
+        assert json.loads(event[6:])["choices"][0]["index"] == index

@@ -197,12 +197,13 @@ def build_app(llm: AsyncLLM | DataParallelLLM, config: ServerConfig) -> FastAPI:
         body: SamplingRequest, run: Run, first: list[StreamDelta], chunks: CompletionChunks
     ) -> AsyncIterator[str]:
         usage_sent = False
+        interval = config.stream_interval
         try:
             if (opening := chunks.opening()) is not None:
                 yield sse(opening)
             deltas = first
             while deltas:
-                while not deltas[-1].finished and _num_tokens(deltas) < config.stream_interval:
+                while interval > 1 and not deltas[-1].finished and _num_tokens(deltas) < interval:
                     if not (more := await run.stream.next_deltas()):
                         break
                     deltas += more
