@@ -1,18 +1,24 @@
 """What keeps streaming cheap under load, and what it must not change: the latency histograms
 filled a request at a time expose what ``prometheus_client``'s own would; a chunk written without
-building a dict is the dict's JSON."""
+building a dict is the dict's JSON; a client that stops reading gets fewer, larger chunks and
+loses nothing."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
+import socket
+import time
 
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
+from radixinfer import LLM, SamplingParams
 from radixinfer.server.answers import ChatChunks, Choice, CompletionChunks
 from radixinfer.server.metrics import _LATENCY_BUCKETS, ServerMetrics
 from radixinfer.server.protocol import ChatCompletionRequest, CompletionRequest
+from tests.http_server import running_server
 
 
 def _samples(text: bytes) -> dict[str, str]:
@@ -70,3 +76,57 @@ def test_a_chunk_without_logprobs_is_written_as_its_dict_would_encode(chat, with
         expected = json.dumps(chunks.delta_choice(part, whole), separators=(",", ":"))
         assert event == f"data: {head}{expected}]}}\n\n"
         assert json.loads(event[6:])["choices"][0]["index"] == index
+
+
+def test_a_client_that_stops_reading_gets_coalesced_chunks_and_every_token_once():
+    """A client that stops reading (its socket fills, then the server's write buffer, and the
+    server's writes wait): the tokens made meanwhile reach it in fewer, larger chunks, every one
+    once and in order; the text and the usage are generate's. Logprobs make each token's chunk
+    ~1 KB, so a few hundred tokens fill the buffers."""
+    params = SamplingParams(max_tokens=300, ignore_eos=True, logprobs=20)
+    llm = LLM("tiny", block_size=4, num_blocks=1024)
+    expected = llm.generate(["a slow reader"], params)[0]
+    llm.reset_prefix_cache()
+    body = {"prompt": "a slow reader", "max_tokens": 300, "ignore_eos": True, "stream": True}
+    body.update(temperature=0, logprobs=20, return_token_ids=True)
+    body["stream_options"] = {"include_usage": True}
+    payload = json.dumps(body).encode()
+    with running_server(llm) as running:
+        port = int(running.url.rsplit(":", 1)[1])
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting
+            sock.connect(("127.0.0.1", port))
+            sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(payload), payload)
+            )
+            received = sock.recv(1024)
+            deadline = time.monotonic() + 120
+            while (stats := asyncio.run(running.engine.stats()))["running"] or stats["waiting"]:
+                assert time.monotonic() < deadline  # not reading until the engine is done
+                time.sleep(0.05)
+            while data := sock.recv(65536):
+                received += data
+    body_bytes = _dechunked(received.partition(b"\r\n\r\n")[2])
+    events = [e[6:] for e in body_bytes.decode().split("\n\n") if e.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(event) for event in events[:-1]]
+    choices = [chunk["choices"][0] for chunk in chunks if chunk["choices"]]
+    assert [i for choice in choices for i in choice["token_ids"]] == expected.token_ids
+    assert "".join(choice["text"] for choice in choices) == expected.text
+    assert sum(len(choice["logprobs"]["tokens"]) for choice in choices) == 300
+    assert chunks[-1]["usage"]["completion_tokens"] == 300
+    assert max(len(choice["token_ids"]) for choice in choices) > 1
+    assert len(choices) < 300
+
+
+def _dechunked(raw: bytes) -> bytes:
+    """An HTTP/1.1 chunked body's bytes."""
+    parts, at = [], 0
+    while (line_end := raw.find(b"\r\n", at)) >= 0:
+        size = int(raw[at:line_end], 16)
+        if size == 0:
+            break
+        parts.append(raw[line_end + 2 : line_end + 2 + size])
+        at = line_end + 2 + size + 2
+    return b"".join(parts)
