@@ -2,7 +2,9 @@
 over several engine replicas): routes, errors, authentication, body limit.
 
 Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (server-sent events with
-``"stream": true``, else one JSON body), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (see
+``"stream": true``, a chunk holding every token its stream received since the previous one, so a
+server behind its engine or a slow client gets fewer, larger chunks and loses nothing; else one
+JSON body), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (see
 `radixinfer.server.metrics`), ``POST /reset_prefix_cache`` (409 while requests hold KV).
 
 Status codes: 400 for a value the engine refuses or an unsupported field (the message names it), 401
