@@ -12,9 +12,9 @@ hundreds of requests) that waits up to the interpreter's switch interval (5 ms) 
 frame per message made a burst of 512 requests reach the engine over more than a second. The
 reader, for the same reason, reads whatever the pipe holds at once (up to 1 MiB) and splits it into
 frames itself: ``Connection.recv_bytes`` reads a frame's header and its body with two reads, each
-of which gives up the GIL and waits to take it back, so a front whose event loop was busy took ~10 ms
-a step's frame (a lag of 13 ms at the median and 120 ms at p99, measured with a thread spinning
-beside it, against 5 ms and 16 ms read at once). An engine process that dies (killed, crashed)
+of which gives up the GIL and waits to take it back while the front's event loop is busy
+(``benchmarks/pipe_read_lag.py``, 230 frames a second beside a spinning thread, on a 2-core CPU: a
+p99 lag of 90-190 ms, against 13-42 ms read at once). An engine process that dies (killed, crashed)
 closes its end of the pipe, which the front's reader turns into `CoreFailed`.
 """
 
