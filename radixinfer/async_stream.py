@@ -5,6 +5,12 @@ A step's events for one event loop arrive as one list with one ``call_soon_threa
 loop fans them out to their streams. A stream whose consumer is behind takes everything that
 arrived for it at once (`AsyncStream.next_deltas`) and, when it detokenizes, decodes its text on
 the consumer's thread, one decode per take.
+
+The rows of a steady decode step (`TokenBatch`: one token, no text, no logprobs, never a request's
+last) that reach a stream while its consumer has not taken the previous ones join the delta still
+waiting there instead of queueing one delta each: a consumer that is behind by k steps takes one
+delta of k tokens (timestamped with the last step), and what it costs per take, not per token,
+stays flat however far behind it is. Each step's time stays in `AsyncStream.step_times`.
 """
 
 from __future__ import annotations
@@ -68,10 +74,12 @@ class StreamRouter:
         streams = self.streams
         for event in events:
             if type(event) is TokenBatch:
-                for delta in event.deltas():
-                    stream = streams.get(delta.request_id)
+                t = event.timestamp
+                rows = zip(event.request_ids, event.token_ids, event.num_cached_tokens)
+                for request_id, token, cached in rows:
+                    stream = streams.get(request_id)
                     if stream is not None:
-                        stream._push(delta)
+                        stream._push_token(token, cached, t)
                 continue
             stream = streams.get(event.request_id)
             if stream is not None:
@@ -82,7 +90,9 @@ class AsyncStream:
     """One request's deltas, as an async iterator (the last delta has ``finished`` set); iteration
     raises the request's error instead when it fails (`RequestTimeoutError` past its timeout).
     ``prompt_token_ids`` is the prompt as the engine runs it. Use it on the event loop that opened
-    it."""
+    it. ``step_times``: the time of each engine step that gave the request tokens, in order, once
+    per step (a step's deltas of several completions share it): per-step latencies when a delta
+    holds the tokens of several steps."""
 
     def __init__(
         self,
@@ -97,7 +107,9 @@ class AsyncStream:
         self.finished = False
         self._owner = owner
         self._router = router
+        self.step_times: list[float] = []
         self._events: deque[StreamDelta | StreamFailure] = deque()
+        self._open: StreamDelta | None = None  # the last of _events, built here: rows join it
         self._waiter: asyncio.Future | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._detokenizer = detokenizer
@@ -110,7 +122,10 @@ class AsyncStream:
             if self.finished:
                 raise StopAsyncIteration
             await self._wait()
-        return self._take([self._events.popleft()])[0]
+        event = self._events.popleft()
+        if event is self._open:
+            self._open = None
+        return self._take([event])[0]
 
     async def next_deltas(self) -> list[StreamDelta]:
         """Every delta that has arrived since the last call, waiting for at least one (a consumer
@@ -121,6 +136,7 @@ class AsyncStream:
                 return []
             await self._wait()
         events, self._events = self._events, deque()
+        self._open = None
         return self._take(list(events))
 
     def close(self) -> None:
@@ -158,9 +174,28 @@ class AsyncStream:
             last.text = text  # the stream's own delta (the router built it, or unpickled it)
         return events
 
+    def _push_token(self, token: int, num_cached: int, timestamp: float) -> None:
+        """One row of a `TokenBatch`: joins the delta built from earlier rows if the consumer has
+        not taken it yet (a delta of several steps' tokens, timestamped with the last)."""
+        delta = self._open
+        if delta is None:
+            delta = StreamDelta(self.request_id, [token], "", False, None, num_cached, timestamp)
+            self._push(delta)
+            self._open = delta
+        else:
+            self.step_times.append(timestamp)  # a later step: a stream has one row a batch
+            delta.token_ids.append(token)
+            delta.timestamp = timestamp
+            delta.num_cached_tokens = num_cached
+
     def _push(self, event: StreamDelta | StreamFailure) -> None:
         if event.finished:
             self._router.streams.pop(self.request_id, None)
+        if type(event) is StreamDelta and event.token_ids:
+            times = self.step_times
+            if not times or times[-1] != event.timestamp:
+                times.append(event.timestamp)
+        self._open = None
         self._events.append(event)
         waiter = self._waiter
         if waiter is not None and not waiter.done():

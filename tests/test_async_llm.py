@@ -82,25 +82,32 @@ def test_concurrent_streams_equal_generate_and_wake_the_event_loop_once_a_step(l
 
 def test_a_consumer_that_falls_behind_takes_every_waiting_token_once_with_their_text(llm):
     """Tokens that wait for a busy consumer come in one `next_deltas`, in order, each once; the
-    stream decodes their text at once (the engine streams ids only), equal to generate's."""
+    steady steps' tokens in one delta (not one delta a step), each step's time kept in
+    ``step_times``; the stream decodes their text at once (the engine streams ids only), equal to
+    generate's."""
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     expected = llm.generate(["fall behind"], params)[0]
     llm.reset_prefix_cache()
 
-    async def main(front: AsyncLLM) -> list[list]:
+    async def main(front: AsyncLLM) -> tuple[list[list], list[float]]:
         stream = front.add_request("fall behind", params)
         batches = [await stream.next_deltas()]
         time.sleep(0.3)  # the event loop stands still while the engine goes on
         while batch := await stream.next_deltas():
             batches.append(batch)
-        return batches
+        return batches, stream.step_times
 
     with AsyncLLM(llm) as front:
-        batches = asyncio.run(main(front))
+        batches, step_times = asyncio.run(main(front))
     deltas = [delta for batch in batches for delta in batch]
     assert tokens(deltas) == expected.token_ids
     assert "".join(delta.text for delta in deltas) == expected.text
-    assert max(len(batch) for batch in batches) > 1  # the waiting steps came at once
+    waited = max(batches, key=lambda batch: len(tokens(batch)))
+    assert len(tokens(waited)) > len(waited)  # the waiting steps came at once, merged
+    assert len(step_times) == len(expected.token_ids) == len(set(step_times))  # one token a step
+    assert step_times == sorted(step_times)
+    assert [d.timestamp for d in deltas] == sorted(d.timestamp for d in deltas)
+    assert {d.timestamp for d in deltas} <= set(step_times)  # a merged delta: its last step's
 
 
 def test_one_sink_for_many_requests(llm):

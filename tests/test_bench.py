@@ -62,6 +62,16 @@ def test_a_delta_with_several_tokens_counts_each_at_its_timestamp():
     assert r.token_times == [0.5, 0.5] and r.finish_reason == "length"
 
 
+def test_itl_is_per_arrival_and_tpot_per_token():
+    """Tokens that arrive together (a served chunk of several) are one arrival: one gap each."""
+    r = RequestRecord(0.0, 3)
+    for ids, t in (([1], 0.5), ([2, 3, 4], 0.8), ([5], 0.9), ([6, 7], 1.5)):
+        r.add(StreamDelta("r", ids, "", False, None, 0, t))
+    assert r.itls == pytest.approx([0.3, 0.1, 0.6])
+    assert r.tpot == pytest.approx((1.5 - 0.5) / 6)
+    assert r.ttft == pytest.approx(0.5)
+
+
 def test_summary_percentiles_throughput_and_cache_counters():
     records = [record(0.0, [0.1 * (i + 1), 0.1 * (i + 1) + 0.05]) for i in range(10)]
     before = {

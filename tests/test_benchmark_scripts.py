@@ -25,6 +25,11 @@ SCRIPTS = {
         + ["--repeats", "2"],
         '"load_vs_plain"',
     ),
+    "pipe_read_lag.py": (["--frames", "20", "--rate", "200"], "engine pipe reader"),
+    "bench_stream_front.py": (
+        ["--streams", "8", "--tokens", "6", "--behind", "1", "2", "--repeats", "1"],
+        "tokens/chunk",
+    ),
 }
 
 

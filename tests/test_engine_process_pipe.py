@@ -81,3 +81,29 @@ def test_ids_only_params_keep_every_other_field_and_refuse_stop_strings():
     )
     with pytest.raises(ValueError, match="stop"):
         SamplingParams(stop="x").ids_only()
+
+
+def test_frames_read_together_or_split_over_reads_arrive_whole_and_in_order():
+    """The reader reads what the pipe holds at once and splits it into frames itself: several small
+    frames in one read, a frame larger than one read (3 MiB) over several, each whole, in order;
+    ``ready`` says whether one has arrived; a closed end reads as ``EOFError``."""
+    near, far = multiprocessing.Pipe()
+    receiver = _PipeEnd(far, "test-receiver")
+    assert not receiver.ready()
+    messages = [b"a", list(range(10)), b"x" * (3 << 20), "", b"z" * 70_000, ("last", 1)]
+    writer = threading.Thread(
+        target=lambda: [  # the framing the engine's sender uses, one message a frame
+            near.send_bytes(pickle.dumps([pickle.dumps(m)])) for m in messages
+        ]
+    )
+    writer.start()
+    received: list = []
+    while len(received) < len(messages):
+        received += receiver.recv()
+    writer.join()
+    assert received == messages
+    assert not receiver.ready()
+    near.close()
+    with pytest.raises(EOFError):
+        receiver.recv()
+    receiver.close()

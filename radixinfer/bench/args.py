@@ -123,7 +123,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="completions per request, sampled off one prefill (SamplingParams.n; radixinfer "
         "backend): tokens, TTFT and end-to-end count all of them, TPOT and ITL take their tokens "
-        "as one stream [1]",
+        "as one stream (a step's samples: one arrival) [1]",
     )
     load.add_argument(
         "--truncate-prompts",

@@ -4,7 +4,10 @@ Definitions (docs/api.md, The streaming benchmark), all from token timestamps ta
 
 - TTFT = first token - submit
 - TPOT = (last token - first token) / (n - 1), for requests with n >= 2 tokens
-- ITL  = every gap between consecutive tokens of a request (pooled over requests)
+- ITL  = every gap between consecutive arrivals of a request's tokens (pooled over requests): tokens
+  that arrive together (one served chunk holding several, a step's samples of ``n`` > 1) are one
+  arrival, so a server that coalesces its chunks shows the gap its client saw, not zeros (vLLM's
+  and SGLang's benchmarks count ITL per chunk too); TPOT stays per token
 - E2E  = last token - submit
 
 Latencies are reported in milliseconds as mean / p50 / p95 / p99. Throughput divides tokens by the wall
@@ -67,7 +70,8 @@ class RequestRecord:
 
     @property
     def itls(self) -> list[float]:
-        return np.diff(self.token_times).tolist()
+        gaps = np.diff(self.token_times)
+        return gaps[gaps > 0].tolist()  # tokens of one arrival share its time
 
 
 def latency_ms(seconds: Iterable[float]) -> dict[str, float | None]:

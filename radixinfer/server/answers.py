@@ -46,7 +46,6 @@ class Run:
     stream: AsyncStream
     arrival: float
     choices: dict[int, Choice] = field(default_factory=dict)
-    token_times: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     cached_tokens: int = 0
 
@@ -58,7 +57,6 @@ class Run:
             if part is None:
                 part = parts[delta.index] = Choice(delta.index)
             part.extend(delta)
-            self.token_times += [delta.timestamp] * len(delta.token_ids)
             self.cached_tokens = delta.num_cached_tokens
             if delta.finished:
                 self.finish_reason = delta.finish_reason
@@ -70,9 +68,12 @@ class Run:
             whole.extend(part)
         return list(parts.values())
 
+    def num_generated(self) -> int:
+        return sum(len(choice.token_ids) for choice in self.choices.values())
+
     def usage(self) -> dict[str, Any]:
         prompt_tokens = len(self.stream.prompt_token_ids)
-        completion_tokens = sum(len(c.token_ids) for c in self.choices.values())
+        completion_tokens = self.num_generated()
         return {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
@@ -83,6 +84,11 @@ class Run:
 
 # One encoder for every event: ``json.dumps`` with separators builds a new encoder each call.
 _encode = json.JSONEncoder(separators=(",", ":")).encode
+_string = json.encoder.encode_basestring_ascii  # what ``_encode`` writes for a str, in C
+
+
+def _value(value: int | str | None) -> str:
+    return "null" if value is None else _encode(value)
 
 
 def sse(payload: dict) -> str:
@@ -112,10 +118,27 @@ class CompletionChunks:
         ``whole``. The chunk's head (id, object, created, model) is encoded once per request."""
         if self._event_head is None:
             self._event_head = "data: " + _encode(self.head)[:-1] + ',"choices":['
+        if self.num_logprobs is None:  # the common chunk, written without building a dict
+            return self._event_head + self._plain_choice(part) + "]}\n\n"
         return self._event_head + _encode(self.delta_choice(part, whole)) + "]}\n\n"
 
     def delta_choice(self, part: Choice, whole: Choice) -> dict:
         return self._choice(part, len(whole.text) - len(part.text))
+
+    def _plain_content(self, part: Choice) -> str:
+        """What `delta_choice` puts between a chunk's index and its finish reason, as JSON, for a
+        request without logprobs."""
+        return f'"text":{_string(part.text)},"logprobs":null'
+
+    def _plain_choice(self, part: Choice) -> str:
+        """``_encode(self.delta_choice(part, ...))`` for a request without logprobs: the same
+        characters, the same key order, ~4x cheaper (a test compares them)."""
+        ids = f',"token_ids":[{",".join(map(str, part.token_ids))}]' if self.with_ids else ""
+        return (
+            f'{{"index":{part.index},{self._plain_content(part)},'
+            f'"finish_reason":{_value(part.finish_reason)},'
+            f'"stop_reason":{_value(part.stop_reason)}{ids}}}'
+        )
 
     def usage(self, usage: dict) -> dict:
         return {**self.head, "choices": [], "usage": usage}
@@ -162,6 +185,9 @@ class ChatChunks(CompletionChunks):
 
     def delta_choice(self, part: Choice, whole: Choice) -> dict:
         return self._chat_choice(part, "delta")
+
+    def _plain_content(self, part: Choice) -> str:
+        return f'"delta":{{"content":{_string(part.text)}}},"logprobs":null'
 
     def whole(self, run: Run) -> dict:
         choices = [self._chat_choice(run.choices[i], "message") for i in sorted(run.choices)]

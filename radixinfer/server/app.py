@@ -2,7 +2,9 @@
 over several engine replicas): routes, errors, authentication, body limit.
 
 Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (server-sent events with
-``"stream": true``, else one JSON body), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (see
+``"stream": true``, a chunk holding every token its stream received since the previous one, so a
+server behind its engine or a slow client gets fewer, larger chunks and loses nothing; else one
+JSON body), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (see
 `radixinfer.server.metrics`), ``POST /reset_prefix_cache`` (409 while requests hold KV).
 
 Status codes: 400 for a value the engine refuses or an unsupported field (the message names it), 401
@@ -185,18 +187,25 @@ def build_app(llm: AsyncLLM | DataParallelLLM, config: ServerConfig) -> FastAPI:
         run.stream.close()
         if run.finish_reason is not None:
             prompt_tokens = len(run.stream.prompt_token_ids)
-            metrics.record(run.finish_reason, prompt_tokens, run.token_times, run.arrival)
+            metrics.record(
+                run.finish_reason,
+                prompt_tokens,
+                run.num_generated(),
+                run.stream.step_times,
+                run.arrival,
+            )
 
     async def _events(
         body: SamplingRequest, run: Run, first: list[StreamDelta], chunks: CompletionChunks
     ) -> AsyncIterator[str]:
         usage_sent = False
+        interval = config.stream_interval
         try:
             if (opening := chunks.opening()) is not None:
                 yield sse(opening)
             deltas = first
             while deltas:
-                while not deltas[-1].finished and _num_tokens(deltas) < config.stream_interval:
+                while interval > 1 and not deltas[-1].finished and _num_tokens(deltas) < interval:
                     if not (more := await run.stream.next_deltas()):
                         break
                     deltas += more
