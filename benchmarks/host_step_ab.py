@@ -9,14 +9,16 @@ pay per step, for two versions of the engine side by side.
 
 Each tree runs in a child process of its own (``PYTHONPATH=TREE``), so each imports its own
 ``radixinfer``; both build ``LLM("tiny", device="cpu")`` and have the forward replaced by
-`bench_serve.install_stub` (the embedding lookup: no layers, no attention), so what is left is the
+`bench_serve.install_stub` (the embedding lookup: no layers, no attention) and its KV block copies
+made no-ops (device work as well), so what is left is the
 engine's host side: intake, admission, the radix tree, the scheduler, the decode batch, the
 sampler's setup (its argmax over the byte vocabulary is a few µs) and output processing.
 
-Every workload adds all its requests at once (token ids, ``ignore_eos``, ``detokenize=False`` as
-``radixinfer bench`` sends them) and steps the engine until it has nothing unfinished; each tree
-sees the same requests, so both take the same number of steps. Each tree's child runs every workload
-``--repeats`` times, and ``--rounds`` children per tree alternate ABBA (the machine's load drifts).
+Every workload adds all its requests at once (token ids, ``ignore_eos``, ``detokenize=False``;
+prompts converted and params built before the clock starts, as ``radixinfer bench`` has them) and
+steps the engine until it has nothing unfinished; each tree sees the same requests, so both take the
+same number of steps. Each tree's child runs every workload ``--repeats`` times, and ``--rounds``
+children per tree alternate ABBA (the machine's load drifts).
 Per workload and tree: ``wall us`` and ``cpu us`` are medians over all timed runs of the run's wall
 (process CPU) time / steps, torch on one thread; ``calls/step`` the Python function calls per step
 under cProfile (one more run; deterministic, so the steadiest number on a shared machine). The
@@ -98,16 +100,28 @@ def prompts(name: str, count: int) -> list[list[int]]:
 
 
 # ---------------------------------------------------------------------------------- the child process
-def _run(llm, name: str) -> int:
-    """Add the workload's requests and step until done; the number of steps."""
+def _prepare(llm, name: str) -> list:
+    """The workload's ``(prompt, params)`` pairs as ``radixinfer bench`` has them before its clock
+    starts: each prompt converted by the engine (`Backend.native_prompt`), params of its own each."""
     from radixinfer import SamplingParams
 
-    options, count, new_tokens, warm = WORKLOADS[name]
+    new_tokens = WORKLOADS[name][2]
+    return [
+        (
+            llm.engine.prompt_ids(prompt),
+            SamplingParams(max_tokens=new_tokens, ignore_eos=True, detokenize=False),
+        )
+        for prompt in prompts(name, WORKLOADS[name][1])
+    ]
+
+
+def _run(llm, name: str, requests: list) -> int:
+    """Add the prepared requests and step until done; the number of steps."""
+    options, _, _, warm = WORKLOADS[name]
     engine = llm.engine
     if not warm and options.get("enable_prefix_cache", True):
         engine.reset_prefix_cache()
-    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, detokenize=False)
-    for prompt in prompts(name, count):
+    for prompt, params in requests:
         engine.add_request(prompt, params)
     steps = 0
     while engine.has_unfinished():
@@ -126,6 +140,9 @@ def _build(name: str):
     from radixinfer import LLM
 
     llm = LLM(model="tiny", device="cpu", **WORKLOADS[name][0])
+    # The copy-on-write block copies are device work (one kernel launch on a GPU; on the CPU a copy
+    # of every layer's blocks, ~0.5 ms a step at hello65): the stub writes no K/V, so copy nothing.
+    llm.engine.runner.kv._copy = lambda k, v, src, dst: None
     gc.collect()
     gc.freeze()  # as a served engine does (`freeze_gc`; the old LLM always froze)
     return llm
@@ -146,18 +163,20 @@ def worker(names: list[str], repeats: int, profile: str | None, top: int) -> dic
     out: dict = {"tree": str(Path(radixinfer.__file__).parents[1])}
     for name in names:
         llm = _build(name)
-        _run(llm, name)  # warm-up: imports, allocations (and the cache, when the workload is warm)
+        _run(llm, name, _prepare(llm, name))  # warm-up: imports, allocations (and a warm cache)
         _forget(llm)
         per_step, cpu_per_step = [], []
         for _ in range(repeats):
+            requests = _prepare(llm, name)
             start, cpu_start = time.perf_counter(), time.process_time()
-            steps = _run(llm, name)
+            steps = _run(llm, name, requests)
             cpu_per_step.append((time.process_time() - cpu_start) / steps * 1e6)
             per_step.append((time.perf_counter() - start) / steps * 1e6)
             _forget(llm)
+        requests = _prepare(llm, name)
         prof = cProfile.Profile()
         prof.enable()
-        steps = _run(llm, name)
+        steps = _run(llm, name, requests)
         prof.disable()
         _forget(llm)
         stats = pstats.Stats(prof)
