@@ -52,7 +52,8 @@ class Launch:
     ) -> None:
         self.reqs, self.tokens = reqs, tokens
         self.batch, self.departures = batch, departures
-        self.last_rows = np.flatnonzero(batch.left == 1) if batch is not None else _NO_ROWS
+        # `ndarray.nonzero`: `np.flatnonzero` costs ~8 Python calls, each step
+        self.last_rows = (batch.left == 1).nonzero()[0] if batch is not None else _NO_ROWS
         self.read_back = False
         self.scores = scores
         self.host, self.done = tokens, None
