@@ -79,6 +79,10 @@ class RadixTree:
         self._roots: dict[Hashable, Node] = {}
         # Unlocked GPU-frontier nodes (GPU-resident, no GPU-resident child), unlocked host leaves.
         self.lru = LRUOrder(two_tiers=host is not None)
+        # ``lock(node)`` protects ``node`` and its ancestors from eviction (counts, so nested locks
+        # compose); ``unlock(node)`` drops one such lock. `LRUOrder`'s own methods, bound here: a
+        # request locks and unlocks a few times, with no call in between.
+        self.lock, self.unlock = self.lru.lock, self.lru.unlock
         self.tiers = None if host is None else HostResidency(self, host, write_through_hits)
         # Bumped by every change of what a walk finds (insert, split, evict, reset; not locks or LRU times):
         # a walk taken at the current version is still exact, so callers may reuse it (see `insert`).
@@ -113,8 +117,9 @@ class RadixTree:
             return MatchResult(0, [], root, None)
         keys = path[0].key if len(path) == 1 else np.concatenate([c.key for c in path])
         length = common_prefix_len(keys, tokens)
-        # up to the node holding position length - 1
-        path = path[: bisect.bisect_left(ends, length) + 1]
+        # up to the node holding position length - 1 (it ends at ``ends[last]``)
+        last = bisect.bisect_left(ends, length)
+        path = path[: last + 1]
         host_node, host_length = None, 0
         if self.host is not None and path[-1].host:  # the host-resident nodes end the path
             first_host = next(i for i, n in enumerate(path) if n.host)
@@ -129,7 +134,9 @@ class RadixTree:
             blocks[child.start // bs :] = child.blocks
         del blocks[-(-length // bs) :]
         node = path[-1]
-        payload = node.payload if length == len(tokens) and node.end == length else None
+        # ``ends[last]`` is ``node.end`` unless the host-resident part was cut off, and then the
+        # match stops short of the query (``length < n``)
+        payload = node.payload if length == n and ends[last] == length else None
         return MatchResult(length, blocks, node, payload, host_node, host_length)
 
     def _root(self, salt: Hashable) -> Node:
@@ -137,14 +144,6 @@ class RadixTree:
         if root is None:
             root = self._roots[salt] = Node(as_token_array(()), 0, [], None, next(self._ids))
         return root
-
-    # ------------------------------------------------------------------ locking
-    def lock(self, node: Node) -> None:
-        """Protect ``node`` and its ancestors from eviction (counts, so nested locks compose)."""
-        self.lru.lock(node)
-
-    def unlock(self, node: Node) -> None:
-        self.lru.unlock(node)
 
     # ------------------------------------------------------------------ insertion
     def insert(

@@ -196,7 +196,7 @@ class LLMEngine:
         items = pass_.items
         if not items:
             return
-        computed = [it for it in items if it.computes]
+        computed = [it for it in items if it.end > it.start]  # (`computes`, inlined)
         hidden = None
         if computed:
             hidden = self.runner.prefill(*pass_.ragged_inputs(computed))
@@ -221,7 +221,8 @@ class LLMEngine:
         reqs = [it.req for it in finishing]
         rows = list(range(len(reqs)))  # each request's row of `last_hidden`
         for row, req in enumerate(reqs[:]):
-            samples = self.scheduler.fork(req)  # the further samples of an n > 1 request
+            # the further samples of an n > 1 request (most requests have none: no call)
+            samples = self.scheduler.fork(req) if len(req.group) > 1 else ()
             reqs += samples
             rows += [row] * len(samples)
         self.scheduler.start_running(reqs)  # decodes from its first token, on the device for now
@@ -296,7 +297,8 @@ class LLMEngine:
             kv = self.runner.kv
             batches = self.cache.take_transfers()
             self.host_kv.run(batches, kv.k, kv.v, self.cache.host.tickets_taken)
-        self.runner.copy_blocks(copies)
+        if copies:  # (most steps copy nothing)
+            self.runner.copy_blocks(copies)
 
     def _finish_loads(self, wait: bool = False) -> None:
         """Tell the cache which of the host tier's loads have completed (``wait``: wait for all of
