@@ -117,9 +117,8 @@ class RadixTree:
             return MatchResult(0, [], root, None)
         keys = path[0].key if len(path) == 1 else np.concatenate([c.key for c in path])
         length = common_prefix_len(keys, tokens)
-        # up to the node holding position length - 1 (it ends at ``ends[last]``)
-        last = bisect.bisect_left(ends, length)
-        path = path[: last + 1]
+        # up to the node holding position length - 1
+        path = path[: bisect.bisect_left(ends, length) + 1]
         host_node, host_length = None, 0
         if self.host is not None and path[-1].host:  # the host-resident nodes end the path
             first_host = next(i for i, n in enumerate(path) if n.host)
@@ -134,9 +133,7 @@ class RadixTree:
             blocks[child.start // bs :] = child.blocks
         del blocks[-(-length // bs) :]
         node = path[-1]
-        # ``ends[last]`` is ``node.end`` unless the host-resident part was cut off, and then the
-        # match stops short of the query (``length < n``)
-        payload = node.payload if length == n and ends[last] == length else None
+        payload = node.payload if length == n and node.end == length else None
         return MatchResult(length, blocks, node, payload, host_node, host_length)
 
     def _root(self, salt: Hashable) -> Node:
@@ -340,6 +337,7 @@ class RadixTree:
                 parent = node.parent
                 assert parent is not None and parent.children.get(int(node.key[0])) is node
                 assert len(node.key) > 0, f"empty edge {node}"
+                assert node.end == node.start + len(node.key), f"{node}'s end is stale"
                 assert node.start == parent.end, f"{node} does not start where its parent ends"
                 want = -(-node.end // bs) - node.start // bs
                 assert len(node.blocks) == want, (

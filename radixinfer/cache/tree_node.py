@@ -35,6 +35,7 @@ class Node:
     __slots__ = (
         "key",
         "start",
+        "end",
         "blocks",
         "children",
         "parent",
@@ -50,6 +51,9 @@ class Node:
     ) -> None:
         self.key = key  # tokens at positions [start, start + len(key))
         self.start = start
+        # start + len(key), kept with them (`split_at`, `trim_tail`): read on every walk and
+        # admission, where a property's call would cost more than the sum
+        self.end = start + len(key)
         self.blocks = blocks  # block ids for indices start // bs .. (end - 1) // bs
         self.children: dict[int, Node] = {}  # first token of the child's key -> child
         self.parent = parent
@@ -58,10 +62,6 @@ class Node:
         self.payload: Any = None  # final hidden state at position end - 1, set for prompt ends
         self.id = node_id
         self.host = False  # host-resident: ``blocks`` are host block ids
-
-    @property
-    def end(self) -> int:
-        return self.start + len(self.key)
 
     def __repr__(self) -> str:
         tier = "host" if self.host else "gpu"
