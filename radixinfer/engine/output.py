@@ -47,6 +47,10 @@ class OutputProcessor:
             batch = launch.batch
             if batch is None or not batch.ids_only or launch.departures != scheduler.departures:
                 scored = self._scored(launch, tokens)
+                if not scored:  # (no row asks for logprobs: no look-up per row)
+                    for req, token in zip(launch.reqs, tokens):
+                        finished |= take_token(req, token, now, events)
+                    continue
                 for row, (req, token) in enumerate(zip(launch.reqs, tokens)):
                     finished |= take_token(req, token, now, events, scored.get(row))
                 continue

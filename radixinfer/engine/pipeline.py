@@ -152,6 +152,7 @@ class TokenPipeline:
         offsets: dict[Launch, int] = {}
         total = 0
         input_ids, rows = [], []
+        last, offset = None, 0  # the launch of the previous carried row, and its offset
         for req in reqs:
             carry = newest.get(req)
             if carry is None:
@@ -159,10 +160,11 @@ class TokenPipeline:
                 rows.append(READ_BACK_ROW)
                 continue
             launch, row = carry
-            offset = offsets.get(launch)
-            if offset is None:
-                offset = offsets[launch] = total
-                total += len(launch.reqs)
+            if launch is not last:  # (rows of one launch mostly come together: no look-up)
+                last, offset = launch, offsets.get(launch)
+                if offset is None:
+                    offset = offsets[launch] = total
+                    total += len(launch.reqs)
             input_ids.append(0)
             rows.append(offset + row)
         ids = np.asarray(input_ids, dtype=np.int64)

@@ -59,7 +59,7 @@ class PrefillPass:
         starts = np.array([it.start for it in computed], dtype=np.int64)
         positions = np.arange(int(ends[-1])) + np.repeat(starts - (ends - lengths), lengths)
         input_ids = np.concatenate([it.req.token_array()[it.start : it.end] for it in computed])
-        slots = list(itertools.chain.from_iterable(it.slots for it in computed))
+        slots = list(itertools.chain.from_iterable([it.slots for it in computed]))
         return (
             input_ids,
             positions,
