@@ -20,7 +20,8 @@ steps the engine until it has nothing unfinished; each tree sees the same reques
 same number of steps. Each tree's child runs every workload ``--repeats`` times, and ``--rounds``
 children per tree alternate ABBA (the machine's load drifts).
 Per workload and tree: ``wall us`` and ``cpu us`` are medians over all timed runs of the run's wall
-(process CPU) time / steps, torch on one thread; ``calls/step`` the Python function calls per step
+(process CPU) time / steps, torch on one thread, ``cpu min`` the least (the steadiest on a loaded
+machine: other processes only add to it); ``calls/step`` the Python function calls per step
 under cProfile (one more run; deterministic, so the steadiest number on a shared machine). The
 last columns are this tree's over the other's. Workloads whose cache is warm run once untimed
 first (like the suite's ``--warmup-runs 1``); the cold ones reset the
@@ -251,12 +252,14 @@ def merge(into: dict, result: dict) -> None:
 
 
 def print_table(results: dict, names: list[str]) -> None:
-    """Medians per workload and tree; with two trees, this tree's over the other's."""
-    cols = f"{'steps':>6} {'calls/step':>10} {'wall us':>8} {'cpu us':>8}"
-    print(f"\n{'':<14} " + "  ".join(f"{key + ': ' + results[key]['tree']:<37}" for key in results))
+    """Per workload and tree: calls per step, the medians of wall and CPU time per step and the
+    least CPU time per step (on a shared machine other processes only ever add to it); with two
+    trees, this tree's over the other's."""
+    cols = f"{'steps':>6} {'calls/step':>10} {'wall us':>8} {'cpu us':>8} {'cpu min':>8}"
+    print(f"\n{'':<14} " + "  ".join(f"{key + ': ' + results[key]['tree']:<46}" for key in results))
     head = f"{'workload':<14} " + "  ".join(cols for _ in results)
     if "other" in results:
-        head += f"  {'calls':>6} {'wall':>6} {'cpu':>6}"
+        head += f"  {'calls':>6} {'wall':>6} {'cpu':>6} {'cpu min':>7}"
     print(head)
     for name in names:
         line = f"{name:<14}"
@@ -267,15 +270,20 @@ def print_table(results: dict, names: list[str]) -> None:
                 numbers["calls_per_step"],
                 statistics.median(numbers["wall_us"]),
                 statistics.median(numbers["cpu_us"]),
+                min(numbers["cpu_us"]),
             )
-            line += f" {numbers['steps']:>6} {row[key][0]:>10.0f} {row[key][1]:>8.0f} {row[key][2]:>8.0f} "
+            line += f" {numbers['steps']:>6} " + " ".join(
+                f"{x:>{w}.0f}" for x, w in zip(row[key], (10, 8, 8, 8))
+            )
+            line += " "
         if "other" in results:
-            line += " " + " ".join(f"{a / b:>6.3f}" for a, b in zip(row["this"], row["other"]))
+            ratios = [a / b for a, b in zip(row["this"], row["other"])]
+            line += " " + " ".join(f"{r:>{w}.3f}" for r, w in zip(ratios, (6, 6, 6, 7)))
             if result[name]["steps"] != results["this"][name]["steps"]:
                 line += "  (steps differ)"
         print(line)
     if "other" in results:
-        print("last three columns: this tree / the other (< 1: this tree is cheaper)")
+        print("last four columns: this tree / the other (< 1: this tree is cheaper)")
 
 
 if __name__ == "__main__":
