@@ -23,7 +23,7 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # slots: its fields are read and set all along the step's path
 class Request:
     """Owned by the engine. ``seq`` is set while the request holds KV blocks (PREFILLING / RUNNING).
 
