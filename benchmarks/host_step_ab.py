@@ -2,7 +2,7 @@
 the model's forward stubbed: what the GPU suite's host-bound runs (a small model, small batches)
 pay per step, for two versions of the engine side by side.
 
-    git archive 284315e | tar -x -C /tmp/before          # once: the tree to compare against
+    mkdir -p /tmp/before && git archive 284315e | tar -x -C /tmp/before   # once: the other tree
     PYTHONPATH=. python benchmarks/host_step_ab.py --other /tmp/before
     PYTHONPATH=. python benchmarks/host_step_ab.py --workloads fixed65,shared_prefix --repeats 7
     PYTHONPATH=. python benchmarks/host_step_ab.py --profile fixed65 --top 25   # this tree's hot spots
