@@ -20,10 +20,11 @@ steps the engine until it has nothing unfinished; each tree sees the same reques
 same number of steps. Each tree's child runs every workload ``--repeats`` times, and ``--rounds``
 children per tree alternate ABBA (the machine's load drifts).
 Per workload and tree: ``wall us`` and ``cpu us`` are medians over all timed runs of the run's wall
-(process CPU) time / steps, torch on one thread, ``cpu min`` the least (the steadiest on a loaded
-machine: other processes only add to it); ``calls/step`` the Python function calls per step
-under cProfile (one more run; deterministic, so the steadiest number on a shared machine). The
-last columns are this tree's over the other's. Workloads whose cache is warm run once untimed
+(process CPU) time / steps, torch on one thread; ``floor us`` the least wall time of each phase
+(adding the requests, then each step by its index) over all timed runs, summed, per step: the
+steadiest time on a loaded machine, where other processes only ever add to a phase;
+``calls/step`` the Python function calls per step under cProfile (one more run; deterministic).
+The last columns are this tree's over the other's. Workloads whose cache is warm run once untimed
 first (like the suite's ``--warmup-runs 1``); the cold ones reset the
 prefix cache before every run. The shapes follow ``benchmarks/gpu_suite.sh``, scaled to a CPU:
 
@@ -116,18 +117,26 @@ def _prepare(llm, name: str) -> list:
     ]
 
 
-def _run(llm, name: str, requests: list) -> int:
-    """Add the prepared requests and step until done; the number of steps."""
+def _run(llm, name: str, requests: list, times: list[float] | None = None) -> int:
+    """Add the prepared requests and step until done; the number of steps. ``times``: gets the
+    wall time of adding the requests, then of each step, in seconds."""
     options, _, _, warm = WORKLOADS[name]
     engine = llm.engine
     if not warm and options.get("enable_prefix_cache", True):
         engine.reset_prefix_cache()
+    clock = time.perf_counter
+    start = clock()
     for prompt, params in requests:
         engine.add_request(prompt, params)
     steps = 0
     while engine.has_unfinished():
+        if times is not None:
+            times.append(clock() - start)
+            start = clock()
         engine.step()
         steps += 1
+    if times is not None:
+        times.append(clock() - start)
     return steps
 
 
@@ -166,13 +175,14 @@ def worker(names: list[str], repeats: int, profile: str | None, top: int) -> dic
         llm = _build(name)
         _run(llm, name, _prepare(llm, name))  # warm-up: imports, allocations (and a warm cache)
         _forget(llm)
-        per_step, cpu_per_step = [], []
+        per_step, cpu_per_step, phases = [], [], []
         for _ in range(repeats):
-            requests = _prepare(llm, name)
+            requests, times = _prepare(llm, name), []
             start, cpu_start = time.perf_counter(), time.process_time()
-            steps = _run(llm, name, requests)
+            steps = _run(llm, name, requests, times)
             cpu_per_step.append((time.process_time() - cpu_start) / steps * 1e6)
             per_step.append((time.perf_counter() - start) / steps * 1e6)
+            phases.append(times)
             _forget(llm)
         requests = _prepare(llm, name)
         prof = cProfile.Profile()
@@ -185,6 +195,7 @@ def worker(names: list[str], repeats: int, profile: str | None, top: int) -> dic
             "steps": steps,
             "wall_us": per_step,
             "cpu_us": cpu_per_step,
+            "phase_min_s": [min(run[i] for run in phases) for i in range(steps + 1)],
             "calls_per_step": stats.total_calls / steps,
         }
         if name == profile:
@@ -247,19 +258,21 @@ def merge(into: dict, result: dict) -> None:
         elif name in into:
             into[name]["wall_us"] += numbers["wall_us"]
             into[name]["cpu_us"] += numbers["cpu_us"]
+            into[name]["phase_min_s"] = list(
+                map(min, into[name]["phase_min_s"], numbers["phase_min_s"])
+            )
         else:
             into[name] = numbers
 
 
 def print_table(results: dict, names: list[str]) -> None:
     """Per workload and tree: calls per step, the medians of wall and CPU time per step and the
-    least CPU time per step (on a shared machine other processes only ever add to it); with two
-    trees, this tree's over the other's."""
-    cols = f"{'steps':>6} {'calls/step':>10} {'wall us':>8} {'cpu us':>8} {'cpu min':>8}"
+    floor per step; with two trees, this tree's over the other's."""
+    cols = f"{'steps':>6} {'calls/step':>10} {'wall us':>8} {'cpu us':>8} {'floor us':>8}"
     print(f"\n{'':<14} " + "  ".join(f"{key + ': ' + results[key]['tree']:<46}" for key in results))
     head = f"{'workload':<14} " + "  ".join(cols for _ in results)
     if "other" in results:
-        head += f"  {'calls':>6} {'wall':>6} {'cpu':>6} {'cpu min':>7}"
+        head += f"  {'calls':>6} {'wall':>6} {'cpu':>6} {'floor':>7}"
     print(head)
     for name in names:
         line = f"{name:<14}"
@@ -270,7 +283,7 @@ def print_table(results: dict, names: list[str]) -> None:
                 numbers["calls_per_step"],
                 statistics.median(numbers["wall_us"]),
                 statistics.median(numbers["cpu_us"]),
-                min(numbers["cpu_us"]),
+                sum(numbers["phase_min_s"]) / numbers["steps"] * 1e6,
             )
             line += f" {numbers['steps']:>6} " + " ".join(
                 f"{x:>{w}.0f}" for x, w in zip(row[key], (10, 8, 8, 8))
