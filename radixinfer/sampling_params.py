@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from functools import cached_property
 
 from radixinfer.checks import flag, integer, optional_integer, real, wrong_type
 
@@ -116,6 +115,22 @@ class SamplingParams:
         for name, value in checked.items():
             if value is not getattr(self, name):  # most fields come as they stay
                 object.__setattr__(self, name, value)
+        self._derive()
+
+    def _derive(self) -> None:
+        """Set what the engine reads of the params on its hot paths, once, as plain attributes
+        (not fields: not compared, not in ``repr``): ``penalized`` (a penalty reads the request's
+        token counts), ``processes_logits`` (the logits change before the request samples:
+        penalties, bias, ``min_tokens``) and ``argmax_only`` (its token is the argmax of the
+        model's logits as they come). A `functools.cached_property` would take a lock on its first
+        read, and every request brings its own params."""
+        penalized = bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+        )
+        processes = penalized or bool(self.logit_bias) or self.min_tokens > 0
+        object.__setattr__(self, "penalized", penalized)
+        object.__setattr__(self, "processes_logits", processes)
+        object.__setattr__(self, "argmax_only", self.temperature == 0.0 and not processes)
 
     def _checked_stop_token_ids(self) -> tuple[int, ...] | None:
         ids = self.stop_token_ids
@@ -179,18 +194,3 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
-
-    @cached_property
-    def penalized(self) -> bool:
-        """Whether a penalty reads the request's token counts."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
-
-    @cached_property
-    def processes_logits(self) -> bool:
-        """Whether the logits change before the request samples (penalties, bias, min_tokens)."""
-        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
-
-    @cached_property
-    def argmax_only(self) -> bool:
-        """Whether the request's token is the argmax of the model's logits, as they come."""
-        return self.greedy and not self.processes_logits

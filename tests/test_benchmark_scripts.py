@@ -20,6 +20,10 @@ SCRIPTS = {
         ["--device", "cpu", "--batches", "4", "--steps", "3", "--warmup", "1", "--admit-reps", "1"],
         "host time per decode step",
     ),
+    "host_step_ab.py": (
+        ["--workloads", "hello65", "--repeats", "1", "--rounds", "1"],
+        "calls/step",
+    ),
     "bench_host_kv.py": (
         ["--device", "cpu", "--model", "tiny", "--blocks", "8", "--pool-blocks", "32"]
         + ["--repeats", "2"],

@@ -30,9 +30,9 @@ class DecodeLanes:
 
     def __init__(self, seqs: list[SeqKV]) -> None:
         self.seqs = seqs
-        n = len(seqs)
-        self.num_kv = np.fromiter((seq.num_kv for seq in seqs), dtype=np.int64, count=n)
-        self.last_block = np.fromiter((seq.table[-1] for seq in seqs), dtype=np.int64, count=n)
+        # list comprehensions: a generator costs a Python call per sequence
+        self.num_kv = np.array([seq.num_kv for seq in seqs], dtype=np.int64)
+        self.last_block = np.array([seq.table[-1] for seq in seqs], dtype=np.int64)
 
 
 def reserve_step(cache: KVCacheManager, lanes: DecodeLanes) -> ReservePlan | None:
@@ -52,9 +52,10 @@ def reserve_step(cache: KVCacheManager, lanes: DecodeLanes) -> ReservePlan | Non
     bs, pool, seqs = cache.block_size, cache.pool, lanes.seqs
     last, offset = lanes.last_block, lanes.num_kv % bs
     fresh = offset == 0
-    fresh_rows = np.flatnonzero(fresh)
+    # (`ndarray.nonzero` of these 1-D masks: `np.flatnonzero` wraps it in ~8 Python calls)
+    fresh_rows = fresh.nonzero()[0]
     # A block held alone is never copied (the rule's second term): only shared ones are asked.
-    shared = np.flatnonzero(~fresh & (pool.refcount_view[last] > 1))
+    shared = (~fresh & (pool.refcount_view[last] > 1)).nonzero()[0]
     in_order, claims = _NO_ROWS, _NO_ROWS
     if shared.size:
         blocks = last[shared]

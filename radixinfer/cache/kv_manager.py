@@ -34,6 +34,8 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from radixinfer.cache.block_pool import BlockPool
 from radixinfer.cache.decode_step import DecodeLanes, reserve_step
 from radixinfer.cache.growth import plan_growth
@@ -44,7 +46,6 @@ from radixinfer.cache.tree_node import (
     InsertResult,
     MatchResult,
     TokenArray,
-    as_token_array,
 )
 
 __all__ = [
@@ -124,10 +125,10 @@ class KVCacheManager:
         (`_loads`)."""
         if not (self.enable_prefix_cache and use_cache):
             return SeqKV(salt, [], 0, 0, None, None)
-        tokens = as_token_array(tokens)
+        tokens = np.asarray(tokens, dtype=np.int64)  # (`as_token_array`, without its call)
         match = self._peeked(tokens, salt) or self.tree.match(tokens, salt)
         num_loaded = 0
-        if self._loads(match):
+        if match.host_node is not None and self._loads(match):
             gpu_length = match.length
             match = self.tree.tiers.load_match(match, len(tokens), self.ensure_free)
             num_loaded = match.length - gpu_length
@@ -155,10 +156,12 @@ class KVCacheManager:
         """How many leading tokens `admit` would find cached right now (changes nothing, counts nothing)."""
         if not self.enable_prefix_cache:
             return 0
-        tokens = as_token_array(tokens)
+        tokens = np.asarray(tokens, dtype=np.int64)  # (`as_token_array`, without its call)
         peek = self._peeked(tokens, salt) or self.tree.match(tokens, salt)
         self._last_peek = (tokens, salt, TreeWalk(peek, len(tokens), self.tree.version))
-        return peek.total_length if self._loads(peek) else peek.length
+        return (
+            peek.total_length if peek.host_node is not None and self._loads(peek) else peek.length
+        )
 
     def _loads(self, match: MatchResult) -> bool:
         """Whether `admit` loads the host-resident part of ``match``: when it covers at least a
@@ -300,7 +303,7 @@ class KVCacheManager:
         )
         seq.match = None
         return self.tree.insert(
-            as_token_array(tokens),
+            np.asarray(tokens, dtype=np.int64),
             seq.table,
             seq.salt,
             end_node=prompt_end,

@@ -100,6 +100,7 @@ class LRUOrder:
         last_index = (leaf.end - 1) // bs
         if last_index * bs > leaf.start:  # drop its last block: it keeps [start, last_index * bs)
             leaf.key = leaf.key[: last_index * bs - leaf.start]
+            leaf.end = last_index * bs
             return pool.decref([leaf.blocks.pop()])
         (self.host if leaf.host else self.gpu).pop(0)  # its only block goes: remove the leaf
         freed = pool.decref(leaf.blocks)

@@ -79,6 +79,10 @@ class RadixTree:
         self._roots: dict[Hashable, Node] = {}
         # Unlocked GPU-frontier nodes (GPU-resident, no GPU-resident child), unlocked host leaves.
         self.lru = LRUOrder(two_tiers=host is not None)
+        # ``lock(node)`` protects ``node`` and its ancestors from eviction (counts, so nested locks
+        # compose); ``unlock(node)`` drops one such lock. `LRUOrder`'s own methods, bound here: a
+        # request locks and unlocks a few times, with no call in between.
+        self.lock, self.unlock = self.lru.lock, self.lru.unlock
         self.tiers = None if host is None else HostResidency(self, host, write_through_hits)
         # Bumped by every change of what a walk finds (insert, split, evict, reset; not locks or LRU times):
         # a walk taken at the current version is still exact, so callers may reuse it (see `insert`).
@@ -129,7 +133,7 @@ class RadixTree:
             blocks[child.start // bs :] = child.blocks
         del blocks[-(-length // bs) :]
         node = path[-1]
-        payload = node.payload if length == len(tokens) and node.end == length else None
+        payload = node.payload if length == n and node.end == length else None
         return MatchResult(length, blocks, node, payload, host_node, host_length)
 
     def _root(self, salt: Hashable) -> Node:
@@ -137,14 +141,6 @@ class RadixTree:
         if root is None:
             root = self._roots[salt] = Node(as_token_array(()), 0, [], None, next(self._ids))
         return root
-
-    # ------------------------------------------------------------------ locking
-    def lock(self, node: Node) -> None:
-        """Protect ``node`` and its ancestors from eviction (counts, so nested locks compose)."""
-        self.lru.lock(node)
-
-    def unlock(self, node: Node) -> None:
-        self.lru.unlock(node)
 
     # ------------------------------------------------------------------ insertion
     def insert(
@@ -341,6 +337,7 @@ class RadixTree:
                 parent = node.parent
                 assert parent is not None and parent.children.get(int(node.key[0])) is node
                 assert len(node.key) > 0, f"empty edge {node}"
+                assert node.end == node.start + len(node.key), f"{node}'s end is stale"
                 assert node.start == parent.end, f"{node} does not start where its parent ends"
                 want = -(-node.end // bs) - node.start // bs
                 assert len(node.blocks) == want, (

@@ -49,10 +49,12 @@ class TreeWalk:
     def walk_of(self, n: int, version: int) -> MatchResult | None:
         """The walk of the sequence's first ``n`` tokens at tree ``version``, when this one stands
         for it."""
-        length = self.result.total_length  # through host-resident nodes too
+        result = self.result
+        # through host-resident nodes too (`MatchResult.total_length`, inlined: a walk per request)
+        length = result.length if result.host_node is None else result.host_length
         if version != self.version or length > n:
             return None
-        return self.result if n <= self.query_len or length < self.query_len else None
+        return result if n <= self.query_len or length < self.query_len else None
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,8 @@ def as_token_array(tokens: Sequence[int] | np.ndarray) -> TokenArray:
 def common_prefix_len(a: TokenArray, b: TokenArray) -> int:
     """Length of the longest common prefix, compared at C speed (no Python loop per token)."""
     n = min(len(a), len(b))
-    mismatch = np.flatnonzero(a[:n] != b[:n])
-    return int(mismatch[0]) if len(mismatch) else n
+    mismatch = (a[:n] != b[:n]).nonzero()[0]  # the method: `np.flatnonzero` is ~8 Python calls
+    return int(mismatch[0]) if mismatch.size else n
 
 
 class Node:
@@ -35,6 +35,7 @@ class Node:
     __slots__ = (
         "key",
         "start",
+        "end",
         "blocks",
         "children",
         "parent",
@@ -50,6 +51,9 @@ class Node:
     ) -> None:
         self.key = key  # tokens at positions [start, start + len(key))
         self.start = start
+        # start + len(key), kept with them (`split_at`, `trim_tail`): read on every walk and
+        # admission, where a property's call would cost more than the sum
+        self.end = start + len(key)
         self.blocks = blocks  # block ids for indices start // bs .. (end - 1) // bs
         self.children: dict[int, Node] = {}  # first token of the child's key -> child
         self.parent = parent
@@ -58,10 +62,6 @@ class Node:
         self.payload: Any = None  # final hidden state at position end - 1, set for prompt ends
         self.id = node_id
         self.host = False  # host-resident: ``blocks`` are host block ids
-
-    @property
-    def end(self) -> int:
-        return self.start + len(self.key)
 
     def __repr__(self) -> str:
         tier = "host" if self.host else "gpu"

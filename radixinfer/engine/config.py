@@ -1,5 +1,5 @@
 """The engine's options (`EngineConfig`) and its monotonic counters, with the rules for counting
-prompt tokens (`EngineCounters`)."""
+prompt tokens (`EngineCounters`), and the stats dict they make with the cache's (`cache_stats`)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from radixinfer.cache.host_tier import HostCounters
 from radixinfer.engine.admission import AdmissionConfig
 
 if TYPE_CHECKING:
+    from radixinfer.cache.kv_manager import KVCacheManager
     from radixinfer.engine.prefill_plan import PrefillItem
     from radixinfer.engine.request import Request
 
@@ -91,3 +93,36 @@ class EngineCounters:
             self.prompt_tokens -= (
                 len(req.prompt_ids) - req.num_cached_tokens - req.num_computed_prompt_tokens
             )
+
+
+def cache_stats(
+    counters: EngineCounters, cache: KVCacheManager, loads: dict[str, float | int]
+) -> dict[str, float | int]:
+    """`LLMEngine.cache_stats`: the engine's ``counters``, the pools' state in ``cache`` and the
+    host tier's ``loads`` (`HostKVPool.load_stats`)."""
+    c = counters
+    host = cache.host
+    host_counters = host.counters if host is not None else HostCounters()
+    return {
+        "prompt_tokens": c.prompt_tokens,
+        "cached_tokens": c.cached_tokens,
+        "hit_rate": c.cached_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
+        "gpu_hit_tokens": c.cached_tokens - c.host_hit_tokens,
+        "host_hit_tokens": c.host_hit_tokens,
+        "loaded_tokens": host_counters.loaded_tokens,
+        "offloaded_tokens": host_counters.offloaded_tokens,
+        "written_through_tokens": host_counters.written_through_tokens,
+        "evicted_to_copy_tokens": host_counters.evicted_to_copy_tokens,
+        **loads,
+        "host_free_blocks": host.pool.num_free if host is not None else 0,
+        "host_total_blocks": host.num_blocks if host is not None else 0,
+        "computed_prompt_tokens": c.computed_prompt_tokens,
+        "recomputed_tokens": c.recomputed_tokens,
+        "cow_copies": cache.counters.cow_copies,
+        "evicted_blocks": cache.tree.counters.evicted_blocks,
+        "free_blocks": cache.num_free_blocks,
+        "total_blocks": cache.num_blocks,
+        "preemptions": c.preemptions,
+        "prefill_forwards": c.prefill_forwards,
+        "decode_forwards": c.decode_forwards,
+    }

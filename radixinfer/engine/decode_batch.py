@@ -42,20 +42,24 @@ class DecodeBatch:
 
     @classmethod
     def build(cls, reqs: list[Request], epoch: int) -> DecodeBatch:
-        """A batch of running requests that hold KV and have room for another token."""
+        """A batch of running requests that hold KV and have room for another token.
+
+        Built whenever the running set changes (every step, while requests come and go): list
+        comprehensions, not generators, which cost a Python call per request each."""
         seqs = [r.seq for r in reqs]
-        stop_ids = frozenset().union(*(r.stop_ids for r in reqs))
-        n = len(reqs)
+        stop_ids = frozenset().union(*[r.stop_ids for r in reqs])
         return cls(
             reqs,
             DecodeLanes(seqs),
             [seq.table for seq in seqs],
             epoch,
-            left=np.fromiter((r.max_output_len - r.num_sampled for r in reqs), np.int64, count=n),
-            greedy=all(r.params.argmax_only for r in reqs),
+            left=np.array([r.max_output_len - r.num_sampled for r in reqs], dtype=np.int64),
+            greedy=all([r.params.argmax_only for r in reqs]),
             ids_only=all(
-                r.detokenizer is None and r.params.logprobs is None and len(r.group) == 1
-                for r in reqs
+                [
+                    r.detokenizer is None and r.params.logprobs is None and len(r.group) == 1
+                    for r in reqs
+                ]
             ),
             logprob_rows=logprob_rows(reqs),
             stop_ids=np.fromiter(stop_ids, dtype=np.int64, count=len(stop_ids)),

@@ -20,9 +20,8 @@ from collections import deque
 import numpy as np
 import torch
 
-from radixinfer.cache.host_tier import HostCounters
 from radixinfer.cache.kv_manager import KVCacheManager
-from radixinfer.engine.config import EngineConfig, EngineCounters
+from radixinfer.engine.config import EngineConfig, EngineCounters, cache_stats
 from radixinfer.engine.decode_batch import DecodeBatch
 from radixinfer.engine.host_kv import NO_LOADS, HostKVPool
 from radixinfer.engine.intake import RequestIntake
@@ -197,7 +196,7 @@ class LLMEngine:
         items = pass_.items
         if not items:
             return
-        computed = [it for it in items if it.computes]
+        computed = [it for it in items if it.end > it.start]  # (`computes`, inlined)
         hidden = None
         if computed:
             hidden = self.runner.prefill(*pass_.ragged_inputs(computed))
@@ -222,7 +221,8 @@ class LLMEngine:
         reqs = [it.req for it in finishing]
         rows = list(range(len(reqs)))  # each request's row of `last_hidden`
         for row, req in enumerate(reqs[:]):
-            samples = self.scheduler.fork(req)  # the further samples of an n > 1 request
+            # the further samples of an n > 1 request (most requests have none: no call)
+            samples = self.scheduler.fork(req) if len(req.group) > 1 else ()
             reqs += samples
             rows += [row] * len(samples)
         self.scheduler.start_running(reqs)  # decodes from its first token, on the device for now
@@ -297,7 +297,8 @@ class LLMEngine:
             kv = self.runner.kv
             batches = self.cache.take_transfers()
             self.host_kv.run(batches, kv.k, kv.v, self.cache.host.tickets_taken)
-        self.runner.copy_blocks(copies)
+        if copies:  # (most steps copy nothing)
+            self.runner.copy_blocks(copies)
 
     def _finish_loads(self, wait: bool = False) -> None:
         """Tell the cache which of the host tier's loads have completed (``wait``: wait for all of
@@ -321,30 +322,5 @@ class LLMEngine:
         ``evicted_to_copy_tokens``: evicted onto such a copy, moving nothing; ``loaded_bytes`` over
         ``load_seconds`` (the completed loads' device time): ``load_gb_per_s`` (the ``host_*``,
         tier and load entries are 0 without a host tier)."""
-        c = self.counters
-        host = self.cache.host
-        host_counters = host.counters if host is not None else HostCounters()
         loads = self.host_kv.load_stats() if self.host_kv is not None else NO_LOADS
-        return {
-            "prompt_tokens": c.prompt_tokens,
-            "cached_tokens": c.cached_tokens,
-            "hit_rate": c.cached_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
-            "gpu_hit_tokens": c.cached_tokens - c.host_hit_tokens,
-            "host_hit_tokens": c.host_hit_tokens,
-            "loaded_tokens": host_counters.loaded_tokens,
-            "offloaded_tokens": host_counters.offloaded_tokens,
-            "written_through_tokens": host_counters.written_through_tokens,
-            "evicted_to_copy_tokens": host_counters.evicted_to_copy_tokens,
-            **loads,
-            "host_free_blocks": host.pool.num_free if host is not None else 0,
-            "host_total_blocks": host.num_blocks if host is not None else 0,
-            "computed_prompt_tokens": c.computed_prompt_tokens,
-            "recomputed_tokens": c.recomputed_tokens,
-            "cow_copies": self.cache.counters.cow_copies,
-            "evicted_blocks": self.cache.tree.counters.evicted_blocks,
-            "free_blocks": self.cache.num_free_blocks,
-            "total_blocks": self.cache.num_blocks,
-            "preemptions": c.preemptions,
-            "prefill_forwards": c.prefill_forwards,
-            "decode_forwards": c.decode_forwards,
-        }
+        return cache_stats(self.counters, self.cache, loads)

@@ -64,14 +64,15 @@ class RequestIntake:
         if request_id is not None and not isinstance(request_id, str):
             got = type(request_id).__name__
             raise ValueError(f"request_id must be a string or None, got {got}")
-        prompt_array = self.prompt_ids(prompt)
+        prompt_array = self.prompts.token_ids(prompt)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         vocab = self.vocab_size
         if params.stop_token_ids and max(params.stop_token_ids) >= vocab:
             bad = max(params.stop_token_ids)
             raise ValueError(f"stop_token_ids: {bad} is outside the vocabulary [0, {vocab})")
-        for name in ("logprobs", "prompt_logprobs"):
+        asked = params.logprobs is not None or params.prompt_logprobs is not None
+        for name in ("logprobs", "prompt_logprobs") if asked else ():
             k = getattr(params, name)
             if k is not None and k > vocab:
                 raise ValueError(f"{name}: {k} is more than the vocabulary's {vocab} tokens")

@@ -47,12 +47,16 @@ class OutputProcessor:
             batch = launch.batch
             if batch is None or not batch.ids_only or launch.departures != scheduler.departures:
                 scored = self._scored(launch, tokens)
+                if not scored:  # (no row asks for logprobs: no look-up per row)
+                    for req, token in zip(launch.reqs, tokens):
+                        finished |= take_token(req, token, now, events)
+                    continue
                 for row, (req, token) in enumerate(zip(launch.reqs, tokens)):
                     finished |= take_token(req, token, now, events, scored.get(row))
                 continue
             ending = launch.last_rows
             if batch.stop_ids.size:
-                stops = np.flatnonzero(np.isin(launch.host.numpy(), batch.stop_ids))
+                stops = np.isin(launch.host.numpy(), batch.stop_ids).nonzero()[0]
                 if stops.size:
                     ending = np.union1d(ending, stops)
             reqs = launch.reqs
@@ -62,7 +66,7 @@ class OutputProcessor:
                     finished |= take_token(reqs[i], tokens[i], now, events)
                 going_on = np.ones(len(reqs), dtype=bool)
                 going_on[ending] = False
-                rows = np.flatnonzero(going_on).tolist()
+                rows = going_on.nonzero()[0].tolist()
                 reqs, steady = [reqs[i] for i in rows], steady.rows(rows)
             for req, token in zip(reqs, steady.token_ids):
                 req.output_ids.append(token)
@@ -118,10 +122,12 @@ class OutputProcessor:
             return self._stop(req, "stop", token, logprobs, now, events, flush=True)
         if len(out) >= req.max_output_len:
             return self._stop(req, "length", token, logprobs, now, events, flush=True)
-        text = req.text
-        visible = len(text) - (stop_strings.held_back(text) if stop_strings is not None else 0)
-        delta_text = text[req.sent : visible]
-        req.sent = max(req.sent, visible)
+        delta_text = ""  # the text of a request that does not detokenize stays empty
+        if detokenizer is not None:
+            text = req.text
+            visible = len(text) - (stop_strings.held_back(text) if stop_strings is not None else 0)
+            delta_text = text[req.sent : visible]
+            req.sent = max(req.sent, visible)
         events.append(
             StreamDelta(
                 req.request_id, [token], delta_text, False, None, req.num_cached_tokens, now,

@@ -51,16 +51,15 @@ class PrefillPass:
         """`ModelRunner.prefill`'s arguments for the ``computed`` items, concatenated without
         padding: ``(input_ids, positions, slots, tables, context_lens, query_lens)``. Sets each
         item's ``row``."""
-        n = len(computed)
-        lengths = np.fromiter((it.end - it.start for it in computed), dtype=np.int64, count=n)
+        lengths = np.array([it.end - it.start for it in computed], dtype=np.int64)
         ends = np.cumsum(lengths)
         for it, end in zip(computed, ends.tolist()):
             it.row = end - 1
         # a row's position: the row plus (its item's start - its item's first row)
-        starts = np.fromiter((it.start for it in computed), dtype=np.int64, count=n)
+        starts = np.array([it.start for it in computed], dtype=np.int64)
         positions = np.arange(int(ends[-1])) + np.repeat(starts - (ends - lengths), lengths)
         input_ids = np.concatenate([it.req.token_array()[it.start : it.end] for it in computed])
-        slots = list(itertools.chain.from_iterable(it.slots for it in computed))
+        slots = list(itertools.chain.from_iterable([it.slots for it in computed]))
         return (
             input_ids,
             positions,

@@ -23,7 +23,7 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # slots: its fields are read and set all along the step's path
 class Request:
     """Owned by the engine. ``seq`` is set while the request holds KV blocks (PREFILLING / RUNNING).
 
@@ -85,7 +85,10 @@ class Request:
 
     def group_finished(self) -> bool:
         """Whether every sample of the request's group has finished."""
-        return all(r.status is Status.FINISHED for r in self.group)
+        for r in self.group:  # (a loop: a generator costs a call per sample, once per request)
+            if r.status is not Status.FINISHED:
+                return False
+        return True
 
     def needs_prompt_logprobs(self) -> bool:
         """Whether prompt logprobs are asked for and not all computed yet (so the prompt is

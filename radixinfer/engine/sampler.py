@@ -210,11 +210,11 @@ class Sampler:
         """Sampled token ids ``[len(reqs)]`` for ``logits [len(reqs), vocab]``. ``argmax_only``:
         whether every request takes the argmax of its logits as they come, when the caller knows."""
         if argmax_only is None:
-            argmax_only = all(r.params.argmax_only for r in reqs)
+            argmax_only = all([r.params.argmax_only for r in reqs])  # (a list: no call per row)
         if argmax_only:
             return argmax(logits)
         logits, pending = self.logits_processor.process(reqs, logits)
-        steps = np.fromiter((r.num_sampled for r in reqs), dtype=np.int64, count=len(reqs))
+        steps = np.array([r.num_sampled for r in reqs], dtype=np.int64)
         tokens = sample(logits, self._row_params(reqs, logits.device).batch(steps))
         self.logits_processor.record(pending, tokens)
         return tokens

@@ -73,9 +73,11 @@ class Scheduler:
                 break
             budget -= first.items[-1].end - first.items[-1].start
         deferred: list[Grant[Request]] = []
+        if not self.waiting:  # (most decode steps: nothing to admit)
+            return PrefillPlan(first, deferred)
         cap = self.config.max_num_seqs
         # sequences held, counting the samples that prefilling requests will fork
-        held = len(self.active) + sum(_seqs(r) - 1 for r in self.prefilling)
+        held = len(self.active) + sum([_seqs(r) - 1 for r in self.prefilling if len(r.group) > 1])
         penalized: int | None = None  # penalised sequences held, counted at the first such grant
         free_slots = admission.max_requests if cap is None else cap - held
         if self.waiting and free_slots > 0 and budget > 0:
@@ -121,7 +123,8 @@ class Scheduler:
         return second
 
     def _uncached_cost(self, req: Request) -> int:
-        return req.num_tokens - self._cached_len(req)
+        tokens = req.token_array()
+        return len(tokens) - self.cache.cached_prefix_len(tokens, req.salt)
 
     def _cached_len(self, req: Request) -> int:
         return self.cache.cached_prefix_len(req.token_array(), req.salt)
@@ -143,7 +146,8 @@ class Scheduler:
         cache = self.cache
         if fresh:
             # prompt logprobs need the logits of every prompt position: no cached positions
-            seq = cache.admit(tokens, req.salt, use_cache=not req.needs_prompt_logprobs())
+            use_cache = req.prompt_logprobs is None or not req.needs_prompt_logprobs()
+            seq = cache.admit(tokens, req.salt, use_cache=use_cache)
             if cache.is_loading(seq):
                 req.seq = seq
                 self._enter(req)
@@ -192,7 +196,7 @@ class Scheduler:
                 pass_.leaders.setdefault((req.salt, tokens.tobytes()), item)
         pass_.items.append(item)
         if req.num_cached_tokens is None:  # its first admission planned
-            cached = item.start if item.computes else n
+            cached = item.start if item.end > item.start else n  # (`computes`, inlined)
             self.counters.count_admission(req, cached, min(seq.num_loaded, cached))
         if fresh:
             self._enter(req)
@@ -302,4 +306,5 @@ class Scheduler:
 
 def _seqs(req: Request) -> int:
     """The sequences a request holds once running: itself, and the samples waiting to fork it."""
-    return 1 + sum(r.status is Status.FORKING for r in req.group)
+    group = req.group
+    return 1 if len(group) == 1 else 1 + sum([r.status is Status.FORKING for r in group])

@@ -85,7 +85,7 @@ class BlockTableRows:
                 # Past the longer of the two contents both rows are zeros: copy up to there only (a row is as
                 # wide as the model's context, 2,048 blocks for a 32k one). The right side is a copy: rows
                 # may trade places.
-                cols = max(max(map(len, moved_written)), max(len(written[i]) for i in dst))
+                cols = max(max(map(len, moved_written)), max([len(written[i]) for i in dst]))
                 rows[dst, :cols] = rows[src, :cols]
                 for j in src:
                     held[j] = None  # a source past the batch no longer stands for its table
