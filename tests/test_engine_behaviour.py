@@ -378,7 +378,8 @@ def test_gc_freeze_is_an_explicit_option_of_long_running_front_ends():
     the engine still serves (a benchmark's or a server's set-up)."""
     before = gc.get_freeze_count()
     LLM("tiny", num_blocks=64)
-    assert gc.get_freeze_count() == before
+    # nothing newly frozen (objects an earlier test froze may die meanwhile: the count can drop)
+    assert gc.get_freeze_count() <= before
     try:
         llm = LLM("tiny", num_blocks=64, freeze_gc=True)
         assert gc.get_freeze_count() > before
