@@ -12,37 +12,24 @@ maximum.
 
 Thresholds are found as keys: a float32's bits mapped to an unsigned 32-bit integer of the same
 order (``-0.0`` as ``+0.0``; negative values' bits inverted, positive ones' sign bit set). The
-Triton kernels search the key a digit per pass over the row, most significant first (the largest
-bucket whose suffix still meets the target wins), instead of a sort. A count search (top-k) counts
-8 key bits a pass through ``tl.histogram``: 2 passes in bf16. A mass search (top-p) weighs 4 bits
-a pass (each logit adds ``exp(s - max)`` to one of 16 sums a lane holds) until 12 bits are left,
-then counts those 12 in one pass: there each bucket holds one value (the dtype has no lower bits),
-so its mass is its count times that value's weight, computed once per bucket instead of once per
-logit: 2 passes in bf16 (1 weighted, 1 counted), 6 in float32. The widths are `Tiles` settings.
-The result is exact: the kernels keep the same tokens as the sorting reference (`sample_ref`) up
-to float rounding of the top-p masses, and with the same noise draw the same token.
+Triton kernels search the key one 4-bit digit per pass over the row (16 buckets' counts or masses
+per pass; the largest bucket whose suffix still meets the target wins; `sample_triton` may use 2-bit
+digits, `Tiles`), so a bf16 row needs 4 passes and a float32 row 8, instead of a sort. The result
+is exact: the kernels keep the same tokens as the sorting reference (`sample_ref`) up to float
+rounding of the top-p masses, and with the same noise draw the same token.
 
 Performance: `sample_triton` cuts each row into chunks, one program each, so every pass streams the
-batch from all SMs (a pass reads 78 MB at batch 256 x 151,936 bf16). A weighted pass's programs
-leave per-chunk bucket sums (16 floats) and a counted pass's programs add their counts into the
-row's (atomic int32 adds: exact in any order, 4096 counts a row whatever the chunks); the next
-launch's programs each read their row's to pick the digit, so there is no separate reduction
-launch. Passes run only for the filters some row uses (min-p and top-p need the row maximum, top-k
-the count search, top-p the mass search, every row the draw); without min-p, top-p's first weighted
-pass finds each chunk's maximum itself (a second read of its chunk, mostly from L2) and the next
-launch rescales the chunks' sums, so no max pass runs. With default tiles in bf16, top-p alone is
-3 passes over the batch (weighted with the maxima, counted, draw; before: max, 4 weighted digits,
-draw: 6), top-k 3 (count, count, draw; before 5), top-k and top-p 5, min-p 2, temperature alone 1.
-`sample_triton_rowwise`, one program per row, is the benchmarks' baseline. The passes are
-compute-bound, not memory-bound: compiled for sm_90 (Triton 3.9, default `Tiles`), PTX
-instructions a logit: a weighted pass ~77 (48 of them the 16 bucket select-adds), a counted pass
-~29 at 256 buckets and ~35 at 4096 (``tl.histogram`` is a shared-memory atomic a logit), the draw
-~111 where a block keeps a token (the hash and two exact logs, ``__nv_logf``) and ~23 where none
-does (the block skips the noise), the max pass ~12. Top-p in bf16 so costs ~235 instructions a
-logit (before: ~420), top-k ~81 to ~170 (before: ~216); at ~33 T thread-instructions/s that is
-~280 us and under ~200 us at batch 256 x 151,936 on an H100 (before: 0.74 and 0.57 ms measured on
-an H200), against ~25 us to read the logits once (estimates from instruction counts;
-`benchmarks/sweep_sampling.py` and `benchmarks/compare_sampling.py` measure).
+batch from all SMs (a pass reads 78 MB at batch 256 x 151,936 bf16); a pass's programs leave
+per-chunk bucket sums and the next launch's programs each merge their row's (a few hundred floats)
+to pick the digit, so there is no separate reduction launch. Passes run only for the filters some
+row uses (min-p and top-p need the row maximum, top-k the count search, top-p the mass search,
+every row the draw). `sample_triton_rowwise`, one program per row, is the benchmarks' baseline.
+The search and draw passes are compute-bound, not memory-bound: compiled for sm_90 (Triton 3.9,
+default `Tiles`), a mass digit pass runs ~75 instructions a logit (48 of them the 16 bucket
+select-adds), a count digit pass ~29 (``tl.histogram``; ~69 with bucket sums), the draw ~88 (the
+hash and two exact logs), the max pass ~12; at ~33 T thread-instructions/s that is ~90, ~35 and
+~100 us a pass at batch 256 x 151,936 on an H100 against ~25 us to read the logits (estimates from
+instruction counts; `benchmarks/sweep_sampling.py` measures).
 """
 
 from __future__ import annotations
@@ -169,16 +156,12 @@ def _choose_digit(hist, above, target, BUCKETS: tl.constexpr):
 @triton.jit
 def _draw_block(row_ptr, cols, valid, scale, threshold, min_s, noise_scale, row_key, best, idx):
     """Fold the logits at ``cols`` into each lane's Gumbel-max of the kept tokens (``best``, and
-    ``idx`` its first index). A block keeping no token draws no noise (the hash and two logs are
-    most of a draw pass's work; top-k and top-p keep few blocks of a peaked row)."""
+    ``idx`` its first index)."""
     key, s = _row_values(row_ptr, cols, valid, scale)
     keep = valid & (key >= threshold) & (s >= min_s)
-    if tl.max(keep.to(tl.int32), axis=0) > 0:
-        v = tl.where(keep, s + noise_scale * _gumbel(row_key, cols), float("-inf"))
-        take = ((v > best) | ((v == best) & (cols < idx))) & valid
-        best = tl.where(take, v, best)
-        idx = tl.where(take, cols, idx)
-    return best, idx
+    v = tl.where(keep, s + noise_scale * _gumbel(row_key, cols), float("-inf"))
+    take = ((v > best) | ((v == best) & (cols < idx))) & valid
+    return tl.where(take, v, best), tl.where(take, cols, idx)
 
 
 @triton.jit
@@ -319,32 +302,12 @@ def _row_setup(inv_temp_ptr, min_p_ptr, pmax_ptr, row, num_chunks, HAS_MAX: tl.c
 
 
 @triton.jit
-def _key_weights(keys, scale, row_max):
-    """``exp(s - row_max)`` of the value whose order key is ``keys`` (the inverse of
-    `_row_values`' map), ``s`` that value times ``scale``."""
-    bits = tl.where(keys >= 0x80000000, keys & 0x7FFFFFFF, keys ^ 0xFFFFFFFF)
-    return tl.exp(bits.to(tl.float32, bitcast=True) * scale - row_max)
-
-
-@triton.jit
-def _resolve(state_ptr, partial_ptr, counts_ptr, pmax_ptr, row, rows, num_chunks, top_p,
-             prev_par, has_prev, prev_shift, scale, row_max, CHUNKS: tl.constexpr,
-             BUCKETS: tl.constexpr, COUNTED: tl.constexpr, EXACT: tl.constexpr,
-             RESCALE: tl.constexpr, STRIDE: tl.constexpr):  # fmt: skip
+def _resolve(state_ptr, partial_ptr, row, rows, num_chunks, top_p, prev_par, has_prev,
+             prev_shift, CHUNKS: tl.constexpr, BUCKETS: tl.constexpr):  # fmt: skip
     """A row's search state ``(min_key, base, above, target)`` after the previous launch (none when
     ``has_prev`` is 0: all zero): the state that launch read, its digit chosen from its programs'
-    ``BUCKETS`` bucket sums (a pending mass target, -1, becomes ``top_p`` times the first window's
-    total; an inactive search, target ``inf``, keeps its base): per-chunk float sums ``STRIDE``
-    apart in ``partial_ptr``, or (``COUNTED``) the row's counts, which that launch's programs added
-    into ``counts_ptr`` ``[rows, BUCKETS]`` int32 (exact and in any order: one load of the row
-    whatever the chunks, so a digit may have thousands of buckets). ``RESCALE``: that launch
-    weighed each chunk against the chunk's own maximum (``pmax_ptr``; it found the maxima itself),
-    so a chunk's sums are scaled by ``exp(chunk max - row_max)`` (0 for a chunk of ``-inf``, whose
-    sums are 0) before they add up. ``EXACT``: that launch counted a
-    mass digit whose buckets each hold one value (the dtype's last key bits), so a bucket's mass is
-    its count times that value's weight (`_key_weights`), exact without a weight per logit: a
-    value's key has its low ``prev_shift`` bits zero when positive and one when negative (bits
-    below the dtype's precision)."""
+    bucket sums (a pending mass target, -1, becomes ``top_p`` times the first window's total; an
+    inactive search, target ``inf``, keeps its base)."""
     sp = state_ptr + (prev_par * rows + row) * 4
     prev = has_prev != 0
     min_key = tl.load(sp, mask=prev, other=0).to(tl.uint32, bitcast=True)
@@ -352,25 +315,11 @@ def _resolve(state_ptr, partial_ptr, counts_ptr, pmax_ptr, row, rows, num_chunks
     above = tl.load(sp + 2, mask=prev, other=0).to(tl.float32, bitcast=True)
     target = tl.load(sp + 3, mask=prev, other=0).to(tl.float32, bitcast=True)
     active = prev & (target != float("inf"))
+    c = tl.arange(0, CHUNKS)
     b = tl.arange(0, BUCKETS)
-    if COUNTED:
-        mask = tl.where(active, b < BUCKETS, False)
-        hist = tl.load(counts_ptr + row * BUCKETS + b, mask=mask, other=0)
-        hist = hist.to(tl.float32)
-    else:
-        c = tl.arange(0, CHUNKS)
-        parts = partial_ptr + ((prev_par * rows + row) * num_chunks + c[:, None]) * STRIDE
-        mask = tl.where(active, (c[:, None] < num_chunks) & (b[None, :] < BUCKETS), False)
-        sums = tl.load(parts + b[None, :], mask=mask, other=0.0)
-        if RESCALE:
-            m = tl.load(pmax_ptr + row * num_chunks + c, mask=c < num_chunks, other=float("-inf"))
-            sums = sums * tl.where(m == float("-inf"), 0.0, tl.exp(m - row_max))[:, None]
-        hist = tl.sum(sums, axis=0)
-    if EXACT:
-        low = prev_shift.to(tl.uint32)
-        keys = base + (b.to(tl.uint32) << low)  # a bucket's least key: a positive value's
-        keys = tl.where(keys >= 0x80000000, keys, keys | ((1 << low) - 1))  # its greatest
-        hist = tl.where(hist > 0.0, hist * _key_weights(keys, scale, row_max), 0.0)
+    parts = partial_ptr + ((prev_par * rows + row) * num_chunks + c[:, None]) * BUCKETS + b[None, :]
+    mask = tl.where(active, (c[:, None] < num_chunks) & (b[None, :] < BUCKETS), False)
+    hist = tl.sum(tl.load(parts, mask=mask, other=0.0), axis=0)
     target = tl.where(target < 0.0, top_p * tl.sum(hist, axis=0), target)
     best, above = _choose_digit(hist, above, target, BUCKETS)
     base += tl.where(active, best, 0).to(tl.uint32) << prev_shift.to(tl.uint32)
@@ -380,31 +329,21 @@ def _resolve(state_ptr, partial_ptr, counts_ptr, pmax_ptr, row, rows, num_chunks
 @triton.jit(do_not_specialize=["par", "prev_par", "has_prev", "new_search", "shift", "prev_shift"])
 def _search_kernel(
     logits_ptr, stride_row, vocab, chunk_len, num_chunks, rows, inv_temp_ptr, top_k_ptr,
-    top_p_ptr, min_p_ptr, pmax_ptr, state_ptr, partial_ptr, counts_in_ptr, counts_out_ptr, par,
-    prev_par, has_prev, new_search, shift, prev_shift, MASS: tl.constexpr, HAS_MAX: tl.constexpr,
-    COUNTS: tl.constexpr, BUCKETS_FIRST: tl.constexpr, BUCKETS: tl.constexpr,
-    PREV_BUCKETS: tl.constexpr, PREV_COUNTED: tl.constexpr, PREV_EXACT: tl.constexpr,
-    PREV_FUSED: tl.constexpr, FUSED_MAX: tl.constexpr, STRIDE: tl.constexpr,
-    CHUNKS: tl.constexpr, BLOCK: tl.constexpr, UNROLL: tl.constexpr,
+    top_p_ptr, min_p_ptr, pmax_ptr, state_ptr, partial_ptr, par, prev_par, has_prev, new_search,
+    shift, prev_shift, MASS: tl.constexpr, HAS_MAX: tl.constexpr, HISTOGRAM: tl.constexpr,
+    BUCKETS_FIRST: tl.constexpr, BUCKETS: tl.constexpr, CHUNKS: tl.constexpr, BLOCK: tl.constexpr,
+    UNROLL: tl.constexpr,
 ):  # fmt: skip
     """Program (row, chunk), one digit of a search (count, or ``MASS``): resolves the previous
-    launch's digit (`_resolve`, its ``PREV_BUCKETS`` sums; ``new_search``: its threshold becomes
-    the new search's ``min_key``, and the row's target is set, ``inf`` for a row without this
-    filter), then sums its chunk's candidates into the ``BUCKETS`` buckets of the window
-    ``[base, base + BUCKETS << shift)``. Reads state and bucket sums at ``prev_par``, writes them at
-    ``par`` (chunk 0 the state): one launch's writes never meet its reads. ``COUNTS``: the buckets
-    count candidates through ``tl.histogram`` (a count digit, or a mass digit whose buckets each
-    hold one value: the next launch weighs them, `_resolve`'s ``EXACT``), else each candidate adds
-    its weight, 1 or ``exp(s - row_max)``, to its bucket's sum held per lane; ``UNROLL``: blocks a
-    loop iteration reads (more loads in flight for the same bucket sums); ``BUCKETS_FIRST``:
-    bucket sums held ``[BUCKETS, BLOCK]`` (Triton's default layout then gives each thread whole
-    columns: no logit computed by several threads), else ``[BLOCK, BUCKETS]``. Bucket sums are
-    stored per chunk ``STRIDE`` apart (the widest weighted digit's buckets); counts are added into
-    the row's ``[BUCKETS]`` of ``counts_out_ptr`` (zeroed before the launch). ``FUSED_MAX`` (a
-    weighted digit, no min-p in the batch, so no pass before needs the row maximum): the program
-    first finds its chunk's maximum (a second read of the chunk, mostly from L2, instead of a max
-    pass over the batch), stores it for the later launches and weighs against it; the next launch
-    rescales (``PREV_FUSED``, `_resolve`'s ``RESCALE``)."""
+    launch's digit (`_resolve`; ``new_search``: its threshold becomes the new search's ``min_key``,
+    and the row's target is set, ``inf`` for a row without this filter), then sums its chunk's
+    candidates into the ``BUCKETS`` buckets of the window ``[base, base + BUCKETS << shift)``.
+    Reads state and bucket sums at ``prev_par``, writes them at ``par`` (chunk 0 the state): one
+    launch's writes never meet its reads. ``HISTOGRAM`` (a count search only): counts through
+    ``tl.histogram``; ``UNROLL``: blocks a loop iteration reads (more loads in flight for the same
+    bucket sums); ``BUCKETS_FIRST``: bucket sums held ``[BUCKETS, BLOCK]`` (Triton's default
+    layout then gives each thread whole columns: no logit computed by several threads), else
+    ``[BLOCK, BUCKETS]``."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     shift = shift.to(tl.uint32)
@@ -413,9 +352,8 @@ def _search_kernel(
     )
     top_p = tl.load(top_p_ptr + row)
     min_key, base, above, target = _resolve(
-        state_ptr, partial_ptr, counts_in_ptr, pmax_ptr, row, rows, num_chunks, top_p, prev_par,
-        has_prev, prev_shift, scale, row_max, CHUNKS, PREV_BUCKETS, PREV_COUNTED, PREV_EXACT,
-        PREV_FUSED, STRIDE,
+        state_ptr, partial_ptr, row, rows, num_chunks, top_p, prev_par, has_prev, prev_shift,
+        CHUNKS, BUCKETS,
     )  # fmt: skip
     fresh = new_search != 0
     if MASS:
@@ -441,15 +379,7 @@ def _search_kernel(
         end = tl.minimum(start + chunk_len, vocab)
         offs = tl.arange(0, BLOCK)
         buckets = tl.arange(0, BUCKETS)
-        if FUSED_MAX:
-            top = tl.full([BLOCK], float("-inf"), tl.float32)
-            for off in range(start, end, BLOCK):
-                _, s = _row_values(row_ptr, off + offs, off + offs < end, scale)
-                top = tl.maximum(top, s)
-            chunk_max = tl.max(top, axis=0)
-            tl.store(pmax_ptr + row * num_chunks + chunk, chunk_max)
-            row_max = tl.where(chunk_max == float("-inf"), 0.0, chunk_max)
-        if COUNTS:
+        if HISTOGRAM:
             acc = tl.zeros([BUCKETS], tl.int32)
         elif BUCKETS_FIRST:
             acc = tl.zeros([BUCKETS, BLOCK], tl.float32)
@@ -459,26 +389,24 @@ def _search_kernel(
             for u in tl.static_range(UNROLL):  # UNROLL blocks' loads in flight, one acc
                 cols = off + u * BLOCK + offs
                 digit, weight, inside = _digits(
-                    row_ptr, cols, cols < end, scale, row_max, base, min_key, min_s, shift,
-                    MASS and not COUNTS, BUCKETS,
+                    row_ptr, cols, cols < end, scale, row_max, base, min_key, min_s, shift, MASS,
+                    BUCKETS,
                 )  # fmt: skip
-                if COUNTS:
+                if HISTOGRAM:
                     hit = inside & (digit < BUCKETS)  # (a digit of BUCKETS lies above the window)
                     acc += tl.histogram(tl.where(hit, digit, 0), BUCKETS, mask=hit)
                 elif BUCKETS_FIRST:
                     acc += tl.where(buckets[:, None] == digit[None, :], weight[None, :], 0.0)
                 else:
                     acc += tl.where(digit[:, None] == buckets[None, :], weight[:, None], 0.0)
-        if COUNTS:
-            out = counts_out_ptr + row * BUCKETS + buckets
-            tl.atomic_add(out, acc, mask=acc > 0, sem="relaxed")
+        if HISTOGRAM:
+            hist = acc.to(tl.float32)
+        elif BUCKETS_FIRST:
+            hist = tl.sum(acc, axis=1)
         else:
-            if BUCKETS_FIRST:
-                hist = tl.sum(acc, axis=1)
-            else:
-                hist = tl.sum(acc, axis=0)
-            part = partial_ptr + ((par * rows + row) * num_chunks + chunk) * STRIDE
-            tl.store(part + buckets, hist)
+            hist = tl.sum(acc, axis=0)
+        part = partial_ptr + ((par * rows + row) * num_chunks + chunk) * BUCKETS
+        tl.store(part + buckets, hist)
 
 
 @triton.jit
@@ -510,10 +438,9 @@ def _chunk_max_kernel(
 @triton.jit(do_not_specialize=["prev_par", "has_prev", "prev_shift"])
 def _draw_kernel(
     logits_ptr, stride_row, vocab, chunk_len, num_chunks, rows, inv_temp_ptr, top_p_ptr,
-    min_p_ptr, keys_ptr, pmax_ptr, state_ptr, partial_ptr, counts_ptr, prev_par, has_prev,
-    prev_shift, val_ptr, idx_ptr, HAS_MAX: tl.constexpr, BUCKETS: tl.constexpr,
-    COUNTED: tl.constexpr, EXACT: tl.constexpr, RESCALE: tl.constexpr, STRIDE: tl.constexpr,
-    CHUNKS: tl.constexpr, BLOCK: tl.constexpr,
+    min_p_ptr, keys_ptr, pmax_ptr, state_ptr, partial_ptr, prev_par, has_prev, prev_shift,
+    val_ptr, idx_ptr, HAS_MAX: tl.constexpr, BUCKETS: tl.constexpr, CHUNKS: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Program (row, chunk): resolves the last search digit (the row's threshold), then the
     Gumbel-max of the chunk's kept tokens and its first index (for a greedy row, the chunk's
@@ -524,9 +451,8 @@ def _draw_kernel(
         inv_temp_ptr, min_p_ptr, pmax_ptr, row, num_chunks, HAS_MAX, CHUNKS
     )
     min_key, base, _, _ = _resolve(
-        state_ptr, partial_ptr, counts_ptr, pmax_ptr, row, rows, num_chunks,
-        tl.load(top_p_ptr + row), prev_par, has_prev, prev_shift, scale, row_max, CHUNKS, BUCKETS,
-        COUNTED, EXACT, RESCALE, STRIDE,
+        state_ptr, partial_ptr, row, rows, num_chunks, tl.load(top_p_ptr + row), prev_par,
+        has_prev, prev_shift, CHUNKS, BUCKETS,
     )  # fmt: skip
     threshold = tl.maximum(min_key, base)
     noise_scale = tl.where(greedy, 0.0, 1.0)
@@ -543,35 +469,26 @@ def _draw_kernel(
             row_ptr, cols, cols < end, scale, threshold, min_s, noise_scale, row_key, best, idx
         )
     top = tl.max(best, axis=0)
-    first = tl.min(tl.where(best == top, idx, 2147483647), 0)
     tl.store(val_ptr + row * num_chunks + chunk, top)
-    # a chunk keeping nothing (a row of -inf) answers its first column, as argmax would
-    tl.store(idx_ptr + row * num_chunks + chunk, tl.where(first == 2147483647, start, first))
+    tl.store(idx_ptr + row * num_chunks + chunk, tl.min(tl.where(best == top, idx, 2147483647), 0))
 
 
 @dataclass(frozen=True)
 class Tiles:
     """Launch settings of `sample_triton`; they change only its speed. ``block`` and ``warps``: the
-    max and draw passes (streaming); ``search_block`` and ``search_warps``: the weighted digit
-    passes (each logit adds to one of ``2**digit_bits`` bucket sums a lane holds:
-    ``search_block << digit_bits`` floats a program); ``chunks`` per row, or (None) enough for
-    ``programs_per_sm`` programs per SM; ``histogram``: count digits through ``tl.histogram``
-    instead of bucket sums (needs ``count_bits`` <= 4); ``digit_bits`` (2 or 4): key bits a
-    weighted mass pass finds; ``count_bits`` (1 to 12): key bits a count pass finds (8: top-k in 2
-    passes in bf16, 256 counts a row); ``exact_bits`` (0 to 12): the last key bits of a mass
-    search found by one counted pass (each bucket then holds one value, so its mass is its count
-    times that value's weight: `_resolve`), the bits above by weighted passes (12: top-p in bf16
-    with 1 weighted pass and 1 counted; 8: 2 and 1; 0: weighted passes only); ``buckets_first``:
-    the bucket sums' layout (`_search_kernel`); ``count_block``: the block of the counted passes
-    (their counts are a program's, not a lane's, so a wide block costs no registers and keeps more
-    loads in flight); ``unroll``: blocks of ``search_block`` a loop iteration of the weighted
-    passes reads (more loads in flight, the same bucket sums); ``fuse_max``: without min-p,
-    top-p's first weighted pass finds its chunk's maximum itself instead of a max pass before it.
-    Written as
-    ``block=2048,warps=8,search_block=256,...,histogram=1`` in the environment variable
-    ``RADIXINFER_SAMPLING_TILES`` (any subset), read at import (`TILES`). The defaults are the
-    best of a sweep on an H200 (`benchmarks/sweep_sampling.py`), ``count_bits`` and
-    ``exact_bits`` not yet swept."""
+    max and draw passes (streaming); ``search_block`` and ``search_warps``: the digit passes (each
+    logit adds to one of ``2**digit_bits`` bucket sums a lane holds: ``search_block << digit_bits``
+    floats a program); ``chunks`` per row, or (None) enough for ``programs_per_sm`` programs per
+    SM; ``histogram``: count digits through ``tl.histogram`` instead of the bucket sums;
+    ``digit_bits`` (2 or 4): key bits found per search pass (4: 4 passes a search in bf16 with
+    16 sums per logit; 2: 8 passes with 4); ``buckets_first``: the bucket sums' layout
+    (`_search_kernel`); ``count_block``: the block of a count search's digit passes when
+    ``histogram`` is on (its sums are ``2**digit_bits`` counts a program, not a lane, so a wide
+    block costs no registers and keeps more loads in flight); ``unroll``: blocks of
+    ``search_block`` a loop iteration of the other digit passes reads (more loads in flight, the
+    same bucket sums). Written as ``block=2048,warps=8,search_block=256,...,histogram=1`` in the
+    environment variable ``RADIXINFER_SAMPLING_TILES`` (any subset), read at import (`TILES`).
+    The defaults are the best of a sweep on an H200 (`benchmarks/sweep_sampling.py`)."""
 
     block: int = 2048
     warps: int = 8
@@ -584,14 +501,9 @@ class Tiles:
     buckets_first: bool = True
     count_block: int = 2048
     unroll: int = 1
-    count_bits: int = 8
-    exact_bits: int = 12
-    fuse_max: bool = True
 
     def __post_init__(self) -> None:
         assert self.digit_bits in (2, 4), "4 or 16 buckets (a digit must divide 32 bits)"
-        assert 1 <= self.count_bits <= 12 and 0 <= self.exact_bits <= 12, "at most 4096 counts"
-        assert self.histogram or self.count_bits <= 4, "bucket sums per lane: at most 16"
 
     @classmethod
     def parse(cls, text: str) -> Tiles:
@@ -602,7 +514,7 @@ class Tiles:
             if name not in cls.__dataclass_fields__:
                 raise ValueError(f"unknown sampling tile setting {name!r} in {text!r}")
             number = int(value)
-            if name in ("histogram", "buckets_first", "fuse_max"):
+            if name in ("histogram", "buckets_first"):
                 fields[name] = bool(number)
             else:
                 fields[name] = None if name == "chunks" and number == 0 else number
@@ -619,24 +531,6 @@ class Tiles:
         chunks = max(1, min(chunks, triton.cdiv(vocab, step)))
         chunk_len = triton.cdiv(triton.cdiv(vocab, chunks), step) * step
         return triton.cdiv(vocab, chunk_len), chunk_len
-
-    def digits(self, key_bits: int, mass: bool) -> list[tuple[int, int, bool]]:
-        """A search's passes over keys whose top ``key_bits`` bits are significant, most
-        significant first: ``(shift, bits, counted)``, each finding key bits
-        ``[shift, shift + bits)`` below the last. A count search counts ``count_bits`` at a time;
-        a mass search weighs ``digit_bits`` at a time until at most ``exact_bits`` remain, then
-        counts the rest in one pass (exact masses: each bucket holds one value)."""
-        low, top, passes = 32 - key_bits, 32, []
-        while top > low:
-            if not mass:
-                bits, counted = min(self.count_bits, top - low), self.histogram
-            elif top - low <= self.exact_bits:
-                bits, counted = top - low, True
-            else:
-                bits, counted = self.digit_bits, False
-            top = max(top - bits, 0)
-            passes.append((top, bits, counted))
-        return passes
 
 
 TILES = Tiles.parse(os.environ.get("RADIXINFER_SAMPLING_TILES", ""))
@@ -656,13 +550,11 @@ def sample_triton(
     host sync. ``filters``: whether any row may use top-k, top-p, min-p (a launch plan covering
     more filters than the rows use is still exact, only slower; one covering fewer is wrong).
 
-    Each row is cut into chunks, one program each (`Tiles`): a max pass (when min-p is on, or top-p
-    with ``fuse_max`` off; else top-p's first weighted pass finds the maxima), one launch per digit
-    of each search (`Tiles.digits`: with the default tiles top-k's count in 2
-    passes in bf16, then top-p's mass in 2: 1 weighted and 1 counted), a draw pass and the merge
-    of the chunks' draws: 4 launches (3 passes over the logits) for top-p alone in bf16, 4 for
-    top-k, 3 for min-p, 2 for temperature alone, and a memset of the counted passes' counts. Rows
-    without a filter skip its passes (their programs return at once)."""
+    Each row is cut into chunks, one program each (`Tiles`): a max pass (when top-p or min-p is on),
+    one launch per digit of each search (top-k's count, then top-p's mass; 4 launches each in bf16
+    with 4-bit digits), a draw pass and the merge of the chunks' draws: 7 launches for top-p alone
+    in bf16, 3 for temperature alone. Rows without a filter skip its passes (their programs return
+    at once)."""
     rows, vocab = logits.shape
     assert logits.stride(1) == 1
     tiles = tiles or TILES
@@ -677,53 +569,37 @@ def sample_triton(
         min(b, triton.next_power_of_2(vocab))
         for b in (tiles.block, tiles.search_block, tiles.count_block)
     )
+    has_max = use_top_p or use_min_p
     pmax = torch.empty(rows, chunks, dtype=torch.float32, device=device)
     state = torch.empty(2, rows, 4, dtype=torch.int32, device=device)
-    plan = [
-        (mass, i == 0, digit)
-        for mass in [False] * use_top_k + [True] * use_top_p
-        for i, digit in enumerate(tiles.digits(KEY_BITS[logits.dtype], mass))
-    ]
-    # without min-p no pass before top-p's first weighted one needs the row maximum: it finds it
-    fused = next((i for i, (mass, _, (_, _, counted)) in enumerate(plan) if mass), None)
-    if not tiles.fuse_max or use_min_p or fused is None or plan[fused][2][2]:
-        fused = None
-    has_max = use_top_p or use_min_p
-    # weighted digits: float sums per chunk; counted ones: int32 counts per row, one zeroed
-    # [rows, buckets] slice per launch (a launch adds into its own, the next one reads it)
-    stride = max([1 << bits for _, _, (_, bits, counted) in plan if not counted], default=1)
-    partial = torch.empty(2, rows, chunks, stride, dtype=torch.float32, device=device)
-    widths = [rows << bits if counted else 0 for _, _, (_, bits, counted) in plan]
-    counts = torch.zeros(max(sum(widths), 1), dtype=torch.int32, device=device)
-    slices = iter(counts.split([w for w in widths if w]) if any(widths) else ())
-    outs = [next(slices) if w else counts for w in widths]
+    bits = tiles.digit_bits
+    partial = torch.empty(2, rows, chunks, 1 << bits, dtype=torch.float32, device=device)
     grid = (rows, chunks)
     common = (logits, logits.stride(0), vocab, chunk_len, chunks)
-    if has_max and fused is None:
+    if has_max:
         _chunk_max_kernel[grid](
             *common, inv_temperature, top_p, min_p, pmax, BLOCK=block, num_warps=tiles.warps
         )
-    shift, buckets, prev_counted, exact, counts_in = 0, 1, False, False, counts  # previous digit
-    for launch, (mass, first, (digit_shift, bits, counted)) in enumerate(plan):
-        digit_block, unroll = (count_block, 1) if counted else (search_block, tiles.unroll)
-        _search_kernel[grid](
-            *common, rows, inv_temperature, top_k, top_p, min_p, pmax, state, partial, counts_in,
-            outs[launch], launch % 2, (launch - 1) % 2, int(launch > 0), int(first), digit_shift,
-            shift, MASS=mass, HAS_MAX=has_max and (fused is None or launch > fused),
-            COUNTS=counted, BUCKETS_FIRST=tiles.buckets_first, BUCKETS=1 << bits,
-            PREV_BUCKETS=buckets, PREV_COUNTED=prev_counted, PREV_EXACT=exact,
-            PREV_FUSED=launch - 1 == fused, FUSED_MAX=launch == fused, STRIDE=stride,
-            CHUNKS=chunks_p2, BLOCK=digit_block, UNROLL=unroll, num_warps=tiles.search_warps,
-        )  # fmt: skip
-        shift, buckets, prev_counted = digit_shift, 1 << bits, counted
-        exact, counts_in = mass and counted, outs[launch]
+    launch, shift = 0, 0
+    for mass in [False] * use_top_k + [True] * use_top_p:
+        histogram = tiles.histogram and not mass
+        digit_block, unroll = (count_block, 1) if histogram else (search_block, tiles.unroll)
+        for digit in range(triton.cdiv(KEY_BITS[logits.dtype], bits)):
+            prev_shift, shift = shift, 32 - bits * (digit + 1)
+            _search_kernel[grid](
+                *common, rows, inv_temperature, top_k, top_p, min_p, pmax, state, partial,
+                launch % 2, (launch - 1) % 2, int(launch > 0), int(digit == 0), shift, prev_shift,
+                MASS=mass, HAS_MAX=has_max, HISTOGRAM=histogram, BUCKETS_FIRST=tiles.buckets_first,
+                BUCKETS=1 << bits, CHUNKS=chunks_p2, BLOCK=digit_block, UNROLL=unroll,
+                num_warps=tiles.search_warps,
+            )  # fmt: skip
+            launch += 1
     vals = torch.empty(rows, chunks, dtype=torch.float32, device=device)
     idxs = torch.empty(rows, chunks, dtype=torch.int32, device=device)
     _draw_kernel[grid](
-        *common, rows, inv_temperature, top_p, min_p, keys, pmax, state, partial, counts_in,
-        (len(plan) - 1) % 2, int(len(plan) > 0), shift, vals, idxs, HAS_MAX=has_max,
-        BUCKETS=buckets, COUNTED=prev_counted, EXACT=exact, RESCALE=len(plan) - 1 == fused,
-        STRIDE=stride, CHUNKS=chunks_p2, BLOCK=block, num_warps=tiles.warps,
+        *common, rows, inv_temperature, top_p, min_p, keys, pmax, state, partial,
+        (launch - 1) % 2, int(launch > 0), shift, vals, idxs, HAS_MAX=has_max, BUCKETS=1 << bits,
+        CHUNKS=chunks_p2, BLOCK=block, num_warps=tiles.warps,
     )  # fmt: skip
     _argmax_merge_kernel[(rows,)](vals, idxs, out, chunks, BLOCK_C=chunks_p2)
     return out

@@ -6,7 +6,6 @@ several chunks); the ``gpu`` test repeats the comparison at a real batch and voc
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import subprocess
@@ -57,14 +56,8 @@ def test_kernel_draws_the_reference_tokens(dtype):
     ("dtype", "tiles"),
     [
         (torch.bfloat16, SPLIT),
-        (
-            torch.bfloat16,
-            Tiles(block=32, search_block=16, chunks=3, histogram=False, count_bits=4, exact_bits=0),
-        ),
+        (torch.bfloat16, Tiles(block=32, search_block=16, chunks=3, histogram=False)),
         (torch.bfloat16, Tiles(block=16, search_block=16, chunks=4, count_block=64, unroll=2)),
-        (torch.bfloat16, Tiles(block=32, search_block=32, chunks=2, count_bits=3, exact_bits=4)),
-        (torch.float32, Tiles(block=32, search_block=32, chunks=3, count_bits=12, exact_bits=8)),
-        (torch.float16, Tiles(block=32, search_block=32, chunks=4, count_bits=5, exact_bits=8)),
         (
             torch.float16,
             Tiles(
@@ -81,11 +74,9 @@ def test_kernel_draws_the_reference_tokens(dtype):
 )
 def test_split_rows_draw_the_reference_tokens(dtype, tiles):
     """Rows cut into chunks (the vocabulary not a multiple of the chunk), with greedy rows, each
-    filter alone and combined; top-k counted by histogram (its block wider than the others', 3 to
-    12 key bits a pass) or by bucket sums, mass passes reading two blocks an iteration, 4-bit or
-    2-bit weighted digits, a mass search's last 4, 7, 8 or 12 key bits counted in one pass (each
-    bucket one value, negative values' keys with their low bits set in fp16) or weighed like the
-    others, both layouts of the bucket sums."""
+    filter alone and combined; top-k counted by histogram (its block wider than the others') or by
+    bucket sums, mass passes reading two blocks an iteration, 4-bit or 2-bit digits, both layouts
+    of the bucket sums."""
     args = random_rows(14, 203, dtype, seed=7)
     assert sample_triton(*args, tiles=tiles).tolist() == sample_ref(*args).tolist()
 
@@ -109,25 +100,6 @@ def test_launch_plans_for_the_filters_in_use(filters):
     args = (logits, inv_t, top_k, top_p, min_p, keys)
     ref = sample_ref(*args).tolist()
     assert sample_triton(*args, filters=filters, tiles=SPLIT).tolist() == ref
-
-
-@pytest.mark.parametrize("fuse_max", [True, False])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_top_p_without_min_p_finds_the_maximum_in_its_first_pass(dtype, fuse_max):
-    """No min-p in the batch: top-p's first weighted pass finds each chunk's maximum itself and the
-    next launch rescales the chunks' sums to the row's (or, ``fuse_max`` off, a max pass runs
-    first); the same tokens either way, with a chunk of ``-inf`` (a padded vocabulary's tail), a
-    row of ``-inf`` (its first column, as argmax answers) and top-k before top-p."""
-    logits, inv_t, top_k, top_p, min_p, keys = random_rows(12, 203, dtype, seed=11)
-    logits[:, 150:] = float("-inf")
-    logits[4] = float("-inf")
-    inv_t[4] = 1.0
-    top_p[4] = 0.5
-    min_p = torch.zeros_like(min_p)
-    args = (logits, inv_t, top_k, top_p, min_p, keys)
-    tiles = dataclasses.replace(SPLIT, fuse_max=fuse_max)
-    out = sample_triton(*args, filters=(True, True, False), tiles=tiles)
-    assert out.tolist() == sample_ref(*args).tolist()
 
 
 def test_kernel_handles_ties_infinities_and_signed_zeros():
@@ -232,9 +204,8 @@ def test_kernel_draws_the_reference_tokens_at_a_real_vocabulary():
 
 
 def test_tiles_read_from_their_text_form():
-    tiles = Tiles.parse("block=1024, histogram=0,chunks=0,digit_bits=2,count_bits=4")
+    tiles = Tiles.parse("block=1024, histogram=0,chunks=0,digit_bits=2")
     assert (tiles.block, tiles.histogram, tiles.chunks, tiles.digit_bits) == (1024, False, None, 2)
-    assert (tiles.count_bits, tiles.exact_bits) == (4, 12)
     assert Tiles.parse(str(tiles)) == tiles and Tiles.parse("") == Tiles()
     with pytest.raises(ValueError, match="unknown"):
         Tiles.parse("blocks=1")
@@ -248,8 +219,7 @@ from triton.compiler import ASTSource
 import kernels.sampling as s
 
 POINTERS = {"logits_ptr": "*bf16", "top_k_ptr": "*i64", "keys_ptr": "*i64", "out_ptr": "*i64",
-            "state_ptr": "*i32", "idx_ptr": "*i32", "counts_ptr": "*i32", "counts_in_ptr": "*i32",
-            "counts_out_ptr": "*i32"}
+            "state_ptr": "*i32", "idx_ptr": "*i32"}
 
 def compile_for_sm90(fn, num_warps, pointers=POINTERS, **constexprs):
     names = inspect.signature(fn.fn).parameters
@@ -258,33 +228,16 @@ def compile_for_sm90(fn, num_warps, pointers=POINTERS, **constexprs):
     source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
     triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 
-search = dict(HAS_MAX=True, CHUNKS=16, BLOCK=512, UNROLL=1, STRIDE=16, PREV_FUSED=False,
-              FUSED_MAX=False)
-for mass, counts, first, buckets, prev, prev_counted, exact in [
-    (True, False, True, 16, 256, True, False), (True, False, False, 16, 16, False, False),
-    (False, True, True, 256, 256, True, False), (True, False, True, 4, 4, False, False),
-    (True, True, True, 4096, 16, False, False), (False, True, True, 256, 4096, True, True),
-]:
-    compile_for_sm90(s._search_kernel, 8, MASS=mass, COUNTS=counts, BUCKETS_FIRST=first,
-                     BUCKETS=buckets, PREV_BUCKETS=prev, PREV_COUNTED=prev_counted,
-                     PREV_EXACT=exact, **search)
-fused = dict(MASS=True, BUCKETS_FIRST=True, STRIDE=16, CHUNKS=16, UNROLL=1, PREV_EXACT=False)
-compile_for_sm90(s._search_kernel, 8, COUNTS=False, BUCKETS=16, PREV_BUCKETS=256,
-                 PREV_COUNTED=True, HAS_MAX=False, PREV_FUSED=False, FUSED_MAX=True, BLOCK=256,
-                 **fused)
-compile_for_sm90(s._search_kernel, 8, COUNTS=True, BUCKETS=4096, PREV_BUCKETS=16,
-                 PREV_COUNTED=False, HAS_MAX=True, PREV_FUSED=True, FUSED_MAX=False, BLOCK=2048,
-                 **fused)
-compile_for_sm90(s._search_kernel, 8, MASS=False, COUNTS=True, BUCKETS_FIRST=True, BUCKETS=256,
-                 PREV_BUCKETS=256, PREV_COUNTED=True, PREV_EXACT=False, PREV_FUSED=False,
-                 FUSED_MAX=False, STRIDE=16, HAS_MAX=True, CHUNKS=16, BLOCK=2048, UNROLL=1)
-compile_for_sm90(s._search_kernel, 8, MASS=True, COUNTS=False, BUCKETS_FIRST=True, BUCKETS=16,
-                 PREV_BUCKETS=16, PREV_COUNTED=False, PREV_EXACT=False, PREV_FUSED=False,
-                 FUSED_MAX=False, STRIDE=16, HAS_MAX=True, CHUNKS=16, BLOCK=256, UNROLL=2)
-compile_for_sm90(s._draw_kernel, 8, HAS_MAX=True, BUCKETS=4096, COUNTED=True, EXACT=True,
-                 RESCALE=False, STRIDE=16, CHUNKS=16, BLOCK=2048)
-compile_for_sm90(s._draw_kernel, 8, HAS_MAX=True, BUCKETS=16, COUNTED=False, EXACT=False,
-                 RESCALE=True, STRIDE=16, CHUNKS=16, BLOCK=2048)
+search = dict(HAS_MAX=True, CHUNKS=16, BLOCK=512, UNROLL=1)
+for mass, histogram, first, buckets in [(True, False, True, 16), (True, False, False, 16),
+                                        (False, True, True, 16), (True, False, True, 4)]:
+    compile_for_sm90(s._search_kernel, 8, MASS=mass, HISTOGRAM=histogram, BUCKETS_FIRST=first,
+                     BUCKETS=buckets, **search)
+compile_for_sm90(s._search_kernel, 8, MASS=False, HISTOGRAM=True, BUCKETS_FIRST=True, BUCKETS=16,
+                 HAS_MAX=True, CHUNKS=16, BLOCK=2048, UNROLL=1)
+compile_for_sm90(s._search_kernel, 8, MASS=True, HISTOGRAM=False, BUCKETS_FIRST=True, BUCKETS=16,
+                 HAS_MAX=True, CHUNKS=16, BLOCK=256, UNROLL=2)
+compile_for_sm90(s._draw_kernel, 8, HAS_MAX=True, BUCKETS=16, CHUNKS=16, BLOCK=2048)
 compile_for_sm90(s._chunk_max_kernel, 8, BLOCK=2048)
 compile_for_sm90(s._rowwise_kernel, 16, PASSES=4, BLOCK=512)
 import kernels.penalties as pen
