@@ -196,7 +196,7 @@ class LLMEngine:
         items = pass_.items
         if not items:
             return
-        computed = [it for it in items if it.end > it.start]  # (`computes`, inlined)
+        computed = [it for it in items if it.computes]
         hidden = None
         if computed:
             hidden = self.runner.prefill(*pass_.ragged_inputs(computed))
