@@ -1,5 +1,5 @@
-"""Tensor parallelism on the CPU: two gloo ranks (the test process and one spawned worker) against
-one, on tiny checkpoints written here, with the prefix cache at work (hits, copy-on-write, an exact
+"""Tensor parallelism on the CPU: two gloo ranks (the test process and one spawned worker), and four,
+against one, on tiny checkpoints written here, with the prefix cache at work (hits, copy-on-write, an exact
 repeat served from a cached hidden state, preemption in a small pool).
 
 Greedy tokens and cache counters must equal the single-device engine's; so must the sharded loader's
@@ -113,6 +113,23 @@ def test_two_ranks_match_one_device(checkpoint):
     assert stats == expected_stats
     assert stats["cached_tokens"] > 0 and stats["cow_copies"] > 0 and stats["preemptions"] > 0
     assert stats["free_after_reset"] == stats["total_blocks"]
+
+
+def test_four_ranks_match_one_device(tmp_path):
+    """Four gloo ranks (three spawned workers): one query head per rank and the two KV heads each
+    replicated on two ranks, the MLP and the padded vocabulary split four ways; tokens and
+    counters as on one device."""
+    write_checkpoint("llama", tmp_path)
+    one = LLM(str(tmp_path), num_blocks=24, **ENGINE)
+    expected, expected_stats = run_workload(one)
+    four = LLM(str(tmp_path), num_blocks=24, tensor_parallel_size=4, **ENGINE)
+    try:
+        tokens, stats = run_workload(four)
+    finally:
+        four.close()
+    assert tokens == expected
+    assert stats == expected_stats
+    assert stats["cow_copies"] > 0 and stats["preemptions"] > 0
 
 
 def test_each_rank_reads_only_its_slices(tmp_path, monkeypatch):
