@@ -154,6 +154,18 @@ def test_cache_aware_routing_keeps_one_replicas_hit_rate_and_round_robin_does_no
     assert round_robin < single - 0.1  # groups split over both replicas compute it twice
 
 
+def test_four_replicas_keep_one_replicas_hit_rate_and_all_serve():
+    """Four engine processes behind one front: cache-aware routing still computes each system
+    prompt once, and the groups spread over every replica (the load balance)."""
+    with DataParallelLLM([LLM(**ENGINE)]) as one:
+        single = shared_prefix_hit_rate(one)
+    with DataParallelLLM([EngineProcess(**ENGINE) for _ in range(4)]) as dp4:
+        cache_aware = shared_prefix_hit_rate(dp4)
+        served = [s["prompt_tokens"] for s in replica_stats(dp4)]
+    assert abs(cache_aware - single) <= 0.02
+    assert all(tokens > 0 for tokens in served), served
+
+
 async def generate_on(front: DataParallelLLM, prompt: list[int], salt: str | None) -> int:
     """Run ``prompt`` to its end; the replica it ran on."""
     routed = list(front._router.routed)
