@@ -195,6 +195,10 @@ def _engine_process_main(
     # Stopped by its front (a `Close`, or the pipe closing), not by the terminal's Ctrl-C.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     gc.set_threshold(*gc_threshold)
+    # multiprocessing refuses children to a daemon, but a tensor-parallel engine starts its workers
+    # (daemons themselves: they end with this process, which its parent still ends as a daemon).
+    # The flag is private; the assertion that reads it is the only thing it changes here.
+    multiprocessing.current_process()._config["daemon"] = False
     pipe = _PipeEnd(conn, "radixinfer-engine-sender")
     channel = _CoreEnd(pipe)
     try:

@@ -166,6 +166,25 @@ def test_four_replicas_keep_one_replicas_hit_rate_and_all_serve():
     assert all(tokens > 0 for tokens in served), served
 
 
+def test_replicas_of_two_tensor_parallel_ranks_each():
+    """Tensor parallelism inside data parallelism: each engine process starts its own worker rank
+    (an engine process is a daemon, and daemons may not start processes unless it allows it).
+    Greedy tokens are one device's, and routing keeps one replica's hit rate."""
+    prompt = [(5 * i) % 250 + 1 for i in range(40)]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    expected = LLM(**ENGINE).generate([prompt], params)[0].token_ids
+    with DataParallelLLM([LLM(**ENGINE)]) as one:
+        single = shared_prefix_hit_rate(one)
+
+    async def tokens_of(front: DataParallelLLM) -> list[int]:
+        return [t async for delta in front.generate(prompt, params) for t in delta.token_ids]
+
+    replicas = [EngineProcess(**ENGINE, tensor_parallel_size=2) for _ in range(2)]
+    with DataParallelLLM(replicas) as front:
+        assert asyncio.run(tokens_of(front)) == expected
+        assert abs(shared_prefix_hit_rate(front) - single) <= 0.02
+
+
 async def generate_on(front: DataParallelLLM, prompt: list[int], salt: str | None) -> int:
     """Run ``prompt`` to its end; the replica it ran on."""
     routed = list(front._router.routed)
