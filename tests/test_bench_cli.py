@@ -176,3 +176,30 @@ def test_gpu_suite_smoke_mode(tmp_path):
     assert labels == [f"radixinfer cache=off {p}" for p in ("fifo", "pack", "lpm")]
     summary = (out / "summary.txt").read_text()
     assert all(name in summary for name in names) and "hf cache=on" in summary
+
+
+def test_scale_out_smoke_mode(tmp_path):
+    """The 4-GPU script's plumbing on a CPU (tiny model, two ranks or replicas): a tensor-parallel
+    decode step, a served data-parallel run and TP x DP, each writing its JSON."""
+    out = tmp_path / "scale"
+    env = {
+        **os.environ,
+        "SMOKE": "1",
+        "OUT": str(out),
+        "ONLY": "decode_70b dp4_served_cache tp2_dp2",
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+    }
+    proc = subprocess.run(
+        ["bash", str(REPO / "benchmarks" / "scale_out.sh")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    step = json.loads((out / "decode_70b_tp4.json").read_text())
+    rows = next(v for k, v in step.items() if k.startswith("model_decode:"))
+    assert rows and all("error" not in row for row in rows)
+    for name in ("dp4_served_cache_aware", "tp2_dp2"):
+        result = json.loads((out / f"{name}.json").read_text())
+        assert all(run["metrics"]["requests"] > 0 for run in result["runs"]), name
