@@ -145,22 +145,28 @@ def test_hf_baseline_produces_radixinfers_greedy_tokens(tmp_path, batching):
     assert outputs[0] == outputs[1]
 
 
-def test_gpu_suite_smoke_mode(tmp_path):
-    out = tmp_path / "suite"
+def run_smoke(script: str, out: Path, timeout: float, **env: str) -> None:
+    """``benchmarks/<script>`` in its CPU smoke mode, writing to ``out``; it must succeed."""
     env = {
         **os.environ,
+        **env,
         "SMOKE": "1",
         "OUT": str(out),
         "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
     }
     proc = subprocess.run(
-        ["bash", str(REPO / "benchmarks" / "gpu_suite.sh")],
+        ["bash", str(REPO / "benchmarks" / script)],
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=timeout,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_gpu_suite_smoke_mode(tmp_path):
+    out = tmp_path / "suite"
+    run_smoke("gpu_suite.sh", out, timeout=300)
     names = [
         "fixed_hello65",
         "shared_prompt",
@@ -182,21 +188,7 @@ def test_scale_out_smoke_mode(tmp_path):
     """The 4-GPU script's plumbing on a CPU (tiny model, two ranks or replicas): a tensor-parallel
     decode step, a served data-parallel run and TP x DP, each writing its JSON."""
     out = tmp_path / "scale"
-    env = {
-        **os.environ,
-        "SMOKE": "1",
-        "OUT": str(out),
-        "ONLY": "decode_70b dp4_served_cache tp2_dp2",
-        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-    }
-    proc = subprocess.run(
-        ["bash", str(REPO / "benchmarks" / "scale_out.sh")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_smoke("scale_out.sh", out, timeout=400, ONLY="decode_70b dp4_served_cache tp2_dp2")
     step = json.loads((out / "decode_70b_tp4.json").read_text())
     rows = next(v for k, v in step.items() if k.startswith("model_decode:"))
     assert rows and all("error" not in row for row in rows)
