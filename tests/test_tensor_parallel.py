@@ -100,17 +100,24 @@ def run_workload(llm: LLM) -> tuple[list[list[int]], dict]:
     return outputs, stats
 
 
-def test_two_ranks_match_one_device(checkpoint):
+def matches_one_device(checkpoint, ranks: int) -> dict:
+    """Run the workload on one device and on ``ranks`` gloo ranks; the tokens and cache counters
+    must be equal. Returns the counters."""
     # 24 blocks of 4 tokens: six requests of 19 tokens (5 blocks + 1 for copy-on-write) do not fit
     one = LLM(str(checkpoint), num_blocks=24, **ENGINE)
     expected, expected_stats = run_workload(one)
-    two = LLM(str(checkpoint), num_blocks=24, tensor_parallel_size=2, **ENGINE)
+    sharded = LLM(str(checkpoint), num_blocks=24, tensor_parallel_size=ranks, **ENGINE)
     try:
-        tokens, stats = run_workload(two)
+        tokens, stats = run_workload(sharded)
     finally:
-        two.close()
+        sharded.close()
     assert tokens == expected
     assert stats == expected_stats
+    return stats
+
+
+def test_two_ranks_match_one_device(checkpoint):
+    stats = matches_one_device(checkpoint, 2)
     assert stats["cached_tokens"] > 0 and stats["cow_copies"] > 0 and stats["preemptions"] > 0
     assert stats["free_after_reset"] == stats["total_blocks"]
 
@@ -120,15 +127,7 @@ def test_four_ranks_match_one_device(tmp_path):
     replicated on two ranks, the MLP and the padded vocabulary split four ways; tokens and
     counters as on one device."""
     write_checkpoint("llama", tmp_path)
-    one = LLM(str(tmp_path), num_blocks=24, **ENGINE)
-    expected, expected_stats = run_workload(one)
-    four = LLM(str(tmp_path), num_blocks=24, tensor_parallel_size=4, **ENGINE)
-    try:
-        tokens, stats = run_workload(four)
-    finally:
-        four.close()
-    assert tokens == expected
-    assert stats == expected_stats
+    stats = matches_one_device(tmp_path, 4)
     assert stats["cow_copies"] > 0 and stats["preemptions"] > 0
 
 
