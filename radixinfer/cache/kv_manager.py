@@ -34,8 +34,6 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from radixinfer.cache.block_pool import BlockPool
 from radixinfer.cache.decode_step import DecodeLanes, reserve_step
 from radixinfer.cache.growth import plan_growth
@@ -46,6 +44,7 @@ from radixinfer.cache.tree_node import (
     InsertResult,
     MatchResult,
     TokenArray,
+    as_token_array,
 )
 
 __all__ = [
@@ -125,7 +124,7 @@ class KVCacheManager:
         (`_loads`)."""
         if not (self.enable_prefix_cache and use_cache):
             return SeqKV(salt, [], 0, 0, None, None)
-        tokens = np.asarray(tokens, dtype=np.int64)  # (`as_token_array`, without its call)
+        tokens = as_token_array(tokens)
         match = self._peeked(tokens, salt) or self.tree.match(tokens, salt)
         num_loaded = 0
         if match.host_node is not None and self._loads(match):
@@ -156,7 +155,7 @@ class KVCacheManager:
         """How many leading tokens `admit` would find cached right now (changes nothing, counts nothing)."""
         if not self.enable_prefix_cache:
             return 0
-        tokens = np.asarray(tokens, dtype=np.int64)  # (`as_token_array`, without its call)
+        tokens = as_token_array(tokens)
         peek = self._peeked(tokens, salt) or self.tree.match(tokens, salt)
         self._last_peek = (tokens, salt, TreeWalk(peek, len(tokens), self.tree.version))
         return (
@@ -303,7 +302,7 @@ class KVCacheManager:
         )
         seq.match = None
         return self.tree.insert(
-            np.asarray(tokens, dtype=np.int64),
+            as_token_array(tokens),
             seq.table,
             seq.salt,
             end_node=prompt_end,

@@ -50,8 +50,7 @@ class TreeWalk:
         """The walk of the sequence's first ``n`` tokens at tree ``version``, when this one stands
         for it."""
         result = self.result
-        # through host-resident nodes too (`MatchResult.total_length`, inlined: a walk per request)
-        length = result.length if result.host_node is None else result.host_length
+        length = result.total_length  # through host-resident nodes too
         if version != self.version or length > n:
             return None
         return result if n <= self.query_len or length < self.query_len else None

@@ -196,7 +196,7 @@ class Scheduler:
                 pass_.leaders.setdefault((req.salt, tokens.tobytes()), item)
         pass_.items.append(item)
         if req.num_cached_tokens is None:  # its first admission planned
-            cached = item.start if item.end > item.start else n  # (`computes`, inlined)
+            cached = item.start if item.computes else n
             self.counters.count_admission(req, cached, min(seq.num_loaded, cached))
         if fresh:
             self._enter(req)
