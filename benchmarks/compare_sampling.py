@@ -1,7 +1,7 @@
 """The sampling kernel against an older version of itself, side by side in one process: the same
 logits, parameters and timing for both, so the ratio does not depend on the machine's mood.
 
-    python benchmarks/compare_sampling.py [--old-commit 50cc1ef] [--old PATH] [--json PATH]
+    python benchmarks/compare_sampling.py [--old-commit main] [--old PATH] [--json PATH]
 
 Needs CUDA. The old kernel is ``kernels/sampling.py`` of ``--old-commit`` (read with ``git show``,
 so the checkout needs its history) or the file at ``--old`` (``git show 50cc1ef:kernels/sampling.py
@@ -91,7 +91,7 @@ def compare(old) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.partition("\n")[0])
-    parser.add_argument("--old-commit", default="50cc1ef")
+    parser.add_argument("--old-commit", default="main")
     parser.add_argument("--old", default=None, metavar="PATH", help="the old sampling.py itself")
     parser.add_argument("--old-tiles", default="", help="the old kernel's tiles (its defaults)")
     parser.add_argument("--json", default=None, metavar="PATH")

@@ -10,7 +10,8 @@ temperature 0.8 with top-p 0.95, top-k 50, min-p 0.05, all three, and temperatur
 call gets the filter flags its batch would (`SamplingBatch.filters`).
 
 1. ``check``: tokens of the new kernel (default settings; the other choice of each of
-   ``histogram``, ``digit_bits``, ``buckets_first``; every pass launched whatever the filters) and
+   ``histogram`` (with 4-bit counts), ``exact_bits`` (8 or 0), ``digit_bits``, ``buckets_first``;
+   every pass launched whatever the filters) and
    of the old one against `sample_ref` on 256 rows mixing greedy rows, each filter alone and
    combined, with fresh keys per row; also each configuration's rows.
    Top-p masses are float sums in another order, so a boundary token may flip on a rare row: up to
@@ -22,9 +23,12 @@ call gets the filter flags its batch would (`SamplingBatch.filters`).
    (`bench_kernels.ceilings`: the better of a copy and a sum); ``x floor`` the new kernel's ratio.
 3. ``sweep`` (at ``[256, 151936]``): on top-p the bucket sums' layout (``buckets_first``), the
    digit width (``digit_bits`` 4 or 2), the digit passes' ``search_block`` x ``search_warps``,
-   ``programs_per_sm`` (chunks per row), ``unroll`` (blocks a mass pass reads an iteration); the
-   streaming passes' ``block`` x ``warps`` on min-p; ``histogram`` and the count passes'
-   ``count_block`` on top-k; one axis at a time from the defaults, each axis's best kept; then
+   ``programs_per_sm`` (chunks per row), ``unroll`` (blocks a mass pass reads an iteration),
+   ``exact_bits`` (the mass search's counted last bits: 8, 4, or 0 for none); the streaming
+   passes' ``block`` x ``warps`` on min-p; on top-k ``count_bits`` (key bits a count pass finds),
+   ``histogram`` (at 4 bits), the count passes' ``count_block``, and ``block`` x ``warps`` again
+   (the draw skips blocks keeping no token: smaller blocks skip more); one axis at a time from the
+   defaults, each axis's best kept; then
    every configuration again with the best settings. The last line prints them as the value of
    ``RADIXINFER_SAMPLING_TILES``, which the engine reads at import (`bench_sampling.py` end to end
    takes them the same way).
@@ -115,6 +119,8 @@ def check() -> tuple[list[dict], bool]:
     other = dataclasses.replace(
         TILES,
         histogram=not TILES.histogram,
+        count_bits=4 if TILES.histogram else 8,
+        exact_bits=0 if TILES.exact_bits else 8,
         digit_bits=6 - TILES.digit_bits,
         buckets_first=not TILES.buckets_first,
     )
@@ -203,11 +209,16 @@ def sweep(quick: bool) -> tuple[Tiles, list[dict]]:
         ]),
         ("T0.8 top-p 0.95", [{"programs_per_sm": p} for p in (16, 8, 32, 64)]),
         ("T0.8 top-p 0.95", [{"unroll": u} for u in (1, 2, 4)]),
+        ("T0.8 top-p 0.95", [{"exact_bits": e} for e in (8, 4, 0)]),
         ("T0.8 min-p 0.05", [
             {"block": b, "warps": w} for b, w in ((2048, 8), (1024, 4), (2048, 4), (4096, 8))
         ]),
-        ("T0.8 top-k 50", [{"histogram": h} for h in (True, False)]),
+        ("T0.8 top-k 50", [{"count_bits": c} for c in (8, 4, 6)]),
+        ("T0.8 top-k 50", [{"histogram": h, "count_bits": 4} for h in (True, False)]),
         ("T0.8 top-k 50", [{"count_block": b} for b in (2048, 256, 1024, 4096)]),
+        ("T0.8 top-k 50", [
+            {"block": b, "warps": w} for b, w in ((2048, 8), (512, 4), (1024, 8), (256, 4))
+        ]),
     ]  # fmt: skip
     if quick:
         axes = [(name, options[:2]) for name, options in axes]

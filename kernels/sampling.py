@@ -12,24 +12,40 @@ maximum.
 
 Thresholds are found as keys: a float32's bits mapped to an unsigned 32-bit integer of the same
 order (``-0.0`` as ``+0.0``; negative values' bits inverted, positive ones' sign bit set). The
-Triton kernels search the key one 4-bit digit per pass over the row (16 buckets' counts or masses
-per pass; the largest bucket whose suffix still meets the target wins; `sample_triton` may use 2-bit
-digits, `Tiles`), so a bf16 row needs 4 passes and a float32 row 8, instead of a sort. The result
-is exact: the kernels keep the same tokens as the sorting reference (`sample_ref`) up to float
-rounding of the top-p masses, and with the same noise draw the same token.
+Triton kernels search the key a digit per pass over the row, most significant first (the largest
+bucket whose suffix still meets the target wins), instead of a sort. A count search (top-k) counts
+8 key bits a pass through ``tl.histogram`` (256 counts a program): 2 passes in bf16. A mass search
+(top-p) weighs 4 bits a pass (each logit adds ``exp(s - max)`` to one of 16 sums a lane holds)
+until 8 bits are left, then counts those 8 in one pass: there each bucket holds one value (the
+dtype has no lower bits), so its mass is its count times that value's weight, computed once per
+bucket instead of once per logit: 3 passes in bf16 (2 weighted, 1 counted), 7 in float32. The
+widths are `Tiles` settings. The result is exact: the kernels keep the same tokens as the sorting
+reference (`sample_ref`) up to float rounding of the top-p masses, and with the same noise draw the
+same token.
 
 Performance: `sample_triton` cuts each row into chunks, one program each, so every pass streams the
 batch from all SMs (a pass reads 78 MB at batch 256 x 151,936 bf16); a pass's programs leave
-per-chunk bucket sums and the next launch's programs each merge their row's (a few hundred floats)
-to pick the digit, so there is no separate reduction launch. Passes run only for the filters some
-row uses (min-p and top-p need the row maximum, top-k the count search, top-p the mass search,
-every row the draw). `sample_triton_rowwise`, one program per row, is the benchmarks' baseline.
-The search and draw passes are compute-bound, not memory-bound: compiled for sm_90 (Triton 3.9,
-default `Tiles`), a mass digit pass runs ~75 instructions a logit (48 of them the 16 bucket
-select-adds), a count digit pass ~29 (``tl.histogram``; ~69 with bucket sums), the draw ~88 (the
-hash and two exact logs), the max pass ~12; at ~33 T thread-instructions/s that is ~90, ~35 and
-~100 us a pass at batch 256 x 151,936 on an H100 against ~25 us to read the logits (estimates from
-instruction counts; `benchmarks/sweep_sampling.py` measures).
+per-chunk bucket sums and the next launch's programs each merge their row's (up to a few thousand
+floats) to pick the digit, so there is no separate reduction launch. Passes run only for the
+filters some row uses (min-p and top-p need the row maximum, top-k the count search, top-p the
+mass search, every row the draw). `sample_triton_rowwise`, one program per row, is the
+benchmarks' baseline. The search and draw passes are compute-bound, not memory-bound: compiled for
+sm_90 (Triton 3.9, default `Tiles`), PTX instructions a logit: a weighted digit pass ~77 (48 of
+them the 16 bucket select-adds), a counted pass ~29 whatever its width (``tl.histogram`` is one
+shared-memory atomic a logit), the draw ~111 where a block keeps a token (the hash and two exact
+logs, ``__nv_logf``) and ~23 where none does (the block skips the noise), the max pass ~12. Top-p
+in bf16 so costs ~306 instructions a logit, top-k ~81 to ~170 (before: 4 weighted or 4 counted
+4-bit passes, ~420 and ~216); at ~33 T thread-instructions/s that is ~360 us and under ~200 us at
+batch 256 x 151,936 on an H100, against ~25 us to read the logits once (estimates from instruction
+counts; `benchmarks/sweep_sampling.py` measures).
+
+Why a counted pass stops at 8 bits: every program of the launch after a pass merges its row's
+bucket sums from all the row's chunks (``chunks x 2**bits`` floats) and, after a counted mass pass,
+weighs each bucket (an ``exp``) and scans them. At batch 256 x 151,936 on an H200 a row has 9
+chunks (2,304 programs): 8 counted bits are 9 KB of sums a program (21 MB a launch, 256 ``exp``),
+12 bits are 147 KB (340 MB a launch, four times the bf16 logits, and 4,096 ``exp`` and a
+4,096-long scan a program): the likely cause of the 5.5x slower top-p measured on an H200 with a
+12-bit counted pass (4.18 ms against 0.76 ms with 4 weighted 4-bit passes).
 """
 
 from __future__ import annotations
@@ -156,12 +172,16 @@ def _choose_digit(hist, above, target, BUCKETS: tl.constexpr):
 @triton.jit
 def _draw_block(row_ptr, cols, valid, scale, threshold, min_s, noise_scale, row_key, best, idx):
     """Fold the logits at ``cols`` into each lane's Gumbel-max of the kept tokens (``best``, and
-    ``idx`` its first index)."""
+    ``idx`` its first index). A block keeping no token draws no noise (the hash and two logs are
+    most of a draw pass's work; top-k and top-p keep few blocks of a peaked row)."""
     key, s = _row_values(row_ptr, cols, valid, scale)
     keep = valid & (key >= threshold) & (s >= min_s)
-    v = tl.where(keep, s + noise_scale * _gumbel(row_key, cols), float("-inf"))
-    take = ((v > best) | ((v == best) & (cols < idx))) & valid
-    return tl.where(take, v, best), tl.where(take, cols, idx)
+    if tl.max(keep.to(tl.int32), axis=0) > 0:
+        v = tl.where(keep, s + noise_scale * _gumbel(row_key, cols), float("-inf"))
+        take = ((v > best) | ((v == best) & (cols < idx))) & valid
+        best = tl.where(take, v, best)
+        idx = tl.where(take, cols, idx)
+    return best, idx
 
 
 @triton.jit
@@ -302,12 +322,25 @@ def _row_setup(inv_temp_ptr, min_p_ptr, pmax_ptr, row, num_chunks, HAS_MAX: tl.c
 
 
 @triton.jit
+def _key_weights(keys, scale, row_max):
+    """``exp(s - row_max)`` of the value whose order key is ``keys`` (the inverse of
+    `_row_values`' map), ``s`` that value times ``scale``."""
+    bits = tl.where(keys >= 0x80000000, keys & 0x7FFFFFFF, keys ^ 0xFFFFFFFF)
+    return tl.exp(bits.to(tl.float32, bitcast=True) * scale - row_max)
+
+
+@triton.jit
 def _resolve(state_ptr, partial_ptr, row, rows, num_chunks, top_p, prev_par, has_prev,
-             prev_shift, CHUNKS: tl.constexpr, BUCKETS: tl.constexpr):  # fmt: skip
+             prev_shift, scale, row_max, CHUNKS: tl.constexpr, BUCKETS: tl.constexpr,
+             EXACT: tl.constexpr, STRIDE: tl.constexpr):  # fmt: skip
     """A row's search state ``(min_key, base, above, target)`` after the previous launch (none when
     ``has_prev`` is 0: all zero): the state that launch read, its digit chosen from its programs'
-    bucket sums (a pending mass target, -1, becomes ``top_p`` times the first window's total; an
-    inactive search, target ``inf``, keeps its base)."""
+    ``BUCKETS`` bucket sums (a pending mass target, -1, becomes ``top_p`` times the first window's
+    total; an inactive search, target ``inf``, keeps its base). ``EXACT``: that launch counted a
+    mass digit whose buckets each hold one value (the dtype's last key bits), so a bucket's mass is
+    its count times that value's weight (`_key_weights`), exact without a weight per logit: a
+    value's key has its low ``prev_shift`` bits zero when positive and one when negative (bits
+    below the dtype's precision)."""
     sp = state_ptr + (prev_par * rows + row) * 4
     prev = has_prev != 0
     min_key = tl.load(sp, mask=prev, other=0).to(tl.uint32, bitcast=True)
@@ -317,9 +350,14 @@ def _resolve(state_ptr, partial_ptr, row, rows, num_chunks, top_p, prev_par, has
     active = prev & (target != float("inf"))
     c = tl.arange(0, CHUNKS)
     b = tl.arange(0, BUCKETS)
-    parts = partial_ptr + ((prev_par * rows + row) * num_chunks + c[:, None]) * BUCKETS + b[None, :]
+    parts = partial_ptr + ((prev_par * rows + row) * num_chunks + c[:, None]) * STRIDE + b[None, :]
     mask = tl.where(active, (c[:, None] < num_chunks) & (b[None, :] < BUCKETS), False)
     hist = tl.sum(tl.load(parts, mask=mask, other=0.0), axis=0)
+    if EXACT:
+        low = prev_shift.to(tl.uint32)
+        keys = base + (b.to(tl.uint32) << low)  # a bucket's least key: a positive value's
+        keys = tl.where(keys >= 0x80000000, keys, keys | ((1 << low) - 1))  # its greatest
+        hist = tl.where(hist > 0.0, hist * _key_weights(keys, scale, row_max), 0.0)
     target = tl.where(target < 0.0, top_p * tl.sum(hist, axis=0), target)
     best, above = _choose_digit(hist, above, target, BUCKETS)
     base += tl.where(active, best, 0).to(tl.uint32) << prev_shift.to(tl.uint32)
@@ -330,20 +368,24 @@ def _resolve(state_ptr, partial_ptr, row, rows, num_chunks, top_p, prev_par, has
 def _search_kernel(
     logits_ptr, stride_row, vocab, chunk_len, num_chunks, rows, inv_temp_ptr, top_k_ptr,
     top_p_ptr, min_p_ptr, pmax_ptr, state_ptr, partial_ptr, par, prev_par, has_prev, new_search,
-    shift, prev_shift, MASS: tl.constexpr, HAS_MAX: tl.constexpr, HISTOGRAM: tl.constexpr,
-    BUCKETS_FIRST: tl.constexpr, BUCKETS: tl.constexpr, CHUNKS: tl.constexpr, BLOCK: tl.constexpr,
+    shift, prev_shift, MASS: tl.constexpr, HAS_MAX: tl.constexpr, COUNTS: tl.constexpr,
+    BUCKETS_FIRST: tl.constexpr, BUCKETS: tl.constexpr, PREV_BUCKETS: tl.constexpr,
+    PREV_EXACT: tl.constexpr, STRIDE: tl.constexpr, CHUNKS: tl.constexpr, BLOCK: tl.constexpr,
     UNROLL: tl.constexpr,
 ):  # fmt: skip
     """Program (row, chunk), one digit of a search (count, or ``MASS``): resolves the previous
-    launch's digit (`_resolve`; ``new_search``: its threshold becomes the new search's ``min_key``,
-    and the row's target is set, ``inf`` for a row without this filter), then sums its chunk's
-    candidates into the ``BUCKETS`` buckets of the window ``[base, base + BUCKETS << shift)``.
-    Reads state and bucket sums at ``prev_par``, writes them at ``par`` (chunk 0 the state): one
-    launch's writes never meet its reads. ``HISTOGRAM`` (a count search only): counts through
-    ``tl.histogram``; ``UNROLL``: blocks a loop iteration reads (more loads in flight for the same
-    bucket sums); ``BUCKETS_FIRST``: bucket sums held ``[BUCKETS, BLOCK]`` (Triton's default
-    layout then gives each thread whole columns: no logit computed by several threads), else
-    ``[BLOCK, BUCKETS]``."""
+    launch's digit (`_resolve`, its ``PREV_BUCKETS`` sums; ``new_search``: its threshold becomes
+    the new search's ``min_key``, and the row's target is set, ``inf`` for a row without this
+    filter), then sums its chunk's candidates into the ``BUCKETS`` buckets of the window
+    ``[base, base + BUCKETS << shift)``. Reads state and bucket sums at ``prev_par``, writes them at
+    ``par`` (chunk 0 the state): one launch's writes never meet its reads. ``COUNTS``: the buckets
+    count candidates through ``tl.histogram`` (a count digit, or a mass digit whose buckets each
+    hold one value: the next launch weighs them, `_resolve`'s ``EXACT``), else each candidate adds
+    its weight, 1 or ``exp(s - row_max)``, to its bucket's sum held per lane; ``UNROLL``: blocks a
+    loop iteration reads (more loads in flight for the same bucket sums); ``BUCKETS_FIRST``:
+    bucket sums held ``[BUCKETS, BLOCK]`` (Triton's default layout then gives each thread whole
+    columns: no logit computed by several threads), else ``[BLOCK, BUCKETS]``. Bucket sums are
+    stored ``STRIDE`` apart (the widest digit's buckets)."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     shift = shift.to(tl.uint32)
@@ -353,7 +395,7 @@ def _search_kernel(
     top_p = tl.load(top_p_ptr + row)
     min_key, base, above, target = _resolve(
         state_ptr, partial_ptr, row, rows, num_chunks, top_p, prev_par, has_prev, prev_shift,
-        CHUNKS, BUCKETS,
+        scale, row_max, CHUNKS, PREV_BUCKETS, PREV_EXACT, STRIDE,
     )  # fmt: skip
     fresh = new_search != 0
     if MASS:
@@ -379,7 +421,7 @@ def _search_kernel(
         end = tl.minimum(start + chunk_len, vocab)
         offs = tl.arange(0, BLOCK)
         buckets = tl.arange(0, BUCKETS)
-        if HISTOGRAM:
+        if COUNTS:
             acc = tl.zeros([BUCKETS], tl.int32)
         elif BUCKETS_FIRST:
             acc = tl.zeros([BUCKETS, BLOCK], tl.float32)
@@ -389,23 +431,23 @@ def _search_kernel(
             for u in tl.static_range(UNROLL):  # UNROLL blocks' loads in flight, one acc
                 cols = off + u * BLOCK + offs
                 digit, weight, inside = _digits(
-                    row_ptr, cols, cols < end, scale, row_max, base, min_key, min_s, shift, MASS,
-                    BUCKETS,
+                    row_ptr, cols, cols < end, scale, row_max, base, min_key, min_s, shift,
+                    MASS and not COUNTS, BUCKETS,
                 )  # fmt: skip
-                if HISTOGRAM:
+                if COUNTS:
                     hit = inside & (digit < BUCKETS)  # (a digit of BUCKETS lies above the window)
                     acc += tl.histogram(tl.where(hit, digit, 0), BUCKETS, mask=hit)
                 elif BUCKETS_FIRST:
                     acc += tl.where(buckets[:, None] == digit[None, :], weight[None, :], 0.0)
                 else:
                     acc += tl.where(digit[:, None] == buckets[None, :], weight[:, None], 0.0)
-        if HISTOGRAM:
+        if COUNTS:
             hist = acc.to(tl.float32)
         elif BUCKETS_FIRST:
             hist = tl.sum(acc, axis=1)
         else:
             hist = tl.sum(acc, axis=0)
-        part = partial_ptr + ((par * rows + row) * num_chunks + chunk) * BUCKETS
+        part = partial_ptr + ((par * rows + row) * num_chunks + chunk) * STRIDE
         tl.store(part + buckets, hist)
 
 
@@ -439,8 +481,8 @@ def _chunk_max_kernel(
 def _draw_kernel(
     logits_ptr, stride_row, vocab, chunk_len, num_chunks, rows, inv_temp_ptr, top_p_ptr,
     min_p_ptr, keys_ptr, pmax_ptr, state_ptr, partial_ptr, prev_par, has_prev, prev_shift,
-    val_ptr, idx_ptr, HAS_MAX: tl.constexpr, BUCKETS: tl.constexpr, CHUNKS: tl.constexpr,
-    BLOCK: tl.constexpr,
+    val_ptr, idx_ptr, HAS_MAX: tl.constexpr, BUCKETS: tl.constexpr, EXACT: tl.constexpr,
+    STRIDE: tl.constexpr, CHUNKS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Program (row, chunk): resolves the last search digit (the row's threshold), then the
     Gumbel-max of the chunk's kept tokens and its first index (for a greedy row, the chunk's
@@ -452,7 +494,7 @@ def _draw_kernel(
     )
     min_key, base, _, _ = _resolve(
         state_ptr, partial_ptr, row, rows, num_chunks, tl.load(top_p_ptr + row), prev_par,
-        has_prev, prev_shift, CHUNKS, BUCKETS,
+        has_prev, prev_shift, scale, row_max, CHUNKS, BUCKETS, EXACT, STRIDE,
     )  # fmt: skip
     threshold = tl.maximum(min_key, base)
     noise_scale = tl.where(greedy, 0.0, 1.0)
@@ -476,19 +518,24 @@ def _draw_kernel(
 @dataclass(frozen=True)
 class Tiles:
     """Launch settings of `sample_triton`; they change only its speed. ``block`` and ``warps``: the
-    max and draw passes (streaming); ``search_block`` and ``search_warps``: the digit passes (each
-    logit adds to one of ``2**digit_bits`` bucket sums a lane holds: ``search_block << digit_bits``
-    floats a program); ``chunks`` per row, or (None) enough for ``programs_per_sm`` programs per
-    SM; ``histogram``: count digits through ``tl.histogram`` instead of the bucket sums;
-    ``digit_bits`` (2 or 4): key bits found per search pass (4: 4 passes a search in bf16 with
-    16 sums per logit; 2: 8 passes with 4); ``buckets_first``: the bucket sums' layout
-    (`_search_kernel`); ``count_block``: the block of a count search's digit passes when
-    ``histogram`` is on (its sums are ``2**digit_bits`` counts a program, not a lane, so a wide
-    block costs no registers and keeps more loads in flight); ``unroll``: blocks of
-    ``search_block`` a loop iteration of the other digit passes reads (more loads in flight, the
-    same bucket sums). Written as ``block=2048,warps=8,search_block=256,...,histogram=1`` in the
-    environment variable ``RADIXINFER_SAMPLING_TILES`` (any subset), read at import (`TILES`).
-    The defaults are the best of a sweep on an H200 (`benchmarks/sweep_sampling.py`)."""
+    max and draw passes (streaming); ``search_block`` and ``search_warps``: the weighted digit
+    passes (each logit adds to one of ``2**digit_bits`` bucket sums a lane holds:
+    ``search_block << digit_bits`` floats a program); ``chunks`` per row, or (None) enough for
+    ``programs_per_sm`` programs per SM; ``histogram``: count digits through ``tl.histogram``
+    instead of bucket sums (needs ``count_bits`` <= 4); ``digit_bits`` (2 or 4): key bits a
+    weighted mass pass finds; ``count_bits`` (1 to 8): key bits a count pass finds (8: top-k in 2
+    passes in bf16, 256 counts a program); ``exact_bits`` (0 to 8): the last key bits of a mass
+    search found by one counted pass (each bucket then holds one value, so its mass is its count
+    times that value's weight: `_resolve`), the bits above by weighted passes (8: top-p in bf16
+    with 2 weighted passes and 1 counted; 0: weighted passes only); ``buckets_first``: the bucket
+    sums' layout (`_search_kernel`); ``count_block``: the block of the counted passes (their sums
+    are counts a program, not a lane, so a wide block costs no registers and keeps more loads in
+    flight); ``unroll``: blocks of ``search_block`` a loop iteration of the weighted passes reads
+    (more loads in flight, the same bucket sums). Written as
+    ``block=2048,warps=8,search_block=256,...,histogram=1`` in the environment variable
+    ``RADIXINFER_SAMPLING_TILES`` (any subset), read at import (`TILES`). The defaults are the
+    best of a sweep on an H200 (`benchmarks/sweep_sampling.py`), ``count_bits`` and
+    ``exact_bits`` not yet swept."""
 
     block: int = 2048
     warps: int = 8
@@ -501,9 +548,13 @@ class Tiles:
     buckets_first: bool = True
     count_block: int = 2048
     unroll: int = 1
+    count_bits: int = 8
+    exact_bits: int = 8
 
     def __post_init__(self) -> None:
         assert self.digit_bits in (2, 4), "4 or 16 buckets (a digit must divide 32 bits)"
+        assert 1 <= self.count_bits <= 8 and 0 <= self.exact_bits <= 8, "at most 256 counts"
+        assert self.histogram or self.count_bits <= 4, "bucket sums per lane: at most 16"
 
     @classmethod
     def parse(cls, text: str) -> Tiles:
@@ -532,6 +583,24 @@ class Tiles:
         chunk_len = triton.cdiv(triton.cdiv(vocab, chunks), step) * step
         return triton.cdiv(vocab, chunk_len), chunk_len
 
+    def digits(self, key_bits: int, mass: bool) -> list[tuple[int, int, bool]]:
+        """A search's passes over keys whose top ``key_bits`` bits are significant, most
+        significant first: ``(shift, bits, counted)``, each finding key bits
+        ``[shift, shift + bits)`` below the last. A count search counts ``count_bits`` at a time;
+        a mass search weighs ``digit_bits`` at a time until at most ``exact_bits`` remain, then
+        counts the rest in one pass (exact masses: each bucket holds one value)."""
+        low, top, passes = 32 - key_bits, 32, []
+        while top > low:
+            if not mass:
+                bits, counted = min(self.count_bits, top - low), self.histogram
+            elif top - low <= self.exact_bits:
+                bits, counted = top - low, True
+            else:
+                bits, counted = self.digit_bits, False
+            top = max(top - bits, 0)
+            passes.append((top, bits, counted))
+        return passes
+
 
 TILES = Tiles.parse(os.environ.get("RADIXINFER_SAMPLING_TILES", ""))
 
@@ -551,10 +620,11 @@ def sample_triton(
     more filters than the rows use is still exact, only slower; one covering fewer is wrong).
 
     Each row is cut into chunks, one program each (`Tiles`): a max pass (when top-p or min-p is on),
-    one launch per digit of each search (top-k's count, then top-p's mass; 4 launches each in bf16
-    with 4-bit digits), a draw pass and the merge of the chunks' draws: 7 launches for top-p alone
-    in bf16, 3 for temperature alone. Rows without a filter skip its passes (their programs return
-    at once)."""
+    one launch per digit of each search (`Tiles.digits`: with the default tiles top-k's count in 2
+    passes in bf16, then top-p's mass in 3: 2 weighted and 1 counted), a draw pass and the merge
+    of the chunks' draws: 6 launches (5 passes over the logits) for top-p alone in bf16, 4 for
+    top-k, 3 for min-p, 2 for temperature alone. Rows without a filter skip its passes (their
+    programs return at once)."""
     rows, vocab = logits.shape
     assert logits.stride(1) == 1
     tiles = tiles or TILES
@@ -572,34 +642,37 @@ def sample_triton(
     has_max = use_top_p or use_min_p
     pmax = torch.empty(rows, chunks, dtype=torch.float32, device=device)
     state = torch.empty(2, rows, 4, dtype=torch.int32, device=device)
-    bits = tiles.digit_bits
-    partial = torch.empty(2, rows, chunks, 1 << bits, dtype=torch.float32, device=device)
+    plan = [
+        (mass, i == 0, digit)
+        for mass in [False] * use_top_k + [True] * use_top_p
+        for i, digit in enumerate(tiles.digits(KEY_BITS[logits.dtype], mass))
+    ]
+    stride = max([1 << bits for _, _, (_, bits, _) in plan], default=1)
+    partial = torch.empty(2, rows, chunks, stride, dtype=torch.float32, device=device)
     grid = (rows, chunks)
     common = (logits, logits.stride(0), vocab, chunk_len, chunks)
     if has_max:
         _chunk_max_kernel[grid](
             *common, inv_temperature, top_p, min_p, pmax, BLOCK=block, num_warps=tiles.warps
         )
-    launch, shift = 0, 0
-    for mass in [False] * use_top_k + [True] * use_top_p:
-        histogram = tiles.histogram and not mass
-        digit_block, unroll = (count_block, 1) if histogram else (search_block, tiles.unroll)
-        for digit in range(triton.cdiv(KEY_BITS[logits.dtype], bits)):
-            prev_shift, shift = shift, 32 - bits * (digit + 1)
-            _search_kernel[grid](
-                *common, rows, inv_temperature, top_k, top_p, min_p, pmax, state, partial,
-                launch % 2, (launch - 1) % 2, int(launch > 0), int(digit == 0), shift, prev_shift,
-                MASS=mass, HAS_MAX=has_max, HISTOGRAM=histogram, BUCKETS_FIRST=tiles.buckets_first,
-                BUCKETS=1 << bits, CHUNKS=chunks_p2, BLOCK=digit_block, UNROLL=unroll,
-                num_warps=tiles.search_warps,
-            )  # fmt: skip
-            launch += 1
+    shift, buckets, exact = 0, 1, False  # the previous launch's digit
+    for launch, (mass, first, (digit_shift, bits, counted)) in enumerate(plan):
+        digit_block, unroll = (count_block, 1) if counted else (search_block, tiles.unroll)
+        _search_kernel[grid](
+            *common, rows, inv_temperature, top_k, top_p, min_p, pmax, state, partial,
+            launch % 2, (launch - 1) % 2, int(launch > 0), int(first), digit_shift, shift,
+            MASS=mass, HAS_MAX=has_max, COUNTS=counted, BUCKETS_FIRST=tiles.buckets_first,
+            BUCKETS=1 << bits, PREV_BUCKETS=buckets, PREV_EXACT=exact, STRIDE=stride,
+            CHUNKS=chunks_p2, BLOCK=digit_block, UNROLL=unroll, num_warps=tiles.search_warps,
+        )  # fmt: skip
+        shift, buckets, exact = digit_shift, 1 << bits, mass and counted
     vals = torch.empty(rows, chunks, dtype=torch.float32, device=device)
     idxs = torch.empty(rows, chunks, dtype=torch.int32, device=device)
     _draw_kernel[grid](
         *common, rows, inv_temperature, top_p, min_p, keys, pmax, state, partial,
-        (launch - 1) % 2, int(launch > 0), shift, vals, idxs, HAS_MAX=has_max, BUCKETS=1 << bits,
-        CHUNKS=chunks_p2, BLOCK=block, num_warps=tiles.warps,
+        (len(plan) - 1) % 2, int(len(plan) > 0), shift, vals, idxs, HAS_MAX=has_max,
+        BUCKETS=buckets, EXACT=exact, STRIDE=stride, CHUNKS=chunks_p2, BLOCK=block,
+        num_warps=tiles.warps,
     )  # fmt: skip
     _argmax_merge_kernel[(rows,)](vals, idxs, out, chunks, BLOCK_C=chunks_p2)
     return out

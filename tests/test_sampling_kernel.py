@@ -56,8 +56,13 @@ def test_kernel_draws_the_reference_tokens(dtype):
     ("dtype", "tiles"),
     [
         (torch.bfloat16, SPLIT),
-        (torch.bfloat16, Tiles(block=32, search_block=16, chunks=3, histogram=False)),
+        (
+            torch.bfloat16,
+            Tiles(block=32, search_block=16, chunks=3, histogram=False, count_bits=4, exact_bits=0),
+        ),
         (torch.bfloat16, Tiles(block=16, search_block=16, chunks=4, count_block=64, unroll=2)),
+        (torch.bfloat16, Tiles(block=32, search_block=32, chunks=2, count_bits=3, exact_bits=4)),
+        (torch.float16, Tiles(block=32, search_block=32, chunks=4, count_bits=5, exact_bits=8)),
         (
             torch.float16,
             Tiles(
@@ -74,9 +79,11 @@ def test_kernel_draws_the_reference_tokens(dtype):
 )
 def test_split_rows_draw_the_reference_tokens(dtype, tiles):
     """Rows cut into chunks (the vocabulary not a multiple of the chunk), with greedy rows, each
-    filter alone and combined; top-k counted by histogram (its block wider than the others') or by
-    bucket sums, mass passes reading two blocks an iteration, 4-bit or 2-bit digits, both layouts
-    of the bucket sums."""
+    filter alone and combined; top-k counted by histogram (its block wider than the others', 3 to
+    8 key bits a pass) or by bucket sums, mass passes reading two blocks an iteration, 4-bit or
+    2-bit weighted digits, a mass search's last 4, 7 or 8 key bits counted in one pass (each
+    bucket one value, negative values' keys with their low bits set in fp16) or weighed like the
+    others, both layouts of the bucket sums."""
     args = random_rows(14, 203, dtype, seed=7)
     assert sample_triton(*args, tiles=tiles).tolist() == sample_ref(*args).tolist()
 
@@ -204,8 +211,9 @@ def test_kernel_draws_the_reference_tokens_at_a_real_vocabulary():
 
 
 def test_tiles_read_from_their_text_form():
-    tiles = Tiles.parse("block=1024, histogram=0,chunks=0,digit_bits=2")
+    tiles = Tiles.parse("block=1024, histogram=0,chunks=0,digit_bits=2,count_bits=4")
     assert (tiles.block, tiles.histogram, tiles.chunks, tiles.digit_bits) == (1024, False, None, 2)
+    assert (tiles.count_bits, tiles.exact_bits) == (4, 8)
     assert Tiles.parse(str(tiles)) == tiles and Tiles.parse("") == Tiles()
     with pytest.raises(ValueError, match="unknown"):
         Tiles.parse("blocks=1")
@@ -228,16 +236,22 @@ def compile_for_sm90(fn, num_warps, pointers=POINTERS, **constexprs):
     source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
     triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 
-search = dict(HAS_MAX=True, CHUNKS=16, BLOCK=512, UNROLL=1)
-for mass, histogram, first, buckets in [(True, False, True, 16), (True, False, False, 16),
-                                        (False, True, True, 16), (True, False, True, 4)]:
-    compile_for_sm90(s._search_kernel, 8, MASS=mass, HISTOGRAM=histogram, BUCKETS_FIRST=first,
-                     BUCKETS=buckets, **search)
-compile_for_sm90(s._search_kernel, 8, MASS=False, HISTOGRAM=True, BUCKETS_FIRST=True, BUCKETS=16,
-                 HAS_MAX=True, CHUNKS=16, BLOCK=2048, UNROLL=1)
-compile_for_sm90(s._search_kernel, 8, MASS=True, HISTOGRAM=False, BUCKETS_FIRST=True, BUCKETS=16,
-                 HAS_MAX=True, CHUNKS=16, BLOCK=256, UNROLL=2)
-compile_for_sm90(s._draw_kernel, 8, HAS_MAX=True, BUCKETS=16, CHUNKS=16, BLOCK=2048)
+search = dict(HAS_MAX=True, CHUNKS=16, BLOCK=512, UNROLL=1, STRIDE=256)
+for mass, counts, first, buckets, prev, exact in [
+    (True, False, True, 16, 256, False), (True, False, False, 16, 16, False),
+    (False, True, True, 256, 256, False), (True, False, True, 4, 4, False),
+    (True, True, True, 256, 16, False), (False, True, True, 16, 256, True),
+]:
+    compile_for_sm90(s._search_kernel, 8, MASS=mass, COUNTS=counts, BUCKETS_FIRST=first,
+                     BUCKETS=buckets, PREV_BUCKETS=prev, PREV_EXACT=exact, **search)
+compile_for_sm90(s._search_kernel, 8, MASS=False, COUNTS=True, BUCKETS_FIRST=True, BUCKETS=256,
+                 PREV_BUCKETS=256, PREV_EXACT=False, STRIDE=256, HAS_MAX=True, CHUNKS=16,
+                 BLOCK=2048, UNROLL=1)
+compile_for_sm90(s._search_kernel, 8, MASS=True, COUNTS=False, BUCKETS_FIRST=True, BUCKETS=16,
+                 PREV_BUCKETS=16, PREV_EXACT=False, STRIDE=256, HAS_MAX=True, CHUNKS=16,
+                 BLOCK=256, UNROLL=2)
+compile_for_sm90(s._draw_kernel, 8, HAS_MAX=True, BUCKETS=256, EXACT=True, STRIDE=256, CHUNKS=16,
+                 BLOCK=2048)
 compile_for_sm90(s._chunk_max_kernel, 8, BLOCK=2048)
 compile_for_sm90(s._rowwise_kernel, 16, PASSES=4, BLOCK=512)
 import kernels.penalties as pen
