@@ -39,13 +39,14 @@ in bf16 so costs ~306 instructions a logit, top-k ~81 to ~170 (before: 4 weighte
 batch 256 x 151,936 on an H100, against ~25 us to read the logits once (estimates from instruction
 counts; `benchmarks/sweep_sampling.py` measures).
 
-Why a counted pass stops at 8 bits: every program of the launch after a pass merges its row's
-bucket sums from all the row's chunks (``chunks x 2**bits`` floats) and, after a counted mass pass,
-weighs each bucket (an ``exp``) and scans them. At batch 256 x 151,936 on an H200 a row has 9
-chunks (2,304 programs): 8 counted bits are 9 KB of sums a program (21 MB a launch, 256 ``exp``),
-12 bits are 147 KB (340 MB a launch, four times the bf16 logits, and 4,096 ``exp`` and a
-4,096-long scan a program): the likely cause of the 5.5x slower top-p measured on an H200 with a
-12-bit counted pass (4.18 ms against 0.76 ms with 4 weighted 4-bit passes).
+Why a counted pass stops at 8 bits: what a program spends on its buckets rather than its logits
+grows with ``2**bits``. ``tl.histogram``'s bins are zeroed, read back and added to the program's
+counts once a block (4,096 bins against a 2,048-logit block at 12 bits: two adds a logit; 1/8 at
+8), and every program of the next launch merges its row's sums from all the row's chunks
+(``chunks x 2**bits`` floats: at batch 256 x 151,936 on an H200, 9 chunks a row, 9 KB a program at
+8 bits, 147 KB at 12), then weighs each bucket (an ``exp``) and scans them. A 12-bit counted pass
+(its counts added across chunks atomically instead) made top-p 5.5x slower on an H200 (4.18 ms
+against 0.76 ms with 4 weighted 4-bit passes); at 8 bits these costs are 1/16 of that.
 """
 
 from __future__ import annotations
