@@ -9,8 +9,9 @@ with min-p 0.05, with presence and frequency penalties 0.5; plain temperature 1.
 run in interleaved rounds (each round in a rotated order, fresh random prompts every run, so nothing
 hits the prefix cache), after one short warm-up run each (kernel compilation); reported: the median
 output tokens per second (completion tokens over the wall time of the whole batch, prefill included,
-as `radixinfer bench` counts it), its ratio to greedy's, and the engine's prefill and decode
-forwards, preemptions and recomputed rows over the configuration's last run.
+as `radixinfer bench` counts it), its ratio to greedy's, and over the configuration's last run
+the engine's prefill and decode forwards, preemptions and recomputed rows, and the CUDA caching
+allocator's retries, device allocations and frees (each free of a retry waits for the device).
 
 The sampler alone: ``[--batch, 151936]`` bf16 logits (N(0, 2^2)), each configuration through the
 sorting-free Triton kernel (`kernels.sampling.sample_triton`, split rows, with the filter flags of
@@ -63,6 +64,15 @@ VOCAB = 151936  # qwen2.5's
 
 
 STEP_COUNTERS = ("prefill_forwards", "decode_forwards", "preemptions", "recomputed_tokens")
+# the caching allocator's: a retry frees its cached blocks (cudaFree waits for the device), so a
+# configuration whose steps allocate more than the memory plan left free shows it here
+ALLOCATOR_COUNTERS = ("num_alloc_retries", "num_device_alloc", "num_device_free")
+
+
+def allocator_counts() -> list[int]:
+    """`ALLOCATOR_COUNTERS` as they stand (0 for one this torch does not keep)."""
+    stats = torch.cuda.memory_stats()
+    return [stats.get(name, 0) for name in ALLOCATOR_COUNTERS]
 
 
 def bench_engine(args: argparse.Namespace) -> tuple[dict[str, float], dict[str, dict[str, int]]]:
@@ -85,12 +95,14 @@ def bench_engine(args: argparse.Namespace) -> tuple[dict[str, float], dict[str, 
         prompts = [rng.integers(0, vocab, input_len).tolist() for _ in range(num)]
         params = SamplingParams(max_tokens=output_len, ignore_eos=True, detokenize=False, **fields)
         llm.reset_prefix_cache()
-        before = [getattr(counters, c) for c in STEP_COUNTERS]
+        before = [getattr(counters, c) for c in STEP_COUNTERS] + allocator_counts()
         start = time.perf_counter()
         outs = llm.generate(prompts, params)
         wall = time.perf_counter() - start
+        after = [getattr(counters, c) for c in STEP_COUNTERS] + allocator_counts()
         if name:  # a measured run (the warm-ups have none)
-            steps[name] = {c: getattr(counters, c) - b for c, b in zip(STEP_COUNTERS, before)}
+            names = STEP_COUNTERS + ALLOCATOR_COUNTERS
+            steps[name] = {c: a - b for c, a, b in zip(names, after, before)}
         return sum(len(o.token_ids) for o in outs) / wall
 
     for fields in CONFIGS.values():  # compile every kernel the configurations use
@@ -163,7 +175,7 @@ def bench_sampler(rows: int) -> dict[str, dict[str, float]]:
     tokens = torch.zeros(rows, dtype=torch.int64, device="cuda")
 
     def process() -> None:
-        processed, pending = processor.process(reqs, logits)
+        pending = processor.process(reqs, logits)  # (in place: the same logits every call)
         processor.record(pending, tokens)
 
     results["penalties: logits processing"] = {"fused_ms": do_bench(process)}
@@ -194,10 +206,11 @@ def main() -> None:
         torch.cuda.empty_cache()
         greedy = rates["greedy"]
         print(f"\n{args.model}, batch {args.batch}, {args.input_len} in / {args.output_len} out")
-        heads = "".join(f" {c.split('_')[0]:>10}" for c in STEP_COUNTERS)
+        columns = STEP_COUNTERS + ALLOCATOR_COUNTERS
+        heads = "".join(f" {c.removeprefix('num_').split('_')[0]:>10}" for c in columns)
         print(f"{'configuration':<30} {'out tok/s':>10} {'vs greedy':>10}{heads}")
         for name, rate in rates.items():
-            counts = "".join(f" {steps[name][c]:>10}" for c in STEP_COUNTERS)
+            counts = "".join(f" {steps[name][c]:>10}" for c in columns)
             print(f"{name:<30} {rate:>10,.0f} {rate / greedy:>10.3f}{counts}")
         result["engine"] = {
             name: {"out_tok_s": rate, "ratio_to_greedy": rate / greedy, "steps": steps[name]}

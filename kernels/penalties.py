@@ -10,9 +10,8 @@ presence, frequency), so a step passes only which batch row reads which count ro
 adds a step's sampled tokens to the counts.
 
 Performance: the Triton kernels are one launch each, with no host work besides. The penalty kernel
-reads each penalised row's logits, counts and prompt marks once and writes the logits once (no
-``[rows, vocab]`` temporaries); the reference builds several. Given ``out``, it writes there instead
-of in place, so a batch whose every row is penalised needs no copy of its logits first.
+reads each penalised row's logits, counts and prompt marks once and writes the logits in place once
+(no ``[rows, vocab]`` temporaries); the reference builds several.
 """
 
 from __future__ import annotations
@@ -31,10 +30,9 @@ def penalize_ref(
     prompt_seen: torch.Tensor,
     output_counts: torch.Tensor,
     penalties: torch.Tensor,
-    out: torch.Tensor | None = None,
 ) -> None:
-    """Penalise rows ``positions [n]`` of ``logits [batch, vocab]`` in place (or into the same rows
-    of ``out``, shaped like ``logits``), row ``positions[i]`` with row ``count_rows[i]`` of
+    """Penalise rows ``positions [n]`` of ``logits [batch, vocab]`` in place, row ``positions[i]``
+    with row ``count_rows[i]`` of
     ``prompt_seen`` (bool) and ``output_counts`` (int32) ``[rows, vocab]`` and of ``penalties``
     ``[rows, 3]`` float32."""
     repetition, presence, frequency = penalties[count_rows].unbind(1)
@@ -45,17 +43,16 @@ def penalize_ref(
     penalised = torch.where(x > 0, x / rep, x * rep)
     x = torch.where(prompt_seen[count_rows] | in_output, penalised, x)
     x = x - frequency[:, None] * counts - presence[:, None] * in_output
-    (logits if out is None else out)[positions] = x.to(logits.dtype)
+    logits[positions] = x.to(logits.dtype)
 
 
 @triton.jit
 def _penalize_kernel(
-    logits_ptr, out_ptr, stride_logits, positions_ptr, count_rows_ptr, seen_ptr, counts_ptr,
+    logits_ptr, stride_logits, positions_ptr, count_rows_ptr, seen_ptr, counts_ptr,
     stride_counts, penalties_ptr, vocab, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """Program (i, block): columns ``[block * BLOCK, (block + 1) * BLOCK)`` of penalised row i,
-    read from ``logits_ptr`` and written to ``out_ptr`` (the same or a tensor of the same
-    strides)."""
+    """Program (i, block): columns ``[block * BLOCK, (block + 1) * BLOCK)`` of penalised row i, in
+    place."""
     i = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     valid = cols < vocab
@@ -72,7 +69,7 @@ def _penalize_kernel(
     penalised = tl.where(xf > 0, xf / rep, xf * rep)
     xf = tl.where(seen | in_output, penalised, xf)
     xf = xf - frequency * counts.to(tl.float32) - tl.where(in_output, presence, 0.0)
-    tl.store(out_ptr + row * stride_logits + cols, xf.to(x.dtype), mask=valid)
+    tl.store(logits_ptr + row * stride_logits + cols, xf.to(x.dtype), mask=valid)
 
 
 def penalize_triton(
@@ -82,19 +79,17 @@ def penalize_triton(
     prompt_seen: torch.Tensor,
     output_counts: torch.Tensor,
     penalties: torch.Tensor,
-    out: torch.Tensor | None = None,
 ) -> None:
-    """Same function as `penalize_ref` (up to float32 division rounding), one launch; every tensor
-    contiguous."""
-    out = logits if out is None else out
-    assert out.shape == logits.shape and out.stride() == logits.stride()
+    """Same function as `penalize_ref` (up to float32 division rounding), one launch; ``logits``
+    with unit column stride, the other tensors contiguous."""
+    assert logits.stride(1) == 1
     n = positions.shape[0]
     vocab = logits.shape[1]
     if n == 0:
         return
     block = min(BLOCK, triton.next_power_of_2(vocab))
     _penalize_kernel[(n, triton.cdiv(vocab, block))](
-        logits, out, logits.stride(0), positions, count_rows, prompt_seen.view(torch.uint8),
+        logits, logits.stride(0), positions, count_rows, prompt_seen.view(torch.uint8),
         output_counts, output_counts.stride(0), penalties, vocab, BLOCK=block, num_warps=8,
     )  # fmt: skip
 

@@ -10,9 +10,11 @@ import random
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kernels.penalties import count_tokens_ref, count_tokens_triton, penalize_ref, penalize_triton
 from radixinfer import LLM, SamplingParams
+from radixinfer.engine import logits_processing
 from radixinfer.engine.logits_processing import LogitsProcessor
 from radixinfer.engine.request import Request
 from tests import _triton_env  # noqa: F401  (without CUDA, Triton runs interpreted)
@@ -67,23 +69,6 @@ def test_each_penalty_matches_the_per_token_reference(penalize):
         assert out[p].tolist() == pytest.approx(expected, rel=1e-6, abs=1e-6)
     untouched = [p for p in range(rows + 3) if p not in positions]
     assert torch.equal(out[untouched], logits[untouched])
-
-
-@pytest.mark.parametrize("penalize", [penalize_ref, penalize_triton])
-def test_penalties_written_out_of_place_leave_the_logits(penalize):
-    gen = torch.Generator().manual_seed(2)
-    logits = torch.randn(3, VOCAB, generator=gen).to(DEVICE)
-    seen = (torch.rand(3, VOCAB, generator=gen) < 0.3).to(DEVICE)
-    counts = torch.randint(0, 3, (3, VOCAB), generator=gen).int().to(DEVICE)
-    rows = torch.tensor([2, 0, 1], device=DEVICE)
-    args = [rows, torch.tensor([0, 1, 2], device=DEVICE), seen, counts]
-    args += [torch.tensor([1.3, 0.7, 1.1], device=DEVICE)[:, None].expand(3, 3).contiguous()]
-    before = logits.clone()
-    inplace = logits.clone()
-    penalize(inplace, *args)
-    out = torch.empty_like(logits)
-    penalize(logits, *args, out=out)
-    assert torch.equal(logits, before) and torch.equal(out, inplace)
 
 
 @pytest.mark.parametrize("count", [count_tokens_ref, count_tokens_triton])
@@ -151,7 +136,8 @@ def test_device_counts_follow_the_histories_across_steps_preemption_and_reused_r
     live = [fresh() for _ in range(5)]
     for _step in range(40):
         logits = torch.randn(len(live), VOCAB, generator=gen)
-        processed, pending = processor.process(live, logits)
+        processed = logits.clone()
+        pending = processor.process(live, processed)
         tokens = torch.randint(0, VOCAB, (len(live),), generator=gen)
         processor.record(pending, tokens)
         for r, req in enumerate(live):
@@ -174,29 +160,79 @@ def test_device_counts_follow_the_histories_across_steps_preemption_and_reused_r
     assert processor.counts.output_counts.shape[0] == 5  # rows were reused, never more than 5
 
 
-def test_a_batch_penalised_in_every_row_gets_a_new_tensor():
-    """Every row penalised, nothing else to apply: the kernel writes a new tensor (no copy first),
-    the logits stay as they were; one row with ``min_tokens`` pending takes the copying path."""
+def test_logits_are_processed_in_place():
+    """Every row penalised, or one row with ``min_tokens`` pending: the rows change in the logits
+    handed over (no copy), step after step."""
     processor = LogitsProcessor(VOCAB, torch.device("cpu"), 4)
     reqs = [request([1, 2, i], presence_penalty=0.5, frequency_penalty=0.5) for i in range(3)]
-    logits = torch.randn(3, VOCAB)
-    before = logits.clone()
+    before = torch.randn(3, VOCAB)
     for step in range(3):
-        out, pending = processor.process(reqs, logits)
-        assert out is not logits and torch.equal(logits, before)
+        logits = before.clone()
+        pending = processor.process(reqs, logits)
         for r, req in enumerate(reqs):
             expected = penalised_by_hand(
-                logits[r].tolist(), req.prompt_ids.tolist(), req.output_ids, 1.0, 0.5, 0.5
+                before[r].tolist(), req.prompt_ids.tolist(), req.output_ids, 1.0, 0.5, 0.5
             )
-            assert out[r].tolist() == pytest.approx(expected, rel=1e-6, abs=1e-6)
+            assert logits[r].tolist() == pytest.approx(expected, rel=1e-6, abs=1e-6)
         tokens = torch.tensor([step, step, 5])
         processor.record(pending, tokens)
         for req, t in zip(reqs, tokens.tolist()):
             req.output_ids.append(t)
             req.num_sampled += 1
     early = request([1], presence_penalty=0.5, min_tokens=4)
-    out, _ = processor.process([early], logits[:1])
-    assert out[0, [3, 7]].tolist() == [float("-inf")] * 2 and torch.equal(logits, before)
+    logits = before[:1].clone()
+    processor.process([early], logits)
+    assert logits[0, [3, 7]].tolist() == [float("-inf")] * 2
+
+
+class _AtenOps(TorchDispatchMode):
+    """The names of the aten ops run while it is on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))
+
+
+# ops that on CUDA read a device value back to the host (so wait for the device), or copy from it
+SYNC_LIKE = {"_local_scalar_dense", "nonzero", "unique", "_unique2", "masked_select", "_to_copy"}
+
+
+def test_a_steady_penalised_step_reads_nothing_back_and_uploads_nothing(monkeypatch):
+    """After a batch's first step (its plan made, its count rows filled), each step's processing
+    and count update run no op that reads a device value back or copies across devices, build no
+    tensor from host data and call no host read (``tolist``, ``item``, ``bool``): on CUDA the host
+    never waits for the step it has just launched."""
+    processor = LogitsProcessor(VOCAB, torch.device("cpu"), 4)
+    reqs = [request([1, 2, i], presence_penalty=0.5, frequency_penalty=0.5) for i in range(3)]
+    reqs.append(request([4], temperature=0.5))  # a row the penalties leave alone
+    gen = torch.Generator().manual_seed(3)
+    first = processor.process(reqs, torch.randn(4, VOCAB, generator=gen))
+    processor.record(first, torch.ones(4, dtype=torch.int64))
+    host_reads = []
+    for name in ("tolist", "item", "__bool__", "cpu", "numpy"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _name=name, _original=original, **kwargs):
+            host_reads.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    uploads = []
+    monkeypatch.setattr(
+        logits_processing, "upload", lambda *a: uploads.append(a) or logits_processing.upload(*a)
+    )
+    for _ in range(3):
+        logits = torch.randn(4, VOCAB, generator=gen)
+        tokens = torch.randint(0, VOCAB, (4,), generator=gen)
+        with _AtenOps() as ops:
+            processor.record(processor.process(reqs, logits), tokens)
+        assert not SYNC_LIKE & set(ops.names), ops.names
+        assert "lift_fresh" not in ops.names  # no tensor from Python data
+    assert host_reads == [] and uploads == []
 
 
 def test_a_batch_keeps_its_plan_until_its_requests_or_their_sequences_change():
@@ -210,7 +246,8 @@ def test_a_batch_keeps_its_plan_until_its_requests_or_their_sequences_change():
         if batch == "preempt":
             reqs[0].seq = object()
             continue
-        out, pending = processor.process(batch, logits)
+        out = logits.clone()
+        pending = processor.process(batch, out)
         for r, req in enumerate(batch):
             p = req.params
             expected = penalised_by_hand(
@@ -232,7 +269,8 @@ def test_logit_bias_and_min_tokens_rows():
     early = request([1, 2], min_tokens=2)
     plain = request([1, 2], temperature=1.0)
     logits = torch.randn(3, VOCAB)
-    out, pending = processor.process([biased, early, plain], logits)
+    out = logits.clone()
+    pending = processor.process([biased, early, plain], out)
     assert pending is None
     expected = logits[0].clone()
     expected[4] += 5.0
@@ -242,15 +280,17 @@ def test_logit_bias_and_min_tokens_rows():
     assert torch.equal(out[1, [0, 1, 2, 4]], logits[1, [0, 1, 2, 4]])
     assert torch.equal(out[2], logits[2])
     early.num_sampled = 2
-    out, _ = processor.process([early], logits[1:2])
+    out = logits[1:2].clone()
+    processor.process([early], out)
     assert torch.equal(out[0], logits[1])  # min_tokens reached: stop tokens allowed again
 
 
 def test_batches_without_processing_are_returned_untouched():
     processor = LogitsProcessor(VOCAB, torch.device("cpu"), 4)
     logits = torch.randn(2, VOCAB)
-    out, pending = processor.process([request([1]), request([2], temperature=0.5)], logits)
-    assert out is logits and pending is None
+    before = logits.clone()
+    pending = processor.process([request([1]), request([2], temperature=0.5)], logits)
+    assert torch.equal(logits, before) and pending is None
 
 
 # ------------------------------------------------------------------------------------ the engine

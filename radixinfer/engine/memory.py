@@ -12,8 +12,8 @@ KV pool is measured before the pool exists; the pool takes the rest of the budge
         ├── other        the runner's step buffers, cuBLAS workspaces, kernel code, rounding
         ├── CUDA graphs  the graphs' memory pool and their static outputs
         ├── activations  the peak of the worst-case step outside the graphs: the LM head's rows, the
-        │                engine's sampler in its most expensive mode (a processed copy of the
-        │                logits, the logprobs' log-softmax), the penalties' token-count rows, eager
+        │                engine's sampler in its most expensive mode (the filters' scratch,
+        │                the logprobs' log-softmax), the penalties' token-count rows, eager
         │                passes and their attention workspaces
         └── KV cache     the rest: num_blocks = rest // bytes_per_block
 

@@ -204,16 +204,19 @@ class Sampler:
         self.logits_processor = LogitsProcessor(vocab_size, device, max_penalized)
         self._last: tuple[tuple[Request, ...], RowParams] | None = None  # the last batch's params
 
+    @torch.inference_mode()  # the runner's logits are inference tensors, processed in place
     def sample(
         self, reqs: Sequence[Request], logits: torch.Tensor, argmax_only: bool | None = None
     ) -> torch.Tensor:
-        """Sampled token ids ``[len(reqs)]`` for ``logits [len(reqs), vocab]``. ``argmax_only``:
-        whether every request takes the argmax of its logits as they come, when the caller knows."""
+        """Sampled token ids ``[len(reqs)]`` for ``logits [len(reqs), vocab]``, which the caller
+        hands over: the rows of requests with penalties, ``logit_bias`` or ``min_tokens`` are
+        processed in place. ``argmax_only``: whether every request takes the argmax of its logits
+        as they come, when the caller knows."""
         if argmax_only is None:
             argmax_only = all([r.params.argmax_only for r in reqs])  # (a list: no call per row)
         if argmax_only:
             return argmax(logits)
-        logits, pending = self.logits_processor.process(reqs, logits)
+        pending = self.logits_processor.process(reqs, logits)  # in place
         steps = np.array([r.num_sampled for r in reqs], dtype=np.int64)
         tokens = sample(logits, self._row_params(reqs, logits.device).batch(steps))
         self.logits_processor.record(pending, tokens)

@@ -3,7 +3,7 @@ stand-ins that drive the engine's own sampler (`Sampler.sample_with_logprobs`) t
 expensive mode, so the plan measures what a real step of that many rows allocates.
 
 The most expensive mode is every row sampling with temperature, top-k, top-p and min-p, a
-``logit_bias`` and ``min_tokens`` (the logits are processed in a copy), and `MAX_LOGPROBS` logprobs
+``logit_bias`` and ``min_tokens`` (the logits are processed in place), and `MAX_LOGPROBS` logprobs
 (the raw log-softmax of every row, and its top-k); and as many rows as the scheduler lets hold KV
 with every penalty on, their token-count rows filled from prompts of the longest context (the
 rows' allocation and the fill's index tensors).
