@@ -237,6 +237,7 @@ def test_variants_are_the_product_of_the_comparisons():
         ["--range-ratio", "2"],
         ["--n", "0"],
         ["--n", "2", "--compare-backends"],
+        ["--compare-separate-samples"],
         ["--top-p", "0"],
         ["--min-p", "1.5"],
         ["--presence-penalty", "3"],

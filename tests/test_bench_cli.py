@@ -96,6 +96,24 @@ def test_n_completions_per_request_compute_each_prompt_once(tmp_path):
     assert metrics["computed_prompt_tokens"] == metrics["prompt_tokens"]  # once per request
 
 
+def test_n_completions_run_beside_as_many_separate_requests(tmp_path):
+    """One command: the shared-prefix workload with n=4 against each request sent as 4 requests,
+    with the prompt tokens computed, TTFT and throughput of each and the speedups."""
+    flags = ["--dataset", "shared-prefix", "--num-groups", "2", "--prompts-per-group", "2"]
+    flags += ["--system-prompt-len", "32", "--question-len", "8", "--output-len", "3"]
+    flags += ["--ignore-eos", "--temperature", "0.8", "--cold-cache"]
+    result = bench(tmp_path, *flags, "--n", "4", "--compare-separate-samples")
+    together, separate = (run["metrics"] for run in result["runs"])
+    assert together["requests"] == 4 and separate["requests"] == 16
+    assert together["completion_tokens"] == separate["completion_tokens"] == 16 * 3
+    assert separate["prompt_tokens"] == 4 * together["prompt_tokens"]
+    assert together["computed_prompt_tokens"] <= separate["computed_prompt_tokens"]
+    assert together["ttft_ms"]["p50"] > 0 and separate["ttft_ms"]["p50"] > 0
+    (comparison,) = result["comparisons"]
+    assert comparison["other"] == "radixinfer cache=on samples=separate fifo"
+    assert comparison["speedup"]
+
+
 def test_hf_backend_runs_beside_radixinfer(tmp_path):
     result = bench(
         tmp_path,

@@ -67,6 +67,13 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "on over off)",
     )
     backend.add_argument(
+        "--compare-separate-samples",
+        action="store_true",
+        help="run each request's --n completions as one request (one prefill) and as --n separate "
+        "requests of one completion side by side (speedups are one request's over the separate "
+        "ones'); radixinfer backend",
+    )
+    backend.add_argument(
         "--compare-policies",
         type=_policies,
         default=None,
@@ -253,6 +260,7 @@ def check_bench_arguments(parser: argparse.ArgumentParser, args: argparse.Namesp
         or args.compare_no_cache
         or args.compare_policies
         or args.compare_host_cache
+        or args.compare_separate_samples
     )
     if args.compare_host_cache and not args.host_cache_gb:
         parser.error("--compare-host-cache needs --host-cache-gb > 0 (the tier it turns on)")
@@ -278,6 +286,8 @@ def check_bench_arguments(parser: argparse.ArgumentParser, args: argparse.Namesp
         parser.error("--n must be >= 1")
     if args.n > 1 and (args.backend != "radixinfer" or args.compare_backends):
         parser.error("--n > 1 runs on the radixinfer backend only")
+    if args.compare_separate_samples and args.n < 2:
+        parser.error("--compare-separate-samples needs --n > 1 (the completions it splits)")
     if not 0.0 <= args.range_ratio <= 1.0:
         parser.error("--range-ratio must be in [0, 1]")
     try:

@@ -64,11 +64,13 @@ class Variant:
     prefix_cache: bool
     policy: str | None  # admission policy; None for hf and openai, which schedule on their own
     host_cache: bool = False  # radixinfer with a host KV tier of --host-cache-gb
+    separate_samples: bool = False  # each of a request's --n completions a request of its own
 
     @property
     def label(self) -> str:
         parts = [self.backend, "cache=on" if self.prefix_cache else "cache=off"]
         parts += ["host=on"] if self.host_cache else []
+        parts += ["samples=separate"] if self.separate_samples else []
         return " ".join(parts + ([self.policy] if self.policy else []))
 
 
@@ -78,17 +80,20 @@ def plan_variants(args: argparse.Namespace) -> list[Variant]:
     caches = [True, False] if args.compare_no_cache else [not args.no_prefix_cache]
     policies = args.compare_policies or [args.prefill_admission_policy]
     hosts = [True, False] if args.compare_host_cache else [bool(args.host_cache_gb)]
+    splits = [False, True] if args.compare_separate_samples else [False]
     variants = [
         Variant(
             backend,
             cache,
             policy if backend == "radixinfer" else None,
             host and cache and backend == "radixinfer",  # the tier holds cached prefixes
+            split,
         )
         for backend in backends
         for cache in caches
         for policy in (policies if backend == "radixinfer" else [None])
         for host in hosts
+        for split in splits
     ]
     return list(dict.fromkeys(variants))
 
@@ -107,7 +112,8 @@ class _Arm:
 
     @classmethod
     def prepare(cls, variant: Variant, backend: Backend, args: argparse.Namespace) -> _Arm:
-        """The workload in the backend's own tokens; fails before any run if a prompt cannot fit."""
+        """The workload in the backend's own tokens; fails before any run if a prompt cannot fit.
+        With ``separate_samples`` every session comes ``--n`` times, at the same arrival."""
         sessions = build_workload(args, backend.tokenizer, backend.vocab_size)
         for session in sessions:
             fit_to_context(session.prompt, backend.max_context_len, args.truncate_prompts)
@@ -117,9 +123,14 @@ class _Arm:
             args.submit_interval_ms,
             np.random.default_rng(args.seed + 1),
         )
+        if variant.separate_samples:
+            sessions = [s for s in sessions for _ in range(args.n)]
+            offsets = [o for o in offsets for _ in range(args.n)]
         return cls(variant, backend, sessions, offsets)
 
     def run(self, args: argparse.Namespace, what: str) -> tuple[list[RequestRecord], float]:
+        if self.variant.separate_samples:  # its sessions hold the copies: one completion each
+            args = argparse.Namespace(**{**vars(args), "n": 1})
         return run_workload(
             self.backend, self.sessions, self.offsets, args, f"{self.variant.label} {what}"
         )
