@@ -32,6 +32,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -54,6 +55,7 @@ class Setup:
 
     replicas: int
     policy: str
+    separate_samples: ClassVar[bool] = False  # each request as the workload has it
 
     @property
     def label(self) -> str:
@@ -100,7 +102,7 @@ def run_setups(args: argparse.Namespace, setups: list[Setup]) -> list[dict]:
     )
     with front:
         backends = [DataParallelBackend(front, setup.policy) for setup in setups]
-        return measure(setups, backends, args)  # type: ignore[arg-type] - any labelled variant
+        return measure(setups, backends, args)
 
 
 def main(argv: Sequence[str] | None = None) -> dict:

@@ -32,9 +32,8 @@ def penalize_ref(
     penalties: torch.Tensor,
 ) -> None:
     """Penalise rows ``positions [n]`` of ``logits [batch, vocab]`` in place, row ``positions[i]``
-    with row ``count_rows[i]`` of
-    ``prompt_seen`` (bool) and ``output_counts`` (int32) ``[rows, vocab]`` and of ``penalties``
-    ``[rows, 3]`` float32."""
+    with row ``count_rows[i]`` of ``prompt_seen`` (bool) and ``output_counts`` (int32)
+    ``[rows, vocab]`` and of ``penalties`` ``[rows, 3]`` float32."""
     repetition, presence, frequency = penalties[count_rows].unbind(1)
     x = logits[positions].float()
     counts = output_counts[count_rows]

@@ -36,8 +36,10 @@ import gc
 import json
 import math
 import tempfile
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -56,6 +58,17 @@ from radixinfer.bench.report import comparisons, format_report
 from radixinfer.bench.run_loop import run_workload
 from radixinfer.bench.workloads import Session, arrival_offsets, build_workload, fit_to_context
 from radixinfer.models import PRESET_NAMES
+
+
+class Labelled(Protocol):
+    """What `measure` needs of a compared setting: its label, and whether it sends each of a
+    request's ``--n`` completions as a request of its own (`Variant` or another bench's)."""
+
+    @property
+    def label(self) -> str: ...
+
+    @property
+    def separate_samples(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -102,7 +115,7 @@ def plan_variants(args: argparse.Namespace) -> list[Variant]:
 class _Arm:
     """One variant while the benchmark runs: its open backend, its workload and its measured runs so far."""
 
-    variant: Variant
+    variant: Labelled
     backend: Backend
     sessions: list[Session]
     offsets: list[float]
@@ -111,7 +124,7 @@ class _Arm:
     )
 
     @classmethod
-    def prepare(cls, variant: Variant, backend: Backend, args: argparse.Namespace) -> _Arm:
+    def prepare(cls, variant: Labelled, backend: Backend, args: argparse.Namespace) -> _Arm:
         """The workload in the backend's own tokens; fails before any run if a prompt cannot fit.
         With ``separate_samples`` every session comes ``--n`` times, at the same arrival."""
         sessions = build_workload(args, backend.tokenizer, backend.vocab_size)
@@ -178,7 +191,7 @@ def round_orders(num_variants: int, rounds: int) -> list[list[int]]:
 
 
 def measure(
-    variants: list[Variant], backends: list[Backend], args: argparse.Namespace
+    variants: Sequence[Labelled], backends: list[Backend], args: argparse.Namespace
 ) -> list[dict]:
     """Every variant's warm-up runs, then ``--repeat-runs`` rounds of one measured run of each variant (see
     `round_orders`); one result per variant, in variant order."""

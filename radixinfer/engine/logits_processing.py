@@ -10,9 +10,10 @@ rebuilt from the host's lists.
 
 No host sync on a step's path: a batch that keeps its requests reuses its plan (the count rows and
 batch positions already on the device), so a step is two launches, with no copy from the host, no
-read back, and no allocation (a per-step ``[rows, vocab]`` copy, 78 MB at batch 256 x 151,936 bf16,
-is what a device whose memory the plan fills may only get by the caching allocator freeing its
-cache, which waits for the device).
+read back, and no allocation. (A per-step ``[rows, vocab]`` copy, 78 MB at batch 256 x 151,936
+bf16, was once a penalised step's only difference from a plain sampled one besides the launches:
+where the memory plan leaves no cached block for it, the caching allocator frees its cache to find
+one, and freeing waits for the device.)
 """
 
 from __future__ import annotations
