@@ -1,7 +1,9 @@
 """The all-reduce of small messages over CUDA symmetric memory: each rank maps every other rank's
 buffer, so a sum is a few loads and stores over NVLink in one kernel, without NCCL's protocol.
-On H200s at two ranks it takes about half of NCCL's time for a decode step's ``[batch, 4096]``
-bf16 activations (8-10 µs against 16-19 µs in a CUDA graph; ``benchmarks/bench_allreduce.py``).
+On H200s at two ranks, torch's two-shot op took about half of NCCL's time for a decode step's
+``[batch, 4096]`` bf16 activations in a CUDA graph (8-10 µs against 16-19 µs at batch 1-64, measured
+on torch's default group); ``benchmarks/bench_allreduce.py`` compares the two paths as the engine
+runs them.
 
 One all-reduce of ``x`` (`SymmetricAllReduce.all_reduce`)::
 
