@@ -58,16 +58,16 @@ def peers_say(*answers):
 
 
 def test_any_rank_that_cannot_makes_every_rank_fall_back(caplog):
-    group = FakeGroup()
+    group, store = FakeGroup(), dist.HashStore()
     caplog.set_level("INFO", logger=symmetric_memory.__name__)
     # the peer is turned off (every rank gathers every reason, so all of them agree)
-    assert symmetric_memory.connect(group, CUDA, True, peers_say(("h", "turned off"))) is None
+    assert symmetric_memory.connect(group, store, CUDA, True, peers_say(("h", "off"))) is None
     # the peer is on another host: nothing to map
-    assert symmetric_memory.connect(group, CUDA, True, peers_say(("elsewhere", None))) is None
+    assert symmetric_memory.connect(group, store, CUDA, True, peers_say(("far", None))) is None
     assert "several hosts" in caplog.text
     # same host, but the allocation fails here (no GPU): logged, not raised
     host = symmetric_memory.socket.gethostname()
-    assert symmetric_memory.connect(group, CUDA, True, peers_say((host, None), None)) is None
+    assert symmetric_memory.connect(group, store, CUDA, True, peers_say((host, None), None)) is None
     assert "rendezvous failed" in caplog.text
 
 

@@ -125,7 +125,11 @@ class TensorParallel:
         _register(device_group, PrefixStore("device", store), rank)
         tp = cls(rank, size, device_group, control, store)
         tp.symmetric = symmetric_memory.connect(
-            device_group, device, symmetric_all_reduce, tp.all_gather_object
+            device_group,
+            PrefixStore("symmetric_memory", store),
+            device,
+            symmetric_all_reduce,
+            tp.all_gather_object,
         )
         return tp
 

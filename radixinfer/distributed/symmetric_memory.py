@@ -32,7 +32,7 @@ import socket
 from collections.abc import Callable
 
 import torch
-from torch.distributed import ProcessGroup
+from torch.distributed import ProcessGroup, Store
 
 logger = logging.getLogger(__name__)
 
@@ -97,14 +97,15 @@ class SymmetricAllReduce:
 
 def connect(
     group: ProcessGroup,
+    store: Store,
     device: torch.device,
     enabled: bool,
     all_gather: Callable[[object], list[object]],
 ) -> SymmetricAllReduce | None:
     """Every rank of ``group`` (a registered NCCL group of this host's GPUs) calls this at once;
     they all return a `SymmetricAllReduce`, or all None (NCCL then carries every all-reduce).
-    ``all_gather``: a value from each rank, over another channel than ``group`` (the control
-    group), by which the ranks agree.
+    ``store``: one the ranks share, for the rendezvous's own keys. ``all_gather``: a value from
+    each rank, over another channel than ``group`` (the control group), by which the ranks agree.
 
     None when any rank gives a reason (`why_not`), when the ranks are on several hosts (their
     memory cannot be mapped across), or when the allocation or the rendezvous fails on any rank;
@@ -115,7 +116,7 @@ def connect(
     if reason is None and len({host for host, _ in reasons}) > 1:
         reason = "the ranks are on several hosts"
     if reason is None:
-        buffer, failure = _rendezvous(group, device, MAX_BYTES[size])
+        buffer, failure = _rendezvous(group, store, device, MAX_BYTES[size])
         failures = all_gather(failure)
         reason = next((f for f in failures if f is not None), None)
     if reason is not None:
@@ -128,13 +129,17 @@ def connect(
 
 
 def _rendezvous(
-    group: ProcessGroup, device: torch.device, max_bytes: int
+    group: ProcessGroup, store: Store, device: torch.device, max_bytes: int
 ) -> tuple[torch.Tensor | None, str | None]:
     """``(buffer, None)``: ``max_bytes`` of symmetric memory mapped on every rank of ``group``;
     ``(None, why)`` when it could not be made here."""
     try:
         import torch.distributed._symmetric_memory as symm_mem
+        from torch._C._distributed_c10d import _SymmetricMemory
 
+        # What torch's deprecated enable_symm_mem_for_group does for a group of its own registry:
+        # versions whose rendezvous does not look the group up by name read this instead.
+        _SymmetricMemory.set_group_info(group.group_name, group.rank(), group.size(), store)
         buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
         symm_mem.rendezvous(buffer, group.group_name)
     except Exception as exc:  # any failure here means NCCL, not a crash
