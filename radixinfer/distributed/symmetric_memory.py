@@ -28,6 +28,7 @@ when rank 0's step plan cannot reach it.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 from collections.abc import Callable
 
@@ -133,6 +134,8 @@ def _rendezvous(
 ) -> tuple[torch.Tensor | None, str | None]:
     """``(buffer, None)``: ``max_bytes`` of symmetric memory mapped on every rank of ``group``;
     ``(None, why)`` when it could not be made here."""
+    # no multimem op runs here, so no NVLink multicast object is wanted (unless asked for)
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     try:
         import torch.distributed._symmetric_memory as symm_mem
         from torch._C._distributed_c10d import _SymmetricMemory
