@@ -274,13 +274,19 @@ def test_tensor_parallel_size_flag():
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_two_gpus_match_one(checkpoint):
-    """NCCL, Triton kernels and CUDA graphs (their all-reduces captured) on two GPUs."""
+    """NCCL, symmetric memory, Triton kernels and CUDA graphs (their all-reduces captured) on two
+    GPUs: a decode step's all-reduces through symmetric memory, then with it turned off."""
     engine = {**ENGINE, "device": "cuda"}
     one = LLM(str(checkpoint), num_blocks=24, **engine)
     expected = run_workload(one)
     del one
-    two = LLM(str(checkpoint), num_blocks=24, tensor_parallel_size=2, **engine)
-    try:
-        assert run_workload(two) == expected
-    finally:
-        two.close()
+    for disabled in (False, True):
+        two = LLM(
+            str(checkpoint), num_blocks=24, tensor_parallel_size=2,
+            disable_custom_all_reduce=disabled, **engine,
+        )  # fmt: skip
+        try:
+            assert (two.engine.runner.tp.symmetric is None) == disabled
+            assert run_workload(two) == expected
+        finally:
+            two.close()

@@ -174,7 +174,12 @@ class TensorParallelRunner:
             raise TensorParallelError(self._failure) from exc
 
     def close(self) -> None:
-        """Stop the workers and leave the group (idempotent)."""
+        """Stop the workers and leave the group (idempotent).
+
+        Order: the workers are told to stop (each releases its CUDA graphs, then leaves the
+        group); rank 0 releases its own graphs, waits for the workers, then leaves the group
+        (`TensorParallel.close` says why the graphs go first). After a failed step the graphs are
+        left as they are: the device may never become idle again."""
         if self._closed:
             return
         self._closed = True
@@ -183,5 +188,6 @@ class TensorParallelRunner:
                 self.tp.send_plan(StopCall())
             except RuntimeError:
                 pass  # a worker already gone: stopping the others below is all that is left
+            self.local.graphs.release()
         self._group.stop_workers()
         self.tp.close()

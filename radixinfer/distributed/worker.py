@@ -28,8 +28,9 @@ logger = logging.getLogger(__name__)
 
 def run_worker(tp: TensorParallel, device: torch.device, spec: RunnerSpec) -> None:
     """Build this rank's runner with the others, then follow rank 0's calls until it stops; leaves
-    the group when done. A setup failure is reported to rank 0 (which raises it) and ends the
-    worker quietly; a failure while stepping propagates (rank 0 sees the rank go away)."""
+    the group when done, after releasing the runner's CUDA graphs (`TensorParallel.close` says
+    why). A setup failure is reported to rank 0 (which raises it) and ends the worker quietly; a
+    failure while stepping propagates (rank 0 sees the rank go away)."""
     try:
         try:
             built = build_runner(spec, device, tp)
@@ -37,6 +38,7 @@ def run_worker(tp: TensorParallel, device: torch.device, spec: RunnerSpec) -> No
             logger.debug("tensor-parallel rank %d: setup failed: %s", tp.rank, exc)
             return
         follow_calls(built.runner, tp)
+        built.runner.graphs.release()
     finally:
         tp.close()
 
