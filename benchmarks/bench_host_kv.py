@@ -14,23 +14,36 @@ rate here). The engine does not wait for loads (`radixinfer.engine.host_kv`), so
 the engine times it, by the pool's own events around its copies on the side stream (``load``), and
 also from queueing to completion, the host's work included (``load_end_to_end``).
 
-The whole proof of the host tier on a GPU is this and two `radixinfer bench` runs (qwen2.5-0.5b with
-random weights; each run well under 3 minutes on an H100):
+The whole proof of the host tier on a GPU is this and `radixinfer bench` runs, each pair of runs
+under 3 minutes on an H200 (random bf16 weights). llama-3.1-8b is where the tier should win: its KV is
+~131 KB a token (2 MiB a block of 16), and computing a history again costs ~10x its load over the
+bus; qwen2.5-0.5b computes a history again in milliseconds.
 
-    # multi-turn chat, 96 conversations x 8 turns (512-token first message and turns, 128-token
-    # answers), 16 conversations holding KV at a time: the pool (5,200 blocks of 16 = 83k tokens)
-    # holds the running ones, the histories end at 96 x 5,120 = 492k tokens (about 6x the pool).
-    # Host tier on vs off: hit rate, TTFT p50/p99, throughput, load_gb_per_s (in the JSON)
-    radixinfer bench --model qwen2.5-0.5b --dataset multi-turn --num-conversations 96 --turns 8 \
-        --input-len 512 --turn-len 512 --max-new-tokens 128 --ignore-eos --max-num-seqs 16 \
-        --num-blocks 5200 --host-cache-gb 8 --compare-host-cache --json host_multi_turn.json
-    # the copies alone: load bandwidth vs a plain pinned copy_ of the same bytes
-    python benchmarks/bench_host_kv.py --model qwen2.5-0.5b --json host_copies.json
-    # the cost when nothing is reused: random prompts, a pool small enough that eviction writes
-    # back all the time; host tier on vs off, two rounds each
-    radixinfer bench --model qwen2.5-0.5b --dataset random --num-requests 1024 --input-len 1024 \
-        --max-new-tokens 128 --ignore-eos --num-blocks 4000 --host-cache-gb 4 \
-        --compare-host-cache --repeat-runs 2 --json host_no_reuse.json
+    # multi-turn chat, 64 conversations x 8 turns (512-token first message and turns, 64-token
+    # answers), every conversation under way at once (no seat limit: --max-num-seqs 64): the pool
+    # (3,072 blocks of 16 = 49k tokens) holds ~10-20 running turns, and each conversation's next
+    # turn queues behind the other conversations' turns, which evict its history from the GPU; the
+    # histories end at 64 x 4,608 = 295k tokens (6x the pool, 36 GiB of KV: the host tier holds all
+    # of it). Off, every turn computes its history again (5.4x the prompt tokens of on).
+    # Host tier on vs off: hit rate, TTFT p50/p99 (every turn's), throughput, load_gb_per_s
+    radixinfer bench --model llama-3.1-8b --dtype bfloat16 --dataset multi-turn \
+        --num-conversations 64 --turns 8 --input-len 512 --turn-len 512 --max-new-tokens 64 \
+        --ignore-eos --max-num-seqs 64 --max-batch-size 64 --num-blocks 3072 --host-cache-gb 40 \
+        --compare-host-cache --json host_multi_turn_llama.json
+    # the copies alone: load bandwidth vs a plain pinned copy_ of the same bytes (1 GiB moved)
+    python benchmarks/bench_host_kv.py --model llama-3.1-8b --json host_copies_llama.json
+    # the cost when nothing is reused: random prompts, a pool of about the running batch's KV, so
+    # every admission evicts finished requests' KV and writes it back (the host tier fills and
+    # evicts on its own too); host tier on vs off, two rounds each
+    radixinfer bench --model llama-3.1-8b --dtype bfloat16 --dataset random --num-requests 384 \
+        --input-len 1024 --max-new-tokens 128 --ignore-eos --num-blocks 6000 --host-cache-gb 16 \
+        --compare-host-cache --repeat-runs 2 --json host_no_reuse_llama.json
+    radixinfer bench --model qwen2.5-0.5b --dtype bfloat16 --dataset random --num-requests 1024 \
+        --input-len 1024 --max-new-tokens 128 --ignore-eos --num-blocks 4000 --host-cache-gb 4 \
+        --compare-host-cache --repeat-runs 2 --json host_no_reuse_qwen.json
+
+The same multi-turn shape on qwen2.5-0.5b (`--model qwen2.5-0.5b`, `--host-cache-gb 8`; its KV is
+12 KB a token) shows what the tier is worth where recomputing is cheap.
 """
 
 from __future__ import annotations

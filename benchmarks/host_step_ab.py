@@ -36,7 +36,12 @@ prefix cache before every run. The shapes follow ``benchmarks/gpu_suite.sh``, sc
   prefill budget 256 tokens, FIFO forced every 8 rounds, no prefix cache;
 * ``shared_prefix``: 8 groups x 16 prompts of a 512-token group prefix + 64 tokens, 64 new, batch
   128, cold;
-* ``random``: 128 distinct prompts of 16 to 512 tokens, 64 new tokens, batch 128, cold.
+* ``random``: 128 distinct prompts of 16 to 512 tokens, 64 new tokens, batch 128, cold;
+* ``no_reuse`` / ``no_reuse_host``: 256 distinct 512-token prompts, 32 new tokens, batch 64, a
+  1,024-block pool (half of what a full batch holds: eviction all the time), cold; without and with
+  a host tier of 4,096 blocks, which writes every evicted tail back (the host tier's cost when
+  nothing is reused; its copies are stubbed like the block copies, the host's work around them
+  is measured).
 """
 
 from __future__ import annotations
@@ -76,6 +81,10 @@ WORKLOADS = {
     ),
     "shared_prefix": (dict(max_batch_size=128), 128, 64, False),
     "random": (dict(max_batch_size=128), 128, 64, False),
+    # distinct prompts through a pool of half their KV: eviction all the time, with the host tier
+    # of 4,096 blocks (the tiny model's 64 KiB each) writing every evicted tail back, or without
+    "no_reuse": (dict(max_batch_size=64, num_blocks=1024), 256, 32, False),
+    "no_reuse_host": (dict(max_batch_size=64, num_blocks=1024, host_cache_gb=0.25), 256, 32, False),
 }
 
 
@@ -98,6 +107,8 @@ def prompts(name: str, count: int) -> list[list[int]]:
         return [groups[i // 16] + _tokens(rng, 64) for i in range(count)]
     if name == "random":
         return [_tokens(rng, rng.randrange(16, 513)) for _ in range(count)]
+    if name in ("no_reuse", "no_reuse_host"):
+        return [_tokens(rng, 512) for _ in range(count)]
     raise ValueError(f"unknown workload {name!r}")
 
 
@@ -153,6 +164,10 @@ def _build(name: str):
     # The copy-on-write block copies are device work (one kernel launch on a GPU; on the CPU a copy
     # of every layer's blocks, ~0.5 ms a step at hello65): the stub writes no K/V, so copy nothing.
     llm.engine.runner.kv._copy = lambda k, v, src, dst: None
+    # The host tier's gathers, scatters and bus copies are device work too.
+    host_kv = llm.engine.host_kv
+    if host_kv is not None:
+        host_kv._offload = host_kv._load = lambda *args: None
     gc.collect()
     gc.freeze()  # as a served engine does (`freeze_gc`; the old LLM always froze)
     return llm

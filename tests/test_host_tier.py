@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from radixinfer.cache.host_tier import HostTier
 from radixinfer.cache.kv_manager import KVCacheManager
 
 A = list(range(1, 9))  # 8 tokens: 4 blocks of 2
@@ -168,6 +169,21 @@ def test_loaded_blocks_are_loading_until_their_ticket_finishes():
     for s in (seq, twin):
         mgr.release(s)
     mgr.check_integrity([])
+
+
+def test_write_backs_alone_are_one_batch_in_which_a_later_copy_into_a_block_wins():
+    """Copies queued by two evictions, the second writing a host block the first wrote too (freed
+    by the host tier's eviction and handed out again): one batch, the later copy kept, and the
+    queue took copies of the callers' lists."""
+    host = HostTier(num_blocks=8, block_size=2)
+    first_src, first_dst = [4, 5], [0, 1]
+    host.queue(True, first_src, first_dst)
+    host.queue(True, [6], [1])
+    first_src[0] = 7  # the caller's list changes after the queue took it
+    (batch,) = host.take_transfers()
+    assert batch.offload and not batch.reads_loading
+    assert dict(zip(batch.dst, batch.src)) == {0: 4, 1: 6}
+    assert host.take_transfers() == []
 
 
 def test_publishing_does_not_remap_onto_blocks_still_loading():

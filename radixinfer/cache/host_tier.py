@@ -67,7 +67,9 @@ class HostTier:
     block_size: int
     pool: BlockPool = field(init=False)
     counters: HostCounters = field(init=False, default_factory=HostCounters)
-    _queue: list[tuple[bool, int, int]] = field(init=False, default_factory=list)
+    # the queued copies, as the calls queued them: (offload, src, dst)
+    _queue: list[tuple[bool, list[int], list[int]]] = field(init=False, default_factory=list)
+    _queued_loads: bool = field(init=False, default=False)  # whether `_queue` holds a load
     tickets_taken: int = field(init=False, default=0)  # the ticket of the last take
     _loading: dict[int, int] = field(init=False, default_factory=dict)  # GPU block -> ticket
 
@@ -77,8 +79,9 @@ class HostTier:
     def queue(self, offload: bool, src: list[int], dst: list[int]) -> None:
         """Queue ``src[i] -> dst[i]`` (``offload``: GPU to host, else host to GPU). A load's GPU
         blocks are loading from now on, under the ticket of the next take."""
-        self._queue.extend((offload, s, d) for s, d in zip(src, dst))
+        self._queue.append((offload, list(src), list(dst)))  # the callers' lists change later
         if not offload:
+            self._queued_loads = True
             ticket = self.tickets_taken + 1
             for block in dst:
                 self._loading[block] = ticket
@@ -94,14 +97,28 @@ class HostTier:
         offloads first. Copies that share no block thus form one batch per direction, however
         the queue interleaves them (an admission that loads several nodes queues a write-back,
         then a load, per node). Within a batch, a later copy into a destination replaces the
-        earlier one (the first went to a block freed and handed out again since)."""
+        earlier one (the first went to a block freed and handed out again since).
+
+        A queue of write-backs alone (every step of a workload that evicts and reuses nothing) is
+        one batch, built without a step per copy in Python."""
         self.tickets_taken += 1
+        if not self._queued_loads:
+            if not self._queue:
+                return []
+            run: dict[int, int] = {}  # dst -> src: a later copy into a dst replaces the earlier
+            for _, src, dst in self._queue:
+                run.update(zip(dst, src))
+            self._queue.clear()
+            src = list(run.values())
+            return [TransferBatch(True, src, list(run), self.is_loading(src))]
+        self._queued_loads = False
         levels: list[dict[int, int]] = []  # batch index -> {dst: src}, in queue order
         # (direction, pool, block) -> the latest batch of that direction touching the block,
         # and (direction, block) -> the latest batch of that direction writing the block
         touched: dict[tuple[bool, bool, int], int] = {}
         written: dict[tuple[bool, int], int] = {}
-        for offload, src, dst in self._queue:
+        copies = ((o, s, d) for o, src, dst in self._queue for s, d in zip(src, dst))
+        for offload, src, dst in copies:
             # offloads read GPU blocks and write host blocks, loads the reverse (pool: is host)
             blocks = ((not offload, src), (offload, dst))
             after = written.get((offload, dst), 0)
@@ -141,4 +158,5 @@ class HostTier:
         """Forget the queued copies (after every block of both pools was freed, none is read); the
         caller has waited for every load."""
         self._queue.clear()
+        self._queued_loads = False
         self._loading.clear()

@@ -33,6 +33,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from radixinfer.cache.host_tier import TransferBatch
@@ -51,16 +52,11 @@ def host_blocks_for(host_cache_gb: float, bytes_per_block: int) -> int:
     return int(host_cache_gb * (1 << 30)) // bytes_per_block
 
 
-def _runs(ids: Sequence[int]) -> list[tuple[int, int, int]]:
+def _runs(ids: np.ndarray) -> list[tuple[int, int, int]]:
     """``(index, first id, length)`` of each run of consecutive ids in ``ids`` (ascending)."""
-    runs: list[tuple[int, int, int]] = []
-    for i, block in enumerate(ids):
-        if runs and runs[-1][1] + runs[-1][2] == block:
-            index, first, length = runs[-1]
-            runs[-1] = (index, first, length + 1)
-        else:
-            runs.append((i, block, 1))
-    return runs
+    starts = np.flatnonzero(np.diff(ids, prepend=ids[0] - 2) != 1)
+    lengths = np.diff(starts, append=len(ids))
+    return list(zip(starts.tolist(), ids[starts].tolist(), lengths.tolist()))
 
 
 class HostKVPool:
@@ -167,11 +163,13 @@ class HostKVPool:
 
     def _run(self, batch: TransferBatch, k: torch.Tensor, v: torch.Tensor) -> None:
         gpu_ids, host_ids = (batch.src, batch.dst) if batch.offload else (batch.dst, batch.src)
-        pairs = sorted(zip(host_ids, gpu_ids))  # host ids ascending: the longest runs
+        host = np.array(host_ids, dtype=np.int64)
+        order = np.argsort(host, kind="stable")  # host ids ascending: the longest runs
+        host, gpu = host[order], np.array(gpu_ids, dtype=np.int64)[order]
         step = self.max_staged_blocks
-        for start in range(0, len(pairs), step):
-            host_part, gpu_part = zip(*pairs[start : start + step])
-            gpu_index = device_index(list(gpu_part), self.device)
+        for start in range(0, len(host), step):
+            host_part = host[start : start + step]
+            gpu_index = device_index(gpu[start : start + step].tolist(), self.device)
             if batch.offload:
                 self._offload(gpu_index, host_part, k, v)
             else:
@@ -182,7 +180,7 @@ class HostKVPool:
         return torch.empty((count, *self.blocks.shape[1:]), dtype=k.dtype, device=self.device)
 
     def _offload(
-        self, gpu_index: torch.Tensor, host_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor
+        self, gpu_index: torch.Tensor, host_ids: np.ndarray, k: torch.Tensor, v: torch.Tensor
     ) -> None:
         """Gather the blocks into the write-back staging tensor on the current stream, then copy
         them out on the side stream (on a CPU, at once). One staging tensor serves every
@@ -209,7 +207,7 @@ class HostKVPool:
                 self._out_copied.record()
 
     def _load(
-        self, host_ids: Sequence[int], gpu_index: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self, host_ids: np.ndarray, gpu_index: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
         staged = self._staging(len(host_ids), k)
         for index, first, length in _runs(host_ids):

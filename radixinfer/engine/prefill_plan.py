@@ -37,6 +37,27 @@ class PrefillItem:
         return self.end > self.start
 
 
+@dataclass(frozen=True)
+class ReservedChunk:
+    """Prompt positions ``[start, end)`` of a request, reserved in the cache: written to ``slots``
+    (one per position) after the block ``copies`` run. A request admitted while its cached prefix
+    is still loading from the host tier holds one until the loads complete: its positions are
+    neither computed nor published until then, so a release publishes only up to ``start``."""
+
+    start: int
+    end: int
+    slots: list[int]
+    copies: list[tuple[int, int]]
+
+    def writes(self, table: list[int], block_size: int) -> tuple[list[int], list[int]]:
+        """The blocks of ``table`` (its owner's) that the chunk's forward writes, and the first
+        slot of each it writes (`KVCacheManager.note_in_place_writes`'s arguments). A copied
+        boundary block counts from slot 0: even its first slots arrive only with the copy."""
+        blocks = table[self.start // block_size : (self.end - 1) // block_size + 1]
+        first = 0 if self.copies else self.start % block_size
+        return blocks, [first] + [0] * (len(blocks) - 1)
+
+
 @dataclass
 class PrefillPass:
     """One prefill forward: its items, the block copies to run before it, and the first item

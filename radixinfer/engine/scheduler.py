@@ -16,7 +16,13 @@ from radixinfer.cache.kv_manager import KVCacheManager, ReservePlan
 from radixinfer.engine.admission import Grant, plan_admission
 from radixinfer.engine.config import EngineConfig, EngineCounters
 from radixinfer.engine.decode_batch import DecodeBatch
-from radixinfer.engine.prefill_plan import STORED, PrefillItem, PrefillPass, PrefillPlan
+from radixinfer.engine.prefill_plan import (
+    STORED,
+    PrefillItem,
+    PrefillPass,
+    PrefillPlan,
+    ReservedChunk,
+)
 from radixinfer.engine.request import Request, Status
 
 
@@ -48,6 +54,8 @@ class Scheduler:
         self.departures = 0
         self.last_decode: DecodeBatch | None = None
         self.held_for_loads = 0
+        # Requests admitted while their prefix loads -> the chunk each reserved then (`_plan_item`).
+        self._held: dict[Request, ReservedChunk] = {}
         self._round = itertools.count()
 
     # ------------------------------------------------------------------ prefill
@@ -96,9 +104,15 @@ class Scheduler:
                         penalized = sum(_seqs(r) for r in self.active if self._holds_counts(r))
                     if penalized + need > self.config.max_batch_size:
                         break  # no count row for it: it waits (intake refused more alone)
-                outcome = self._plan_item(first, grant.item, grant.num_tokens, True, may_defer=True)
+                # An unchunked grant takes the whole uncached rest even where a load from the host
+                # tier stops short of the match the policy costed (the rest is computed then, as
+                # without the tier), so it holds no partial prompt; the budget left bounds it.
+                num_tokens = grant.num_tokens if grant.chunked else max(grant.num_tokens, budget)
+                outcome = self._plan_item(first, grant.item, num_tokens, True, may_defer=True)
                 if outcome is Planned.NO_MEMORY:
                     break  # the rest waits
+                if outcome is Planned.ADMITTED:
+                    budget -= first.items[-1].end - first.items[-1].start
                 held += need
                 if grant.item.params.penalized:
                     penalized += need
@@ -139,8 +153,13 @@ class Scheduler:
     ) -> Planned:
         """Admit (when ``fresh``), reserve and publish up to ``num_tokens`` prompt positions of
         ``req`` into ``pass_``. Leaves the request where it was unless it returns ``ADMITTED`` or
-        ``LOADING`` (admitted, nothing planned: it reads blocks still being loaded); ``DEFERRED``
-        only with ``may_defer``."""
+        ``LOADING``; ``DEFERRED`` only with ``may_defer``.
+
+        ``LOADING``: admitted, nothing planned, as it reads blocks still arriving from the host
+        tier. It reserves its chunk at admission all the same (all or nothing, as any admission
+        does: without it, requests admitted while it waits could take the memory it needs and
+        leave it stuck, holding its loaded blocks, until preemption frees some) and plans that
+        chunk once the loads complete."""
         tokens = req.token_array()
         n = len(tokens)
         cache = self.cache
@@ -148,22 +167,27 @@ class Scheduler:
             # prompt logprobs need the logits of every prompt position: no cached positions
             use_cache = req.prompt_logprobs is None or not req.needs_prompt_logprobs()
             seq = cache.admit(tokens, req.salt, use_cache=use_cache)
-            if cache.is_loading(seq):
-                req.seq = seq
-                self._enter(req)
-                self.held_for_loads += 1
-                return Planned.LOADING
             end = min(n, seq.num_kv + max(num_tokens, 1))
             if may_defer and cache.needs_copy_of_unwritten(seq, end):
                 cache.release(seq)
                 return Planned.DEFERRED
             req.seq = seq
         seq = req.seq
-        if not fresh and cache.is_loading(seq):
+        if cache.is_loading(seq):
+            if fresh:
+                if seq.num_kv < n:
+                    chunk = self._reserve_chunk(req, num_tokens, may_retry=False)
+                    if chunk is None:
+                        return self._no_memory(req)
+                    self._held[req] = chunk
+                self._enter(req)
             self.held_for_loads += 1
             return Planned.LOADING
         start = seq.num_kv
-        if start >= n:  # the whole prompt is cached
+        chunk = self._held.pop(req, None)
+        if chunk is not None:  # reserved while its loads were in flight (they completed)
+            cache.note_in_place_writes(*chunk.writes(seq.table, cache.block_size))
+        elif start >= n:  # the whole prompt is cached
             leader = None
             if seq.payload is None:
                 leader = pass_.leaders.get((req.salt, tokens.tobytes()))
@@ -172,35 +196,49 @@ class Scheduler:
             else:  # recompute the last position for fresh logits; its K/V is already stored
                 item = PrefillItem(req, n - 1, n, [STORED])
         else:
-            end = min(n, start + max(num_tokens, 1))
-            plan = cache.reserve([seq], [end])
-            if plan is None and fresh and not self.active:
-                # Nothing else holds KV, so only the request's own locked hit can be in the way
-                # (ancestors along its path hold older versions of boundary blocks it does not
-                # read): retry as a miss, which fits the pool once everything unlocked is evicted
-                # (`add_request` checked that).
-                cache.release(seq)
-                req.seq = seq = cache.admit(tokens, req.salt, use_cache=False)
-                start = 0  # computes from the start up to the end planned for the hit
-                plan = cache.reserve([seq], [end])
-                assert plan is not None, "a request that fits the empty pool did not fit it"
-            if plan is None:
-                if fresh:
-                    cache.release(seq)
-                    req.seq = None
-                return Planned.NO_MEMORY
-            pass_.copies.extend(plan.copies)
-            cache.publish(seq, tokens[:end], prompt_end=end == n)
-            item = PrefillItem(req, start, end, plan.slots)
-            if end == n:
+            chunk = self._reserve_chunk(req, num_tokens, may_retry=fresh and not self.active)
+            if chunk is None:
+                return self._no_memory(req) if fresh else Planned.NO_MEMORY
+        if chunk is not None:
+            pass_.copies.extend(chunk.copies)
+            cache.publish(req.seq, tokens[: chunk.end], prompt_end=chunk.end == n)
+            item = PrefillItem(req, chunk.start, chunk.end, chunk.slots)
+            if chunk.end == n:
                 pass_.leaders.setdefault((req.salt, tokens.tobytes()), item)
         pass_.items.append(item)
         if req.num_cached_tokens is None:  # its first admission planned
             cached = item.start if item.computes else n
-            self.counters.count_admission(req, cached, min(seq.num_loaded, cached))
+            self.counters.count_admission(req, cached, min(req.seq.num_loaded, cached))
         if fresh:
             self._enter(req)
         return Planned.ADMITTED
+
+    def _reserve_chunk(
+        self, req: Request, num_tokens: int, may_retry: bool
+    ) -> ReservedChunk | None:
+        """Reserve ``req``'s next ``num_tokens`` prompt positions (at least one), or None when
+        memory is short. ``may_retry``: a fresh admission while nothing else holds KV, so only the
+        request's own locked hit can be in the way (ancestors along its path hold older versions
+        of boundary blocks it does not read): it is admitted again as a miss, which fits the pool
+        once everything unlocked is evicted (`add_request` checked that), and computes from the
+        start up to the end planned for the hit."""
+        cache, seq = self.cache, req.seq
+        start = seq.num_kv
+        end = min(req.num_tokens, start + max(num_tokens, 1))
+        plan = cache.reserve([seq], [end])
+        if plan is None and may_retry:
+            cache.release(seq)
+            req.seq = seq = cache.admit(req.token_array(), req.salt, use_cache=False)
+            start = 0
+            plan = cache.reserve([seq], [end])
+            assert plan is not None, "a request that fits the empty pool did not fit it"
+        return None if plan is None else ReservedChunk(start, end, plan.slots, plan.copies)
+
+    def _no_memory(self, req: Request) -> Planned:
+        """A fresh admission found memory short: it gives back what it holds and waits."""
+        self.cache.release(req.seq)
+        req.seq = None
+        return Planned.NO_MEMORY
 
     def _enter(self, req: Request) -> None:
         """Move an admitted request from ``waiting`` to ``active``, prefilling."""
@@ -280,11 +318,14 @@ class Scheduler:
         self.release(req)
 
     def release(self, req: Request) -> None:
-        """Publish what the request computed (prompt and generated tokens) and drop its blocks."""
+        """Publish what the request computed (prompt and generated tokens; not a chunk it holds
+        for its loads) and drop its blocks."""
         seq = req.seq
         if seq is None:
             return
-        self.cache.release(seq, publish=req.token_array()[: seq.num_kv])
+        chunk = self._held.pop(req, None)
+        computed = seq.num_kv if chunk is None else chunk.start
+        self.cache.release(seq, publish=req.token_array()[:computed])
         req.seq = None
 
     def retire(self, req: Request, reason: str) -> None:
