@@ -32,12 +32,14 @@ import pickle
 import queue
 import signal
 import struct
+import sys
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 from typing import Any
 
 from radixinfer.api import LLM
@@ -273,6 +275,29 @@ def _picklable(output: CoreOutput, exc: Exception) -> CoreOutput:
     return CoreFailed(RuntimeError(f"{output!r} (which does not pickle: {exc})"))
 
 
+ENGINE_PROCESS_NAME = "radixinfer-core"
+
+
+def name_this_process(name: str) -> None:
+    """Show ``name`` (at most 15 characters, Linux's limit) as this process's name where ``top`` and
+    ``ps -o comm`` look (Linux; elsewhere nothing changes): the engine process and each API server
+    process of ``radixinfer serve`` name themselves, so their CPU can be told apart."""
+    with contextlib.suppress(OSError):
+        Path("/proc/self/comm").write_text(name[:15])
+
+
+def named_children(pid: int) -> dict[str, int]:
+    """The child processes of process ``pid`` by name (what `name_this_process` set; others by their
+    program's name), read from Linux's ``/proc`` ({} elsewhere, or once ``pid`` has gone)."""
+    named = {}
+    with contextlib.suppress(OSError):
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            for child in (task / "children").read_text().split():
+                with contextlib.suppress(OSError):
+                    named[Path(f"/proc/{child}/comm").read_text().strip()] = int(child)
+    return named
+
+
 def _engine_process_main(
     conns: list[Connection], llm_kwargs: dict[str, Any], gc_threshold: tuple[int, int, int]
 ) -> None:
@@ -280,6 +305,7 @@ def _engine_process_main(
     serve them."""
     # Stopped by its fronts (a `Close`, or the pipes closing), not by the terminal's Ctrl-C.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    name_this_process(ENGINE_PROCESS_NAME)
     gc.set_threshold(*gc_threshold)
     # multiprocessing refuses children to a daemon, but a tensor-parallel engine starts its workers
     # (daemons themselves: they end with this process, which its parent still ends as a daemon).
@@ -290,9 +316,10 @@ def _engine_process_main(
         llm = LLM(**llm_kwargs)
     except BaseException as exc:  # noqa: BLE001 - reported to the fronts, which raise it
         channel.emit(CoreFailed(exc))
-    else:
-        channel.emit(CoreReady(llm.engine.prompts))
-        EngineCore(llm).run(channel)
+        channel.close()
+        sys.exit(1)
+    channel.emit(CoreReady(llm.engine.prompts))
+    EngineCore(llm).run(channel)
     channel.close()
 
 
