@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from radixinfer.bench.backends import Backend, open_radixinfer
+from radixinfer.bench.client_processes import ClientProcesses
 from radixinfer.bench.hf import HFBackend, export_checkpoint
 from radixinfer.bench.metrics import (
     GCPauses,
@@ -101,13 +102,21 @@ class _Arm:
     backend: Backend
     sessions: list[Session]
     offsets: list[float]
+    clients: ClientProcesses | None  # reading the streams of an openai backend, else None
     runs: list[tuple[list[RequestRecord], float, dict | None, GCPauses]] = field(
         default_factory=list
     )
 
     @classmethod
-    def prepare(cls, variant: Variant, backend: Backend, args: argparse.Namespace) -> _Arm:
-        """The workload in the backend's own tokens; fails before any run if a prompt cannot fit."""
+    def prepare(
+        cls,
+        variant: Variant,
+        backend: Backend,
+        args: argparse.Namespace,
+        clients: ClientProcesses | None = None,
+    ) -> _Arm:
+        """The workload in the backend's own tokens; fails before any run if a prompt cannot fit.
+        ``clients``: the processes that run it instead of this one (``--client-processes``)."""
         sessions = build_workload(args, backend.tokenizer, backend.vocab_size)
         for session in sessions:
             fit_to_context(session.prompt, backend.max_context_len, args.truncate_prompts)
@@ -117,12 +126,13 @@ class _Arm:
             args.submit_interval_ms,
             np.random.default_rng(args.seed + 1),
         )
-        return cls(variant, backend, sessions, offsets)
+        return cls(variant, backend, sessions, offsets, clients)
 
     def run(self, args: argparse.Namespace, what: str) -> tuple[list[RequestRecord], float]:
-        return run_workload(
-            self.backend, self.sessions, self.offsets, args, f"{self.variant.label} {what}"
-        )
+        desc = f"{self.variant.label} {what}"
+        if self.clients is not None:
+            return self.clients.run(self.sessions, self.offsets, args, desc)
+        return run_workload(self.backend, self.sessions, self.offsets, args, desc)
 
     def measure(self, args: argparse.Namespace, what: str) -> None:
         if args.cold_cache:
@@ -167,11 +177,18 @@ def round_orders(num_variants: int, rounds: int) -> list[list[int]]:
 
 
 def measure(
-    variants: list[Variant], backends: list[Backend], args: argparse.Namespace
+    variants: list[Variant],
+    backends: list[Backend],
+    args: argparse.Namespace,
+    clients: ClientProcesses | None = None,
 ) -> list[dict]:
     """Every variant's warm-up runs, then ``--repeat-runs`` rounds of one measured run of each variant (see
-    `round_orders`); one result per variant, in variant order."""
-    arms = [_Arm.prepare(variant, backend, args) for variant, backend in zip(variants, backends)]
+    `round_orders`); one result per variant, in variant order. ``clients``: the client processes
+    that run the one variant of ``--backend openai --client-processes K``."""
+    arms = [
+        _Arm.prepare(variant, backend, args, clients)
+        for variant, backend in zip(variants, backends)
+    ]
     for arm in arms:
         for i in range(args.warmup_runs):
             arm.run(args, f"warmup {i + 1}/{args.warmup_runs}")
@@ -260,6 +277,7 @@ def run_bench(args: argparse.Namespace) -> dict:
         if model in PRESET_NAMES and any(v.backend == "hf" for v in variants):
             model = str(export_checkpoint(model, Path(tmp), args.device, args.dtype, args.seed))
         backends: list[Backend] = []
+        clients = None
         try:
             for variant in variants:
                 whole = variant.backend == "hf" and num_blocks is not None
@@ -268,9 +286,14 @@ def run_bench(args: argparse.Namespace) -> dict:
                     fraction *= 1 - FIRST_POOL_HEADROOM
                 backends.append(open_backend(variant, model, args, fraction, num_blocks))
                 num_blocks = num_blocks or backends[-1].info.get("kv_blocks")
+            if args.client_processes > 1:
+                clients = ClientProcesses(args.base_url, model, args.client_processes)
+                backends[0].info["client_processes"] = args.client_processes
             with _gc_threshold(args.gc_threshold):
-                results = measure(variants, backends, args)
+                results = measure(variants, backends, args, clients)
         finally:
+            if clients is not None:
+                clients.close()
             _close_all(backends)
             backends.clear()  # the last references: the release below can free their memory
             _release_device_memory()
