@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 
 import httpx
@@ -15,7 +17,7 @@ import pytest
 
 from radixinfer import LLM, SamplingParams
 from radixinfer.cli import parse_args
-from tests.http_server import MODEL, leave_mid_stream, serve_process, stream_texts
+from tests.http_server import MODEL, REPO, leave_mid_stream, serve_process, stream_texts
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -139,6 +141,16 @@ def test_a_process_that_dies_stops_the_whole_server(victim):
         for pid in children.values():  # every process of the server has ended
             with pytest.raises(ProcessLookupError):
                 os.kill(pid, 0)
+
+
+def test_an_engine_that_cannot_start_ends_the_server_with_its_error(tmp_path):
+    (tmp_path / "config.json").write_text("{}")  # a checkpoint the engine cannot read
+    command = [sys.executable, "-m", "radixinfer.cli", "serve", "--api-server-count", "2"]
+    command += ["--port", "0", "--model", str(tmp_path)]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1
+    assert "config.json cannot be read" in done.stderr
+    assert "radixinfer-engine exited with code 1" in done.stderr
 
 
 def test_the_flag_refuses_what_it_cannot_serve(capsys):
