@@ -1,11 +1,11 @@
 """Served against in-process: the same ``radixinfer bench`` workload through ``radixinfer serve`` (the
 bench's OpenAI client on loopback) and through the engine in this process, side by side, with the
-ratio, and the CPU time the server's two processes spent per request and per streamed token.
+ratio, and the CPU time the server's processes spent per request and per streamed token.
 
     python benchmarks/bench_serve.py --model qwen2.5-0.5b --dtype bfloat16 --max-batch-size 512 \
         --dataset shared-prefix --num-groups 16 --prompts-per-group 32 --system-prompt-len 1024 \
         --question-len 128 --output-len 128 --no-stop-on-eos --cold-cache --warmup-runs 1 \
-        --repeat-runs 3
+        --repeat-runs 3 --api-server-count 4 --client-processes 4
     python benchmarks/bench_serve.py --stub-model --max-batch-size 512 --dataset shared-prefix \
         --num-groups 16 --prompts-per-group 32 --system-prompt-len 1024 --question-len 128 \
         --output-len 16 --no-stop-on-eos     # CPU: the server's own costs, the model's forward stubbed
@@ -14,16 +14,21 @@ Every flag is a ``radixinfer bench`` flag (``--backend`` and ``--base-url`` are 
 and engine flags among them also start the server. Steps: start ``radixinfer serve`` as a subprocess
 on a free loopback port, wait for ``/health``, run the bench's ``openai`` backend against it, stop it
 (its GPU memory is released), run the ``radixinfer`` backend in this process, print both tables and
-the in-process / served ratios (> 1: in-process is better). ``--skip-in-process`` runs the served
-half only; ``--serve-flag=--stream-interval=4`` (repeatable) passes a flag to the server alone;
+the in-process / served ratios (> 1: in-process is better). ``--api-server-count N`` starts the server
+with N API server processes over its engine process (default 1); ``--client-processes K`` reads the
+served streams from K client processes (the bench's flag, given to the served half only; default 1):
+one process of either kind streams ~70,000 one-token chunks a second at most, so a faster engine
+needs several of both. ``--skip-in-process`` runs the served half only;
+``--serve-flag=--stream-interval=4`` (repeatable) passes a flag to the server alone;
 ``--server-timeout S`` bounds its start-up (300 s); ``--json PATH`` writes both results and the CPU
 counts; ``--profile-front PATH`` runs the server under cProfile (its event loop's thread, start-up
 included, in CPU seconds of that thread; cProfile slows it, so its tables are not the ones to
-compare) and prints its top functions.
+compare; with ``--api-server-count 1`` only) and prints its top functions.
 
-CPU counts (Linux ``/proc``): the server's HTTP process (``front``) and its engine process
-(``engine``), and this process (``client``: the bench's OpenAI client and run loop), over the whole
-served bench (warm-up runs included), per request and per streamed token.
+CPU counts (Linux ``/proc``): the server's HTTP processes (``front``: the command's own process and
+its API server processes) and its engine process (``engine``), and this process with its client
+processes (``client``: the bench's OpenAI clients and run loops), over the whole served bench
+(warm-up runs included), per request and per streamed token.
 
 ``--stub-model`` replaces the model's forward by its embedding lookup (no attention, no layers) in
 every process of this script, the server's engine process included (the environment variable
@@ -36,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -97,59 +103,63 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _engine_pid(pid: int) -> int | None:
-    """The child of process ``pid`` that multiprocessing spawned (the engine process), if any."""
-    try:
-        tasks = list(Path(f"/proc/{pid}/task").iterdir())
-        children = [int(c) for task in tasks for c in (task / "children").read_text().split()]
-        for child in children:
-            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
-                return child
-    except OSError:
-        pass
-    return None
-
-
 class Server:
-    """``radixinfer serve`` with ``engine_flags`` on a free loopback port, as a subprocess."""
+    """``radixinfer serve`` with ``engine_flags`` and ``api_server_count`` API server processes on a
+    free loopback port, as a subprocess."""
 
     def __init__(
         self,
         engine_flags: list[str],
         serve_flags: list[str],
+        api_server_count: int,
         timeout: float,
         profile: str | None = None,
     ) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         command = [sys.executable, str(Path(__file__).resolve()), "--serve"]
-        command += [*engine_flags, *serve_flags, "--host", "127.0.0.1", "--port", str(self.port)]
+        command += [*engine_flags, *serve_flags, "--api-server-count", str(api_server_count)]
+        command += ["--host", "127.0.0.1", "--port", str(self.port)]
         env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
         if profile:
             env[PROFILE_ENV] = str(Path(profile).resolve())
         self.process = subprocess.Popen(command, env=env)
-        self._wait_healthy(timeout)
-        self.engine_pid = _engine_pid(self.process.pid)
+        self.engine_pid: int | None = None
+        self.api_server_pids: list[int] = []  # beside this process's, with --api-server-count > 1
+        self._wait_ready(timeout, api_server_count)
 
-    def _wait_healthy(self, timeout: float) -> None:
+    def _wait_ready(self, timeout: float, api_server_count: int) -> None:
+        """Wait until ``/health`` answers and every process of the server has named itself."""
         import httpx
 
+        from radixinfer.engine_process import ENGINE_PROCESS_NAME, named_children
+        from radixinfer.server.api_servers import API_SERVER_PROCESS_NAME
+
+        api_servers = [f"{API_SERVER_PROCESS_NAME}{i}" for i in range(api_server_count)]
+        names = [ENGINE_PROCESS_NAME, *(api_servers if api_server_count > 1 else [])]
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"the server exited with code {self.process.returncode}")
+            children = named_children(self.process.pid)
             try:
-                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
-                    return
+                healthy = httpx.get(f"{self.url}/health", timeout=5).status_code == 200
             except httpx.HTTPError:
-                pass
+                healthy = False
+            if healthy and all(name in children for name in names):
+                self.engine_pid = children[ENGINE_PROCESS_NAME]
+                self.api_server_pids = [children[name] for name in names[1:]]
+                return
             time.sleep(0.5)
         self.stop()
-        raise RuntimeError(f"the server was not healthy within {timeout:g} s")
+        raise RuntimeError(f"the server was not ready within {timeout:g} s")
 
     def cpu(self) -> dict[str, float]:
+        """CPU seconds so far of the HTTP side (this process and the API server processes) and of
+        the engine process."""
+        front = sum(map(_cpu_seconds, [self.process.pid, *self.api_server_pids]))
         engine = _cpu_seconds(self.engine_pid) if self.engine_pid else 0.0
-        return {"front": _cpu_seconds(self.process.pid), "engine": engine}
+        return {"front": front, "engine": engine}
 
     def stop(self) -> None:
         """Stop the server and wait until its engine process has exited too: the in-process half
@@ -167,6 +177,13 @@ class Server:
             time.sleep(0.2)
         if _alive(self.engine_pid):
             os.kill(self.engine_pid, signal.SIGKILL)
+
+
+def _client_cpu_seconds() -> float:
+    """User + system CPU seconds of this process and of its children that have ended (the bench's
+    client processes, which end with the served bench; the server is stopped after the count)."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
 
 
 def _alive(pid: int) -> bool:
@@ -226,10 +243,16 @@ def main(argv: list[str]) -> int:
     own.add_argument("--json", default=None)
     own.add_argument("--serve-flag", action="append", default=[], metavar="FLAG")
     own.add_argument("--profile-front", default=None, metavar="PATH")
+    own.add_argument("--api-server-count", type=int, default=1, metavar="N")
+    own.add_argument("--client-processes", type=int, default=1, metavar="K")
     if "-h" in argv or "--help" in argv:
         print(__doc__)
         return 0
     args, bench_argv = own.parse_known_args(argv)
+    if min(args.api_server_count, args.client_processes) < 1:
+        own.error("--api-server-count and --client-processes must be >= 1")
+    if args.profile_front and args.api_server_count > 1:
+        own.error("--profile-front profiles the one HTTP process of --api-server-count 1")
     if args.stub_model:
         os.environ[STUB_ENV] = "1"
         install_stub()
@@ -237,18 +260,30 @@ def main(argv: list[str]) -> int:
             bench_argv = ["--model", STUB_MODEL, *bench_argv]
     parsed = parse_bench_args(bench_argv)  # bad flags stop here, before a server starts
     engine_flags, _ = _split_flags(bench_argv)
-    server = Server(engine_flags, args.serve_flag, args.server_timeout, args.profile_front)
+    server = Server(
+        engine_flags,
+        args.serve_flag,
+        args.api_server_count,
+        args.server_timeout,
+        args.profile_front,
+    )
+    served_argv = [*bench_argv, "--backend", "openai", "--base-url", server.url]
+    served_argv += ["--client-processes", str(args.client_processes)]
     try:
-        before, client_before = server.cpu(), time.process_time()
-        served = _bench([*bench_argv, "--backend", "openai", "--base-url", server.url])
-        after, client_after = server.cpu(), time.process_time()
+        before, client_before = server.cpu(), _client_cpu_seconds()
+        served = _bench(served_argv)
+        after, client_after = server.cpu(), _client_cpu_seconds()
     finally:
         server.stop()
     cpu = {name: after[name] - before[name] for name in after}
     cpu["client"] = client_after - client_before
     requests, tokens = _served_counts(served, parsed)
     runs = list(served["runs"])
+    processes = {"api_servers": args.api_server_count, "client_processes": args.client_processes}
     print(format_report(served))  # before the in-process half, which may fail on its own
+    print(
+        f"API server processes: {args.api_server_count}, client processes: {args.client_processes}"
+    )
     print(_cpu_table(cpu, requests, tokens), flush=True)
     if not args.skip_in_process:
         runs = _bench([*bench_argv, "--backend", "radixinfer"])["runs"] + runs
@@ -259,6 +294,7 @@ def main(argv: list[str]) -> int:
         _print_profile(args.profile_front)
     if args.json:
         result["served_cpu"] = {"seconds": cpu, "requests": requests, "tokens": tokens}
+        result["served_processes"] = processes
         Path(args.json).write_text(json.dumps(result, indent=2, default=str))
     return 0
 

@@ -55,11 +55,11 @@ from radixinfer.core_messages import (
     StepOutput,
     StreamEvents,
     StreamFailure,
+    split_events,
 )
 from radixinfer.engine.prompts import PromptChecker
 from radixinfer.engine_core import ThreadCore
-from radixinfer.engine_process import EngineProcess, ProcessCore
-from radixinfer.outputs import TokenBatch
+from radixinfer.engine_process import EngineConnection, EngineProcess, ProcessCore
 from radixinfer.sampling_params import SamplingParams
 
 T = TypeVar("T")
@@ -77,6 +77,7 @@ class _Core(Protocol):
     """`ThreadCore` or `ProcessCore`: where the loop runs."""
 
     prompts: PromptChecker
+    request_prefix: str  # of the request ids a front names
 
     def send(self, message: CoreInput) -> None: ...
 
@@ -85,9 +86,11 @@ class _Core(Protocol):
 
 class AsyncLLM(StreamFront):
     """Serves ``llm`` to concurrent callers until `close`: an `LLM`, stepped on a thread of this
-    process (nothing else may drive it meanwhile, no ``LLM.generate``), or an `EngineProcess`,
+    process (nothing else may drive it meanwhile, no ``LLM.generate``), an `EngineProcess`,
     built and stepped in a process of its own (the constructor returns once it has loaded, and
-    raises what loading raised).
+    raises what loading raised), or an `EngineConnection` to an engine process that serves other
+    fronts too (``radixinfer serve --api-server-count N``: one front per API server process;
+    `close` then ends this front's connection, not the engine).
 
     ``max_waiting`` bounds the requests submitted and not yet admitted (no KV held yet): one more
     raises `QueueFullError` at once. ``request_timeout`` (seconds, None: none) is the default of
@@ -100,14 +103,17 @@ class AsyncLLM(StreamFront):
 
     def __init__(
         self,
-        llm: LLM | EngineProcess,
+        llm: LLM | EngineProcess | EngineConnection,
         *,
         max_waiting: int | None = None,
         request_timeout: float | None = None,
     ) -> None:
         check_front_options(max_waiting, request_timeout)
-        if not isinstance(llm, (LLM, EngineProcess)):
-            raise ValueError(f"llm must be an LLM or an EngineProcess, got {type(llm).__name__}")
+        if not isinstance(llm, (LLM, EngineProcess, EngineConnection)):
+            raise ValueError(
+                "llm must be an LLM, an EngineProcess or an EngineConnection, got "
+                f"{type(llm).__name__}"
+            )
         self.max_waiting = max_waiting
         self.request_timeout = request_timeout
         self._lock = threading.Lock()  # what submitting threads and the delivering thread share
@@ -164,7 +170,7 @@ class AsyncLLM(StreamFront):
             if self.max_waiting is not None and self.num_waiting >= self.max_waiting:
                 raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests)")
             if request_id is None:
-                request_id = f"req-{next(self._ids)}"
+                request_id = f"{self._core.request_prefix}{next(self._ids)}"
             self._sinks[request_id] = sink  # before the core can answer
             self._num_submitted += 1
             self._core.send(AddRequest(request_id, prompt_ids, params, cache_salt))
@@ -251,30 +257,8 @@ class AsyncLLM(StreamFront):
     def _deliver(self, events: StreamEvents) -> None:
         """Put ``events`` on their sinks, one list per sink (a `TokenBatch` split by sink); forget
         the requests that finished."""
-        batches: dict[Sink, StreamEvents] = {}  # sinks hash by identity
-        sinks = self._sinks
-        for event in events:
-            if type(event) is TokenBatch:
-                self._route_batch(event, batches)
-                continue
-            request_id = event.request_id
-            sink = sinks.pop(request_id) if event.finished else sinks[request_id]
-            batches.setdefault(sink, []).append(event)
-        for sink, sink_events in batches.items():
+        for sink, sink_events in split_events(events, self._sinks).items():
             sink.put(sink_events)
-
-    def _route_batch(self, batch: TokenBatch, batches: dict[Sink, StreamEvents]) -> None:
-        """Add ``batch`` to ``batches``: whole when one sink takes all its rows (one consumer of
-        many requests: no per-row object), else as one `TokenBatch` of its rows per sink."""
-        routes = [self._sinks[request_id] for request_id in batch.request_ids]
-        if routes.count(routes[0]) == len(routes):
-            batches.setdefault(routes[0], []).append(batch)
-            return
-        rows: dict[Sink, list[int]] = {}
-        for row, sink in enumerate(routes):
-            rows.setdefault(sink, []).append(row)
-        for sink, sink_rows in rows.items():
-            batches.setdefault(sink, []).append(batch.rows(sink_rows))
 
     def _fail_everyone(self, exc: BaseException) -> None:
         error = EngineLoopError(f"the engine loop failed: {exc!r}")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import numpy as np
 
@@ -21,6 +21,8 @@ from radixinfer.api import LLM
 from radixinfer.engine.prompts import PromptChecker
 from radixinfer.outputs import EngineEvent, StreamDelta, TokenBatch
 from radixinfer.sampling_params import SamplingParams
+
+K = TypeVar("K")
 
 
 @dataclass(frozen=True)
@@ -137,3 +139,34 @@ class Sink(Protocol):
     delivers the engine's outputs: it must not block (``queue.SimpleQueue.put`` qualifies)."""
 
     def put(self, events: StreamEvents) -> None: ...
+
+
+def split_events(events: StreamEvents, owners: dict[str, K]) -> dict[K, StreamEvents]:
+    """``events`` as one list per owner (``owners``: request id -> owner, a sink or a front; owners
+    hash by identity or value), in order; a `TokenBatch` goes whole to an owner of all its rows,
+    else as one batch of its rows per owner. A request that finishes leaves ``owners``; events of
+    requests not in ``owners`` (their owner has gone) are dropped."""
+    split: dict[K, StreamEvents] = {}
+    for event in events:
+        if type(event) is TokenBatch:
+            _split_batch(event, owners, split)
+            continue
+        request_id = event.request_id
+        owner = owners.pop(request_id, None) if event.finished else owners.get(request_id)
+        if owner is not None:
+            split.setdefault(owner, []).append(event)
+    return split
+
+
+def _split_batch(batch: TokenBatch, owners: dict[str, K], split: dict[K, StreamEvents]) -> None:
+    routes = [owners.get(request_id) for request_id in batch.request_ids]
+    if routes.count(routes[0]) == len(routes):  # one consumer of many requests: no per-row object
+        if routes[0] is not None:
+            split.setdefault(routes[0], []).append(batch)
+        return
+    rows: dict[K, list[int]] = {}
+    for row, owner in enumerate(routes):
+        if owner is not None:
+            rows.setdefault(owner, []).append(row)
+    for owner, owner_rows in rows.items():
+        split.setdefault(owner, []).append(batch.rows(owner_rows))

@@ -108,6 +108,7 @@ class ThreadCore:
 
     def __init__(self, llm: LLM, on_output: Callable[[CoreOutput], None]) -> None:
         self.prompts = llm.engine.prompts
+        self.request_prefix = "req-"
         self._on_output = on_output
         self._cond = threading.Condition()
         self._inbox: list[CoreInput] = []

@@ -4,7 +4,9 @@ engine never shares a GIL with the front's event loop (an HTTP server streaming 
 requests).
 
 The process starts in multiprocessing's spawn context; messages (`radixinfer.core_messages`) are
-pickled over one duplex pipe. Each end of the pipe writes from a sender thread fed by a queue: a
+pickled over one duplex pipe per front: one, or with ``radixinfer serve --api-server-count N``, one
+per API server process (`start_engine_process`, `EngineConnection`), each request's outputs going
+back over the pipe it came by. Each end of the pipe writes from a sender thread fed by a queue: a
 slow reader never stalls a step, nor a busy engine the front's event loop. The sender writes every
 message queued so far as one frame: a thread that has done a pipe read or write must take the GIL
 back before its next one, and while the other thread is busy (the front's event loop streaming
@@ -22,21 +24,29 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import multiprocessing
+import multiprocessing.connection
 import os
 import pickle
 import queue
 import signal
 import struct
+import sys
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from pathlib import Path
 from typing import Any
 
 from radixinfer.api import LLM
 from radixinfer.core_messages import (
+    Abort,
+    AddRequest,
+    Call,
     CallResult,
     Close,
     CoreFailed,
@@ -44,6 +54,7 @@ from radixinfer.core_messages import (
     CoreOutput,
     CoreReady,
     StepOutput,
+    split_events,
 )
 from radixinfer.engine.prompts import PromptChecker
 from radixinfer.engine_core import EngineCore
@@ -152,26 +163,102 @@ class _PipeEnd:
 
 
 class _CoreEnd:
-    """The engine process's end of the channel (`CoreChannel`)."""
+    """The engine process's end of its channels (`CoreChannel`): one pipe per front (``radixinfer
+    serve --api-server-count N`` runs N fronts, one per API server process, over one engine).
 
-    def __init__(self, pipe: _PipeEnd) -> None:
-        self._pipe = pipe
+    Messages of every front are taken together. Each front names its requests itself, and no two
+    fronts share a name (`EngineConnection.front`), so a request's events go back to the front that
+    sent it; call ids, which every front counts from 0, are renamed on the way in and back. A
+    `StepOutput` reaches a front when it has events or results for it, or when its counts changed
+    (``num_taken``: the front's own requests taken; ``num_waiting``: the engine's, which every front
+    shares). A front that sends `Close` or goes away has its requests aborted; the engine stops
+    (`Close`) when the last front has."""
+
+    def __init__(self, pipes: list[_PipeEnd]) -> None:
+        self._pipes = dict(enumerate(pipes))  # the open fronts' pipes, by front index
+        self._closing: list[int] = []  # fronts that sent `Close`: their pipe closes next take
+        self._owners: dict[str, int] = {}  # open request id -> front
+        self._calls: dict[int, tuple[int, int]] = {}  # engine call id -> (front, its call id)
+        self._call_ids = itertools.count()
+        self._taken = [0] * len(pipes)
+        self._reported: list[tuple[int, int] | None] = [None] * len(pipes)
 
     def take(self, block: bool) -> list[CoreInput]:
-        pipe = self._pipe
-        try:
-            messages = pipe.recv() if block else []
-            while pipe.ready():
-                messages += pipe.recv()
-        except (EOFError, OSError):
-            return [Close()]  # the front has gone
-        return messages
+        messages: list[CoreInput] = []
+        while True:
+            # Fronts that sent `Close`: what they were owed is queued already (`close` sends it).
+            for front in self._closing:
+                if (pipe := self._pipes.pop(front, None)) is not None:
+                    pipe.close()
+            self._closing = []
+            if not self._pipes:
+                return [*messages, Close()]
+            for front, pipe in list(self._pipes.items()):
+                try:
+                    while pipe.ready():
+                        messages += self._adopt(front, pipe.recv())
+                except (EOFError, OSError):  # the front has gone
+                    del self._pipes[front]
+                    messages += self._aborts(front)
+            if messages or not block:
+                return messages
+            if not self._closing:  # else: they are owed nothing; close them before waiting
+                multiprocessing.connection.wait([pipe.conn for pipe in self._pipes.values()])
+
+    def _adopt(self, front: int, messages: list[CoreInput]) -> list[CoreInput]:
+        """``front``'s messages as the engine core takes them."""
+        adopted: list[CoreInput] = []
+        for message in messages:
+            kind = type(message)
+            if kind is AddRequest:
+                if len(self._taken) > 1:  # one front owns every request: no need to remember
+                    self._owners[message.request_id] = front
+                self._taken[front] += 1
+            elif kind is Call:
+                call_id = next(self._call_ids)
+                self._calls[call_id] = (front, message.call_id)
+                message.call_id = call_id
+            elif kind is Close and len(self._pipes) > 1:  # the others go on
+                self._closing.append(front)
+                adopted += self._aborts(front)
+                continue
+            adopted.append(message)
+        return adopted
+
+    def _aborts(self, front: int) -> list[CoreInput]:
+        return [Abort(request_id) for request_id, f in self._owners.items() if f == front]
 
     def emit(self, output: CoreOutput) -> None:
+        if type(output) is not StepOutput:
+            for pipe in self._pipes.values():
+                self._send(pipe, output)
+            return
+        if len(self._reported) == 1:  # one front: everything is its own
+            per_front = {0: output.events} if output.events else {}
+        else:
+            per_front = split_events(output.events, self._owners)
+        results: dict[int, list[CallResult]] = {}
+        for result in output.results:
+            front, result.call_id = self._calls.pop(result.call_id)
+            results.setdefault(front, []).append(result)
+        for front, pipe in self._pipes.items():
+            counts = (self._taken[front], output.num_waiting)
+            events, front_results = per_front.get(front, []), results.get(front, [])
+            if events or front_results or counts != self._reported[front]:
+                self._reported[front] = counts
+                self._send(pipe, StepOutput(events, front_results, *counts))
+
+    @staticmethod
+    def _send(pipe: _PipeEnd, output: CoreOutput) -> None:
         try:
-            self._pipe.send(output)
+            pipe.send(output)
         except Exception as exc:  # noqa: BLE001 - a result or error that does not pickle
-            self._pipe.send(_picklable(output, exc))
+            pipe.send(_picklable(output, exc))
+
+    def close(self) -> None:
+        """Write what is queued to every front still open, then close the pipes."""
+        for pipe in self._pipes.values():
+            pipe.close()
 
 
 def _picklable(output: CoreOutput, exc: Exception) -> CoreOutput:
@@ -188,27 +275,90 @@ def _picklable(output: CoreOutput, exc: Exception) -> CoreOutput:
     return CoreFailed(RuntimeError(f"{output!r} (which does not pickle: {exc})"))
 
 
+ENGINE_PROCESS_NAME = "radixinfer-core"
+
+
+def name_this_process(name: str) -> None:
+    """Show ``name`` (at most 15 characters, Linux's limit) as this process's name where ``top`` and
+    ``ps -o comm`` look (Linux; elsewhere nothing changes): the engine process and each API server
+    process of ``radixinfer serve`` name themselves, so their CPU can be told apart."""
+    with contextlib.suppress(OSError):
+        Path("/proc/self/comm").write_text(name[:15])
+
+
+def named_children(pid: int) -> dict[str, int]:
+    """The child processes of process ``pid`` by name (what `name_this_process` set; others by their
+    program's name), read from Linux's ``/proc`` ({} elsewhere, or once ``pid`` has gone)."""
+    named = {}
+    with contextlib.suppress(OSError):
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            for child in (task / "children").read_text().split():
+                with contextlib.suppress(OSError):
+                    named[Path(f"/proc/{child}/comm").read_text().strip()] = int(child)
+    return named
+
+
 def _engine_process_main(
-    conn: Connection, llm_kwargs: dict[str, Any], gc_threshold: tuple[int, int, int]
+    conns: list[Connection], llm_kwargs: dict[str, Any], gc_threshold: tuple[int, int, int]
 ) -> None:
-    """The engine process: build the `LLM`, report `CoreReady` (or `CoreFailed`), serve."""
-    # Stopped by its front (a `Close`, or the pipe closing), not by the terminal's Ctrl-C.
+    """The engine process: build the `LLM`, report `CoreReady` (or `CoreFailed`) to every front,
+    serve them."""
+    # Stopped by its fronts (a `Close`, or the pipes closing), not by the terminal's Ctrl-C.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    name_this_process(ENGINE_PROCESS_NAME)
     gc.set_threshold(*gc_threshold)
     # multiprocessing refuses children to a daemon, but a tensor-parallel engine starts its workers
     # (daemons themselves: they end with this process, which its parent still ends as a daemon).
     # The flag is private; the assertion that reads it is the only thing it changes here.
     multiprocessing.current_process()._config["daemon"] = False
-    pipe = _PipeEnd(conn, "radixinfer-engine-sender")
-    channel = _CoreEnd(pipe)
+    channel = _CoreEnd([_PipeEnd(conn, "radixinfer-engine-sender") for conn in conns])
     try:
         llm = LLM(**llm_kwargs)
-    except BaseException as exc:  # noqa: BLE001 - reported to the front, which raises it
+    except BaseException as exc:  # noqa: BLE001 - reported to the fronts, which raise it
         channel.emit(CoreFailed(exc))
-    else:
-        channel.emit(CoreReady(llm.engine.prompts))
-        EngineCore(llm).run(channel)
-    pipe.close()
+        channel.close()
+        sys.exit(1)
+    channel.emit(CoreReady(llm.engine.prompts))
+    EngineCore(llm).run(channel)
+    channel.close()
+
+
+@dataclass(frozen=True)
+class EngineConnection:
+    """A front's connection to an engine process that another process started and owns
+    (`start_engine_process`; ``radixinfer serve --api-server-count N`` hands one to each API server
+    process): `radixinfer.AsyncLLM` takes it in place of an `EngineProcess`. ``front`` is this
+    connection's index among the engine's; the front's request ids carry it, so no two fronts name
+    a request alike. ``pid``: the engine process's id."""
+
+    conn: Connection
+    front: int
+    pid: int | None
+
+
+def start_engine_process(
+    spec: EngineProcess, num_fronts: int
+) -> tuple[BaseProcess, list[EngineConnection]]:
+    """Start ``spec``'s engine process (multiprocessing's spawn context, a daemon, named
+    ``radixinfer-engine``) serving ``num_fronts`` fronts, and return it with one connection per
+    front. It starts loading at once; each front learns that it is ready (or what failed) through
+    its connection. The process ends when every front has closed or gone; its owner should
+    ``join`` it then (and ``kill`` it if it does not end)."""
+    if num_fronts < 1:
+        raise ValueError(f"num_fronts must be >= 1, got {num_fronts}")
+    context = multiprocessing.get_context("spawn")
+    pipes = [context.Pipe() for _ in range(num_fronts)]
+    process = context.Process(
+        target=_engine_process_main,
+        args=([child for _, child in pipes], spec.llm_kwargs, gc.get_threshold()),
+        name="radixinfer-engine",
+        daemon=True,
+    )
+    with _spawning(spec.environment):
+        process.start()
+    for _, child in pipes:
+        child.close()
+    return process, [EngineConnection(conn, i, process.pid) for i, (conn, _) in enumerate(pipes)]
 
 
 _SPAWN_LOCK = threading.Lock()
@@ -232,26 +382,25 @@ def _spawning(environment: dict[str, str]) -> Iterator[None]:
 
 
 class ProcessCore:
-    """An `EngineCore` in an engine process of its own (multiprocessing's spawn context, a daemon,
-    named ``radixinfer-engine``). The constructor returns once the process has built its `LLM`, and
-    raises what building it raised (a ``ValueError`` for a configuration that cannot fit) or
-    ``RuntimeError`` if the process dies first. A reader thread hands each output to
-    ``on_output``; when the process dies, it hands over a `CoreFailed`. The process copies this
-    process's garbage-collector thresholds."""
+    """An `EngineCore` in an engine process: its own (``spec`` an `EngineProcess`, started here and
+    stopped by `join`), or one another process owns (``spec`` an `EngineConnection`; `join` waits
+    for the engine to close this connection). The constructor returns once the engine has built its
+    `LLM`, and raises what building it raised (a ``ValueError`` for a configuration that cannot
+    fit) or ``RuntimeError`` if the process dies first. A reader thread hands each output to
+    ``on_output``; when the process dies (or closes this connection), it hands over a `CoreFailed`.
+    A process started here copies this process's garbage-collector thresholds."""
 
-    def __init__(self, spec: EngineProcess, on_output: Callable[[CoreOutput], None]) -> None:
-        context = multiprocessing.get_context("spawn")
-        conn, child_conn = context.Pipe()
-        self._process = context.Process(
-            target=_engine_process_main,
-            args=(child_conn, spec.llm_kwargs, gc.get_threshold()),
-            name="radixinfer-engine",
-            daemon=True,
-        )
-        with _spawning(spec.environment):
-            self._process.start()
-        child_conn.close()
-        self._pipe = _PipeEnd(conn, "radixinfer-engine-writer")
+    def __init__(
+        self, spec: EngineProcess | EngineConnection, on_output: Callable[[CoreOutput], None]
+    ) -> None:
+        if isinstance(spec, EngineProcess):
+            self._process: BaseProcess | None
+            self._process, (connection,) = start_engine_process(spec, 1)
+        else:
+            self._process, connection = None, spec
+        self.pid = connection.pid
+        self.request_prefix = f"req-{connection.front}-" if self._process is None else "req-"
+        self._pipe = _PipeEnd(connection.conn, "radixinfer-engine-writer")
         self._early: list[CoreOutput] = []  # what came in the frame of `CoreReady`, after it
         try:
             self.prompts = self._wait_ready()
@@ -265,30 +414,32 @@ class ProcessCore:
         )
         self._reader.start()
 
-    @property
-    def pid(self) -> int | None:
-        return self._process.pid
-
     def send(self, message: CoreInput) -> None:
         """Queue ``message`` for the engine process; raises what pickling it raises."""
         self._pipe.send(message)
 
     def join(self) -> None:
-        """Wait for the process to end (after a `Close`) and for its last outputs to be handed
-        over; a process that has not ended within 30 s is killed."""
-        self._process.join(timeout=30)
-        self._kill()
+        """Wait for the engine to end this connection (after a `Close`: its process ends, or, when
+        other fronts remain, closes this connection) and for its last outputs to be handed over; a
+        process of this front's that has not ended within 30 s is killed."""
+        if self._process is not None:
+            self._process.join(timeout=30)
+            self._kill()
         self._reader.join(timeout=30)
         self._pipe.close()
+
+    def _gone(self) -> str:
+        """How the engine went away, for the error its front reports."""
+        if self._process is None:
+            return "the engine process closed this front's connection"
+        self._process.join(timeout=10)
+        return f"the engine process exited with code {self._process.exitcode}"
 
     def _wait_ready(self) -> PromptChecker:
         try:
             output, *self._early = self._pipe.recv()
         except (EOFError, OSError):
-            self._process.join(timeout=10)
-            raise RuntimeError(
-                f"the engine process exited with code {self._process.exitcode} while starting"
-            ) from None
+            raise RuntimeError(f"{self._gone()} while starting") from None
         if isinstance(output, CoreFailed):
             raise output.error
         return output.prompts
@@ -303,15 +454,13 @@ class ProcessCore:
                         return
                 outputs = self._pipe.recv()
         except (EOFError, OSError):
-            self._process.join(timeout=5)
-            code = self._process.exitcode
-            error: BaseException = RuntimeError(f"the engine process exited (code {code})")
+            error: BaseException = RuntimeError(self._gone())
         except Exception as exc:  # noqa: BLE001 - an output the front could not take
             error = exc  # nothing after it can be trusted: stop the engine, fail every caller
             self._kill()
         self._on_output(CoreFailed(error))
 
     def _kill(self) -> None:
-        if self._process.is_alive():
+        if self._process is not None and self._process.is_alive():
             self._process.kill()
             self._process.join(timeout=10)

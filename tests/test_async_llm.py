@@ -17,6 +17,7 @@ from radixinfer import LLM, AsyncLLM, EngineProcess, SamplingParams
 from radixinfer.async_llm import EngineLoopError, QueueFullError
 from radixinfer.async_stream import RequestTimeoutError
 from radixinfer.core_messages import StreamFailure
+from radixinfer.engine_process import start_engine_process
 from radixinfer.outputs import TokenBatch
 
 PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -296,6 +297,40 @@ def test_an_engine_process_serves_like_the_thread_and_stops_with_the_front(llm):
         os.kill(pid, 0)  # alive
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)  # stopped and reaped by close
+
+
+def test_fronts_sharing_one_engine_process_each_get_their_own_streams(llm):
+    """Two fronts over one engine (what two API server processes hold): the same request ids on
+    both, each front's streams equal generate's, calls answered to their caller; a front that
+    closes aborts only its own requests, and the engine ends when the last front has gone."""
+    expected = {p: o.token_ids for p, o in zip(PROMPTS, llm.generate(PROMPTS, PARAMS))}
+    spec = EngineProcess(model="tiny", block_size=4, num_blocks=256)  # the fixture's engine
+    process, connections = start_engine_process(spec, 2)
+    fronts = [AsyncLLM(connection) for connection in connections]
+    assert {front.engine_pid for front in fronts} == {process.pid}
+
+    async def main() -> list[list[list[int]]]:
+        streams = [[collect(front, p) for p in PROMPTS] for front in fronts]
+        results = await asyncio.gather(*(asyncio.gather(*s) for s in streams))
+        return [[tokens(d) for d in result] for result in results]
+
+    assert asyncio.run(main()) == [list(expected.values())] * 2
+    left: queue.SimpleQueue = queue.SimpleQueue()
+    long_id = fronts[1].submit("runs long", LONG, None, left)
+    assert not left.get(timeout=30)[0].finished  # running on the front that stays
+    closing: queue.SimpleQueue = queue.SimpleQueue()
+    fronts[0].submit("runs long too", LONG, None, closing)
+    fronts[0].close()  # aborts its own request, not the other front's
+    assert closing.get(timeout=30)[-1].finish_reason == "abort"
+    assert not left.get(timeout=30)[-1].finished
+    assert process.is_alive()
+    fronts[1].abort(long_id)
+    while not left.get(timeout=30)[-1].finished:
+        pass
+    assert asyncio.run(all_blocks_free(fronts[1]))
+    fronts[1].close()
+    process.join(timeout=30)
+    assert process.exitcode == 0
 
 
 def test_an_engine_process_that_cannot_start_raises_what_its_llm_raised():

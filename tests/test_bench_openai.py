@@ -9,6 +9,7 @@ import json
 import pytest
 
 from radixinfer import LLM
+from radixinfer.bench.client_processes import ClientProcesses
 from radixinfer.bench.run_loop import run_workload
 from radixinfer.bench.runner import Variant, open_backend
 from radixinfer.bench.workloads import build_workload
@@ -57,7 +58,33 @@ def test_the_server_streams_the_tokens_radixinfer_generates_in_process(server, w
     assert all(len(ids) == 6 for _, ids, _ in outputs[1])
 
 
-def test_a_shared_prefix_run_through_the_cli(server, tmp_path):
+def test_client_processes_stream_what_one_process_does(server):
+    """Three conversations of two turns split over two client processes: the same answers as one
+    process gets, each turn timed on the one clock every process reads."""
+    flags = ["bench", "--dataset", "multi-turn", "--num-conversations", "3", "--turns", "2"]
+    flags += ["--input-len", "24", "--ignore-eos", "--max-new-tokens", "6"]
+    args = parse_args([*flags, "--backend", "openai", "--base-url", server.url])
+    backend = open_backend(Variant("openai", True, None), "tiny", args, 0.0)
+    clients = ClientProcesses(server.url, "tiny", 2)
+    try:
+        sessions = build_workload(args, backend.tokenizer, backend.vocab_size)
+        offsets = [0.0] * len(sessions)
+        alone, _ = run_workload(backend, sessions, offsets, args, "one process")
+        split, wall = clients.run(sessions, offsets, args, "two processes")
+    finally:
+        clients.close()
+        backend.close()
+
+    def answers(records):
+        return sorted((r.prompt_len, r.token_ids, r.finish_reason) for r in records)
+
+    assert len(split) == 3 * 2 and answers(split) == answers(alone)
+    assert all(r.submit_time < r.token_times[0] <= r.token_times[-1] for r in split)
+    assert 0 < wall == max(r.token_times[-1] for r in split) - min(r.submit_time for r in split)
+
+
+@pytest.mark.parametrize("client_processes", [1, 3])
+def test_a_shared_prefix_run_through_the_cli(server, tmp_path, client_processes):
     out = tmp_path / "result.json"
     flags = [
         "bench",
@@ -81,10 +108,13 @@ def test_a_shared_prefix_run_through_the_cli(server, tmp_path):
         "--cold-cache",
         "--json",
         str(out),
+        "--client-processes",
+        str(client_processes),
     ]
     assert main(flags) == 0
     (run,) = json.loads(out.read_text())["runs"]
     metrics = run["metrics"]
+    assert run["info"].get("client_processes", 1) == client_processes
     assert run["backend"] == "openai" and run["info"]["served_model"] == "tiny"
     assert metrics["requests"] == 8 and metrics["completion_tokens"] == 8 * 4
     assert metrics["ttft_ms"]["p50"] > 0 and metrics["tpot_ms"]["p50"] > 0
@@ -97,6 +127,7 @@ def test_a_shared_prefix_run_through_the_cli(server, tmp_path):
         ["--backend", "openai"],
         ["--base-url", "http://127.0.0.1:1"],
         ["--backend", "openai", "--base-url", "http://x", "--compare-no-cache"],
+        ["--client-processes", "2"],
     ],
 )
 def test_openai_flags_go_together(flags, capsys):

@@ -34,14 +34,19 @@ def test_the_engine_flags_go_to_the_server_with_their_values(bench_serve):
     assert rest == ["--dataset", "shared-prefix", "--num-groups", "2"]
 
 
-def test_a_stub_run_prints_both_tables_the_ratio_and_the_server_cpu(tmp_path):
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_stub_run_prints_both_tables_the_ratio_and_the_server_cpu(tmp_path, processes):
+    """One process of each kind, or two API server processes read by two client processes: the
+    same requests and tokens either way, and the CPU of every process counted."""
     out = tmp_path / "result.json"
     command = [sys.executable, str(SCRIPT), "--stub-model", "--num-requests", "8"]
     command += ["--max-new-tokens", "4", "--no-stop-on-eos", "--json", str(out)]
+    command += ["--api-server-count", str(processes), "--client-processes", str(processes)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=400, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "openai cache=on" in done.stdout and "radixinfer cache=on" in done.stdout
     assert "speedup of" in done.stdout and "front" in done.stdout
+    assert f"API server processes: {processes}, client processes: {processes}" in done.stdout
     result = json.loads(out.read_text())
     first, served = result["runs"]
     assert first["backend"] == "radixinfer" and served["backend"] == "openai"
@@ -50,3 +55,5 @@ def test_a_stub_run_prints_both_tables_the_ratio_and_the_server_cpu(tmp_path):
     cpu = result["served_cpu"]
     assert cpu["requests"] == 8 and cpu["tokens"] == 32
     assert cpu["seconds"]["front"] > 0 and cpu["seconds"]["engine"] > 0
+    assert cpu["seconds"]["client"] > 0
+    assert result["served_processes"] == {"api_servers": processes, "client_processes": processes}

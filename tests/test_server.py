@@ -5,15 +5,9 @@ tests/test_server_sampling.py)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 import signal
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import httpx
 import openai
@@ -22,9 +16,8 @@ import pytest
 from radixinfer import LLM, SamplingParams
 from radixinfer.chat import chat_prompt_ids
 from radixinfer.cli import parse_args
-from tests.http_server import MODEL, running_server
+from tests.http_server import MODEL, running_server, serve_process
 
-REPO = Path(__file__).resolve().parents[1]
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 PROMPTS = ["Hello there", "A longer prompt about the radix tree", "x"]
@@ -305,37 +298,9 @@ def test_serve_flags_default_to_loopback_and_bad_ones_exit_with_usage(capsys):
 
 
 def test_radixinfer_serve_runs_as_a_process_and_stops_on_sigint():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    command = [
-        sys.executable,
-        "-m",
-        "radixinfer.cli",
-        "serve",
-        "--port",
-        str(port),
-        "--api-key",
-        KEY,
-        "--num-blocks",
-        "64",
-    ]
-    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert process.poll() is None, process.stdout.read().decode()
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.2)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
+    with serve_process("--api-key", KEY, "--num-blocks", "64") as running:
+        client = openai.OpenAI(base_url=f"{running.url}/v1", api_key=KEY, max_retries=0)
         answer = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3)
         assert answer.usage.completion_tokens == 3
-        process.send_signal(signal.SIGINT)
-        assert process.wait(timeout=30) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+        running.process.send_signal(signal.SIGINT)
+        assert running.process.wait(timeout=30) == 0

@@ -16,7 +16,7 @@ import pytest
 from fastapi import FastAPI
 
 from radixinfer import LLM, EngineProcess, SamplingParams
-from tests.http_server import running_server
+from tests.http_server import leave_mid_stream, running_server
 
 ENGINE = {"model": "tiny", "block_size": 4, "num_blocks": 1024, "max_batch_size": 64}
 
@@ -79,21 +79,7 @@ def test_a_stream_that_falls_behind_gets_every_waiting_token_in_one_chunk_in_ord
 def test_clients_leaving_mid_stream_abort_and_free_every_block(server):
     before = wait_idle(server)
 
-    async def leave_after_two_chunks(client: httpx.AsyncClient, i: int) -> None:
-        body = {"prompt": f"leaving {i}", "max_tokens": 1500, "ignore_eos": True, "stream": True}
-        async with client.stream("POST", f"{server.url}/v1/completions", json=body) as response:
-            chunks = 0
-            async for line in response.aiter_lines():
-                chunks += line.startswith("data: ")
-                if chunks == 2:
-                    return  # leaving the block closes the connection mid-stream
-
-    async def main() -> None:
-        limits = httpx.Limits(max_connections=None)
-        async with httpx.AsyncClient(limits=limits, timeout=60) as client:
-            await asyncio.gather(*(leave_after_two_chunks(client, i) for i in range(20)))
-
-    asyncio.run(main())
+    leave_mid_stream(server.url, 20)
     after = wait_idle(server)
     # aborted, not run to 1,500 tokens
     assert after["decode_forwards"] - before["decode_forwards"] < 1000

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from radixinfer import LLM, SamplingParams
-from tests.http_server import running_server
+from tests.http_server import leave_mid_stream, running_server, stream_texts
 
 PROMPTS = [f"client {i} asks" for i in range(10)]
 
@@ -40,23 +40,6 @@ def _stats(llm: LLM) -> dict:
     return {**llm.cache_stats(), "running": len(engine.active), "waiting": len(engine.waiting)}
 
 
-async def stream_text(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> str:
-    body = {
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-    }
-    text = []
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-        assert response.status_code == 200
-        async for line in response.aiter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                text += [choice["text"] for choice in json.loads(line[6:])["choices"]]
-    return "".join(text)
-
-
 def test_200_concurrent_streams_all_complete_with_the_right_text(server):
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     outputs = server.engine.call(
@@ -64,36 +47,14 @@ def test_200_concurrent_streams_all_complete_with_the_right_text(server):
     ).result()  # the idle engine
     expected = {p: o.text for p, o in zip(PROMPTS, outputs)}
 
-    async def main() -> list[str]:
-        limits = httpx.Limits(max_connections=None)
-        async with httpx.AsyncClient(limits=limits, timeout=60) as client:
-            return await asyncio.gather(
-                *(stream_text(client, server.url, PROMPTS[i % 10], 8) for i in range(200))
-            )
-
-    texts = asyncio.run(main())
+    texts = stream_texts(server.url, [PROMPTS[i % 10] for i in range(200)], 8)
     assert texts == [expected[PROMPTS[i % 10]] for i in range(200)]
 
 
 def test_50_clients_leaving_mid_stream_abort_and_free_every_block(server):
     before = server.engine.call(_stats).result()
 
-    async def leave_after_two_chunks(client: httpx.AsyncClient, i: int) -> None:
-        body = {"prompt": f"leaving {i}", "max_tokens": 1500, "ignore_eos": True, "stream": True}
-        async with client.stream("POST", f"{server.url}/v1/completions", json=body) as response:
-            chunks = 0
-            async for line in response.aiter_lines():
-                chunks += line.startswith("data: ")
-                if chunks == 2:
-                    return  # leaving the block closes the connection mid-stream
-
-    async def main() -> None:
-        async with httpx.AsyncClient(
-            limits=httpx.Limits(max_connections=None), timeout=60
-        ) as client:
-            await asyncio.gather(*(leave_after_two_chunks(client, i) for i in range(50)))
-
-    asyncio.run(main())
+    leave_mid_stream(server.url, 50)
     after = wait_idle(server)
     # aborted, not run to 1,500 tokens
     assert after["decode_forwards"] - before["decode_forwards"] < 1000

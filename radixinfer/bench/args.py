@@ -51,6 +51,15 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="openai: the server, e.g. http://127.0.0.1:8000 (API key: $OPENAI_API_KEY)",
     )
     backend.add_argument(
+        "--client-processes",
+        type=int,
+        default=1,
+        metavar="K",
+        help="openai: streams read by K client processes, each running its share of the sessions, "
+        "so one process's reading does not cap what is measured; the report is over every "
+        "request [1]",
+    )
+    backend.add_argument(
         "--compare-backends",
         action="store_true",
         help="run radixinfer and hf side by side (speedups are radixinfer's over hf)",
@@ -255,6 +264,10 @@ def check_bench_arguments(parser: argparse.ArgumentParser, args: argparse.Namesp
         parser.error("--request-rate must be > 0")
     if (args.backend == "openai") != (args.base_url is not None):
         parser.error("--backend openai and --base-url go together")
+    if args.client_processes < 1:
+        parser.error("--client-processes must be >= 1")
+    if args.client_processes > 1 and args.backend != "openai":
+        parser.error("--client-processes > 1 goes with --backend openai")
     comparing = (
         args.compare_backends
         or args.compare_no_cache

@@ -8,6 +8,7 @@ import argparse
 import queue
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,10 +54,16 @@ def run_workload(
     offsets: list[float],
     args: argparse.Namespace,
     desc: str,
+    start: Callable[[], float] = time.perf_counter,
+    progress: bool = True,
 ) -> tuple[list[RequestRecord], float]:
     """Submit each session's first turn at its offset and each later turn as soon as the previous answer is
     complete; collect every token's timestamp. Returns the records (one per turn) and the wall time from
-    the first submit to the last token. A failed request raises RuntimeError.
+    the first submit to the last token (`wall_time`). A failed request raises RuntimeError.
+
+    ``start`` is called once the first turns are ready and returns the ``perf_counter`` time the offsets
+    count from (client processes that share a workload start together, `radixinfer.bench.client_processes`);
+    ``progress``: show a progress bar.
 
     This thread shares the GIL with the engine's, so its per-token work is kept to appending ids and times
     (objects the collector does not track: keeping every delta alive instead made the collector's pauses
@@ -72,6 +79,7 @@ def run_workload(
         unit="req",
         file=sys.stderr,
         leave=False,
+        disable=not progress,
     )
 
     def submit(
@@ -84,20 +92,20 @@ def run_workload(
     # (`Backend.native_prompt`).
     first = [request_for(s, s.prompt, backend.max_context_len, args) for s in sessions]
     native_first = [backend.native_prompt(prompt) for prompt, _ in first]
-    start = time.perf_counter()
+    started = start()
     next_arrival = 0
     with progress:
         while next_arrival < len(arrivals) or inflight:
             while (
                 next_arrival < len(arrivals)
-                and time.perf_counter() >= start + offsets[arrivals[next_arrival]]
+                and time.perf_counter() >= started + offsets[arrivals[next_arrival]]
             ):
                 i = arrivals[next_arrival]
                 submit(sessions[i], 0, *first[i], native_first[i])
                 next_arrival += 1
             timeout = None  # nothing left to submit: wait for tokens
             if next_arrival < len(arrivals):
-                timeout = max(0.0, start + offsets[arrivals[next_arrival]] - time.perf_counter())
+                timeout = max(0.0, started + offsets[arrivals[next_arrival]] - time.perf_counter())
             try:
                 batch = events.get(timeout=timeout)
             except queue.Empty:
@@ -124,6 +132,11 @@ def run_workload(
                     answered = session.next_prompt(index, turn.prompt, turn.record.token_ids)
                     prompt, params = request_for(session, answered, backend.max_context_len, args)
                     submit(session, index + 1, prompt, params, prompt)
+    return records, wall_time(records)
+
+
+def wall_time(records: list[RequestRecord]) -> float:
+    """Seconds from the first submit to the last token of ``records`` (not empty)."""
     first_submit = min(r.submit_time for r in records)
     last_token = max((r.token_times[-1] for r in records if r.token_times), default=first_submit)
-    return records, last_token - first_submit
+    return last_token - first_submit

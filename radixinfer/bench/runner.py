@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from radixinfer.bench.backends import Backend, open_radixinfer
+from radixinfer.bench.client_processes import ClientProcesses
 from radixinfer.bench.hf import HFBackend, export_checkpoint
 from radixinfer.bench.metrics import (
     GCPauses,
@@ -119,14 +120,22 @@ class _Arm:
     backend: Backend
     sessions: list[Session]
     offsets: list[float]
+    clients: ClientProcesses | None  # reading the streams of an openai backend, else None
     runs: list[tuple[list[RequestRecord], float, dict | None, GCPauses]] = field(
         default_factory=list
     )
 
     @classmethod
-    def prepare(cls, variant: Labelled, backend: Backend, args: argparse.Namespace) -> _Arm:
+    def prepare(
+        cls,
+        variant: Labelled,
+        backend: Backend,
+        args: argparse.Namespace,
+        clients: ClientProcesses | None = None,
+    ) -> _Arm:
         """The workload in the backend's own tokens; fails before any run if a prompt cannot fit.
-        With ``separate_samples`` every session comes ``--n`` times, at the same arrival."""
+        With ``separate_samples`` every session comes ``--n`` times, at the same arrival.
+        ``clients``: the processes that run it instead of this one (``--client-processes``)."""
         sessions = build_workload(args, backend.tokenizer, backend.vocab_size)
         for session in sessions:
             fit_to_context(session.prompt, backend.max_context_len, args.truncate_prompts)
@@ -139,14 +148,15 @@ class _Arm:
         if variant.separate_samples:
             sessions = [s for s in sessions for _ in range(args.n)]
             offsets = [o for o in offsets for _ in range(args.n)]
-        return cls(variant, backend, sessions, offsets)
+        return cls(variant, backend, sessions, offsets, clients)
 
     def run(self, args: argparse.Namespace, what: str) -> tuple[list[RequestRecord], float]:
         if self.variant.separate_samples:  # its sessions hold the copies: one completion each
             args = argparse.Namespace(**{**vars(args), "n": 1})
-        return run_workload(
-            self.backend, self.sessions, self.offsets, args, f"{self.variant.label} {what}"
-        )
+        desc = f"{self.variant.label} {what}"
+        if self.clients is not None:
+            return self.clients.run(self.sessions, self.offsets, args, desc)
+        return run_workload(self.backend, self.sessions, self.offsets, args, desc)
 
     def measure(self, args: argparse.Namespace, what: str) -> None:
         if args.cold_cache:
@@ -191,11 +201,18 @@ def round_orders(num_variants: int, rounds: int) -> list[list[int]]:
 
 
 def measure(
-    variants: Sequence[Labelled], backends: list[Backend], args: argparse.Namespace
+    variants: Sequence[Labelled],
+    backends: list[Backend],
+    args: argparse.Namespace,
+    clients: ClientProcesses | None = None,
 ) -> list[dict]:
     """Every variant's warm-up runs, then ``--repeat-runs`` rounds of one measured run of each variant (see
-    `round_orders`); one result per variant, in variant order."""
-    arms = [_Arm.prepare(variant, backend, args) for variant, backend in zip(variants, backends)]
+    `round_orders`); one result per variant, in variant order. ``clients``: the client processes
+    that run the one variant of ``--backend openai --client-processes K``."""
+    arms = [
+        _Arm.prepare(variant, backend, args, clients)
+        for variant, backend in zip(variants, backends)
+    ]
     for arm in arms:
         for i in range(args.warmup_runs):
             arm.run(args, f"warmup {i + 1}/{args.warmup_runs}")
@@ -284,6 +301,7 @@ def run_bench(args: argparse.Namespace) -> dict:
         if model in PRESET_NAMES and any(v.backend == "hf" for v in variants):
             model = str(export_checkpoint(model, Path(tmp), args.device, args.dtype, args.seed))
         backends: list[Backend] = []
+        clients = None
         try:
             for variant in variants:
                 whole = variant.backend == "hf" and num_blocks is not None
@@ -292,9 +310,14 @@ def run_bench(args: argparse.Namespace) -> dict:
                     fraction *= 1 - FIRST_POOL_HEADROOM
                 backends.append(open_backend(variant, model, args, fraction, num_blocks))
                 num_blocks = num_blocks or backends[-1].info.get("kv_blocks")
+            if args.client_processes > 1:
+                clients = ClientProcesses(args.base_url, model, args.client_processes)
+                backends[0].info["client_processes"] = args.client_processes
             with _gc_threshold(args.gc_threshold):
-                results = measure(variants, backends, args)
+                results = measure(variants, backends, args, clients)
         finally:
+            if clients is not None:
+                clients.close()
             _close_all(backends)
             backends.clear()  # the last references: the release below can free their memory
             _release_device_memory()

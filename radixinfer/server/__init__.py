@@ -6,6 +6,7 @@
     metrics     Prometheus metrics
     body_limit  the request-body size limit (413)
     launch      the flags of ``radixinfer serve``, uvicorn
+    api_servers ``--api-server-count N``: N API server processes over one engine process
 
 FastAPI, uvicorn and prometheus-client come with the ``serve`` extra (``pip install -e
 ".[serve]"``); importing this package does not need them, `radixinfer.server.app` does.

@@ -100,11 +100,16 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def build_app(llm: AsyncLLM | DataParallelLLM, config: ServerConfig) -> FastAPI:
-    """The app serving ``llm`` (which the caller opens and closes)."""
+def build_app(
+    llm: AsyncLLM | DataParallelLLM, config: ServerConfig, metrics: ServerMetrics | None = None
+) -> FastAPI:
+    """The app serving ``llm`` (which the caller opens and closes); ``metrics``: where it records
+    and what ``/metrics`` exposes (None: metrics of its own; an API server process among several
+    passes its row of the server's shared table)."""
     app = FastAPI(title="radixinfer", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
-    metrics = ServerMetrics()
+    if metrics is None:
+        metrics = ServerMetrics()
     app.state.metrics = metrics
 
     @app.exception_handler(RequestValidationError)

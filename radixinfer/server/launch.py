@@ -1,5 +1,7 @@
 """The flags of ``radixinfer serve`` and what it runs: an engine process and the `AsyncLLM` over it
-(or, with ``--data-parallel-size M``, M replicas behind a `DataParallelLLM`), uvicorn.
+(or, with ``--data-parallel-size M``, M replicas behind a `DataParallelLLM`), uvicorn; with
+``--api-server-count N`` > 1, N API server processes over one engine process
+(`radixinfer.server.api_servers`).
 
 Imports FastAPI and uvicorn only when serving, so the other subcommands run without them.
 """
@@ -7,9 +9,18 @@ Imports FastAPI and uvicorn only when serving, so the other subcommands run with
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import socket
+from typing import TYPE_CHECKING
 
 from radixinfer.engine_args import add_engine_arguments, check_engine_arguments, llm_kwargs
+
+if TYPE_CHECKING:
+    from radixinfer.async_llm import AsyncLLM
+    from radixinfer.data_parallel import DataParallelLLM
+    from radixinfer.server.app import ServerConfig
+    from radixinfer.server.metrics import ServerMetrics
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,6 +63,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="larger request bodies get 413 [4 MiB]",
     )
     http.add_argument("--log-level", default="warning", help="uvicorn's log level [warning]")
+    http.add_argument(
+        "--api-server-count",
+        type=int,
+        default=1,
+        metavar="N",
+        help="HTTP server processes over the one engine process, accepting on the same socket: "
+        "more than one when one process's event loop cannot stream the engine's tokens as fast as "
+        "it makes them (not with --data-parallel-size > 1) [1]",
+    )
     http.add_argument(
         "--stream-interval",
         type=int,
@@ -140,18 +160,25 @@ def check_serve_arguments(parser: argparse.ArgumentParser, args: argparse.Namesp
         parser.error("--gc-threshold must be >= 0")
     if args.api_key is not None and not args.api_key:
         parser.error("--api-key must not be empty")
+    if args.api_server_count < 1:
+        parser.error("--api-server-count must be >= 1")
     check_engine_arguments(parser, args)
     check_data_parallel_arguments(parser, args)
+    if args.api_server_count > 1 and args.data_parallel_size > 1:
+        parser.error(
+            "--api-server-count > 1 serves one engine process; with --data-parallel-size > 1 "
+            "the replicas are behind one API server: use one or the other"
+        )
 
 
 def serve(args: argparse.Namespace) -> None:
-    """Start the engine process, then serve HTTP until interrupted; stopping stops the engine."""
-    import uvicorn
-
+    """Start the engine process (or the data-parallel replicas) and serve HTTP until interrupted;
+    stopping stops the engine. With ``--api-server-count N`` > 1, N API server processes serve
+    over one engine process (`radixinfer.server.api_servers`)."""
     from radixinfer.async_llm import AsyncLLM
     from radixinfer.data_parallel import DataParallelLLM, replica_processes
     from radixinfer.engine_process import EngineProcess
-    from radixinfer.server.app import ServerConfig, build_app
+    from radixinfer.server.app import ServerConfig
 
     config = ServerConfig(
         model_name=args.served_model_name or args.model,
@@ -162,6 +189,13 @@ def serve(args: argparse.Namespace) -> None:
     )
     if args.gc_threshold:  # before the engine process starts: it copies the thresholds
         gc.set_threshold(args.gc_threshold, *gc.get_threshold()[1:])
+    sock = bind_socket(args.host, args.port)
+    if args.api_server_count > 1:
+        from radixinfer.server.api_servers import run_api_servers
+
+        with sock:
+            run_api_servers(args, config, sock)
+        return
     limits = {"max_waiting": args.max_waiting, "request_timeout": args.request_timeout}
     if args.data_parallel_size == 1:
         front: AsyncLLM | DataParallelLLM = AsyncLLM(EngineProcess(**llm_kwargs(args)), **limits)
@@ -175,17 +209,51 @@ def serve(args: argparse.Namespace) -> None:
             )
         except RuntimeError as exc:  # a replica that failed to start: its error, no traceback
             raise SystemExit(f"radixinfer serve: {exc}") from exc
-    with front as llm:
-        app = build_app(llm, config)
-        # What is alive now (torch, the app) lives as long as the server: out of the collector's
-        # full passes, which would rescan it while streams wait.
-        gc.collect()
-        gc.freeze()
-        uvicorn.run(
+    with front as llm, sock:
+        serve_http(llm, config, args, sock)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host``:``port`` (IPv6 when ``host`` has a colon), not yet listening:
+    the server listens once its app is up, so a client connecting earlier is refused, not kept
+    waiting. Raises ``SystemExit`` when the address is taken or cannot be bound."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise SystemExit(f"radixinfer serve: cannot listen on {host}:{port}: {exc}") from exc
+    return sock
+
+
+def serve_http(
+    llm: AsyncLLM | DataParallelLLM,
+    config: ServerConfig,
+    args: argparse.Namespace,
+    sock: socket.socket,
+    metrics: ServerMetrics | None = None,
+) -> None:
+    """Serve the app over ``llm`` (open) on ``sock`` with uvicorn until interrupted (SIGINT or
+    SIGTERM: open streams get 5 s, then are cut and their requests aborted); ``metrics``: the
+    API server's (`build_app`'s default: its own)."""
+    import uvicorn
+
+    from radixinfer.server.app import build_app
+
+    app = build_app(llm, config, metrics)
+    # What is alive now (torch, the app) lives as long as the server: out of the collector's full
+    # passes, which would rescan it while streams wait.
+    gc.collect()
+    gc.freeze()
+    server = uvicorn.Server(
+        uvicorn.Config(
             app,
-            host=args.host,
-            port=args.port,
             log_level=args.log_level,
             timeout_keep_alive=30,
             timeout_graceful_shutdown=5,  # then open streams are cut and their requests aborted
         )
+    )
+    with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the Ctrl-C it stopped on
+        server.run(sockets=[sock])

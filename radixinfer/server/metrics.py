@@ -40,15 +40,25 @@ a bucket index per value, no lock): ``prometheus_client``'s ``Histogram.observe`
 value, and a request of 128 tokens has 127 gaps, which made recording the largest per-token cost of
 the server's event loop. The engine's own counters (cache, blocks, preemptions, running /
 waiting) are read from a snapshot taken between two steps at scrape time.
+
+With several API server processes (``--api-server-count N``), the per-request numbers (requests,
+tokens, histograms) live in a table in shared memory, a row per process that only it writes
+(`shared_metrics_table`); every process exposes the rows' sum, and the engine's numbers come from
+the one engine process, so a scrape that any process answers reports the whole server.
+``radixinfer_api_server_requests_total{api_server}`` then counts each process's finished
+requests.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import time
 from bisect import bisect_left
 from collections.abc import Iterable, Iterator
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+import numpy as np
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -169,58 +179,134 @@ def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily
     return CounterMetricFamily(name, documentation, value=value)
 
 
-class _Histogram:
-    """A Prometheus histogram (``le`` buckets, ``_count``, ``_sum``, ``_created``) observed from the
-    event loop only, so its counts are plain integers: registered as a collector, exposed as
-    ``prometheus_client``'s own histogram would be."""
+# A row of the metrics table: one API server process's per-request numbers, which it alone writes.
+# Requests by finish reason | prompt tokens | generated tokens | per histogram: its buckets' counts
+# (the last above every bound), then its sum.
+FINISH_REASONS = ("stop", "length", "abort", "timeout", "error")
+_REASON_SLOTS = {reason: slot for slot, reason in enumerate(FINISH_REASONS)}
+_PROMPT_TOKENS = len(FINISH_REASONS)
+_GENERATION_TOKENS = _PROMPT_TOKENS + 1
+_NUM_BUCKETS = len(_LATENCY_BUCKETS) + 1
+_HISTOGRAM_SLOTS = _NUM_BUCKETS + 1
+ROW_WIDTH = _GENERATION_TOKENS + 1 + 3 * _HISTOGRAM_SLOTS
 
-    def __init__(self, name: str, documentation: str, registry: CollectorRegistry) -> None:
+
+def shared_metrics_table(num_api_servers: int) -> Any:
+    """A zeroed table of ``num_api_servers`` rows in shared memory (a ``multiprocessing`` array of
+    doubles, which a spawned process receives as an argument): API server process ``i`` writes
+    row ``i`` (`ServerMetrics`), and any of them reads the sum of the rows at scrape time."""
+    return multiprocessing.get_context("spawn").RawArray("d", num_api_servers * ROW_WIDTH)
+
+
+class _Counters:
+    """The per-request counters, summed over the table's rows when the registry is collected; with
+    several rows, also each API server process's finished requests (label ``api_server``)."""
+
+    def __init__(self, table: np.ndarray) -> None:
+        self.table = table
+
+    def collect(self) -> Iterator[Metric]:
+        totals = self.table.sum(axis=0)
+        requests = CounterMetricFamily(
+            "radixinfer_requests", "finished requests", labels=["finish_reason"]
+        )
+        for reason, slot in _REASON_SLOTS.items():
+            requests.add_metric([reason], totals[slot])
+        yield requests
+        yield _counter(
+            "radixinfer_prompt_tokens", "prompt tokens of finished requests", totals[_PROMPT_TOKENS]
+        )
+        yield _counter(
+            "radixinfer_generation_tokens", "tokens generated", totals[_GENERATION_TOKENS]
+        )
+        if len(self.table) > 1:
+            per_server = CounterMetricFamily(
+                "radixinfer_api_server_requests",
+                "finished requests served by each API server process",
+                labels=["api_server"],
+            )
+            for index, row in enumerate(self.table):
+                per_server.add_metric([str(index)], row[: len(FINISH_REASONS)].sum())
+            yield per_server
+
+
+class _Histogram:
+    """A Prometheus histogram (``le`` buckets, ``_count``, ``_sum``, ``_created``) whose counts live
+    in the metrics table from ``offset`` (`ROW_WIDTH`), observed by one process into its own row
+    and exposed summed over the rows, as ``prometheus_client``'s own histogram would be."""
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        registry: CollectorRegistry,
+        table: np.ndarray,
+        offset: int,
+    ) -> None:
         self.name, self.documentation = name, documentation
-        self.counts = [0] * (len(_LATENCY_BUCKETS) + 1)  # the last: above every bound (+Inf)
-        self.sum = 0.0
+        self.table, self.offset = table, offset
         self.created = time.time()
         registry.register(self)
 
-    def observe(self, values: Iterable[float]) -> None:
-        counts, bounds = self.counts, _LATENCY_BUCKETS
+    def observe(self, row: np.ndarray, values: Iterable[float]) -> None:
+        """Add ``values`` to ``row`` (this process's): counted in a list, added to the row once."""
+        counts, bounds, total = [0] * _NUM_BUCKETS, _LATENCY_BUCKETS, 0.0
         for value in values:
             counts[bisect_left(bounds, value)] += 1  # the first bound >= value: its ``le`` bucket
-            self.sum += value
+            total += value
+        start = self.offset
+        row[start : start + _NUM_BUCKETS] += counts
+        row[start + _NUM_BUCKETS] += total
 
     def collect(self) -> Iterator[Metric]:
+        start = self.offset
+        slots = self.table[:, start : start + _HISTOGRAM_SLOTS].sum(axis=0)
         buckets, total = [], 0
-        for bound, count in zip([*map(float, _LATENCY_BUCKETS), "+Inf"], self.counts):
-            total += count
+        for bound, count in zip([*map(float, _LATENCY_BUCKETS), "+Inf"], slots[:_NUM_BUCKETS]):
+            total += int(count)
             buckets.append((str(bound), total))
         yield HistogramMetricFamily(
-            self.name, self.documentation, buckets=buckets, sum_value=self.sum
+            self.name, self.documentation, buckets=buckets, sum_value=float(slots[_NUM_BUCKETS])
         )
         yield GaugeMetricFamily(f"{self.name}_created", self.documentation, value=self.created)
 
 
 class ServerMetrics:
     """The server's metrics: per-request ones recorded as requests finish, the engine's at scrape
-    time."""
+    time. ``table`` (`shared_metrics_table`, None: a private table of one row) holds the
+    per-request numbers of every API server process of the server, this one writing row ``row``;
+    they are exposed summed, so any process's ``/metrics`` reports the whole server."""
 
-    def __init__(self) -> None:
+    def __init__(self, table: Any = None, row: int = 0) -> None:
+        if table is None:
+            table = np.zeros(ROW_WIDTH)
+        self._table = np.frombuffer(table, dtype=np.float64).reshape(-1, ROW_WIDTH)
+        if not 0 <= row < len(self._table):
+            raise ValueError(f"row: {row} is not a row of a table of {len(self._table)}")
+        self._row = self._table[row]
         self.registry = CollectorRegistry()
         self._engine = _EngineCollector()
         self.registry.register(self._engine)
-        r = self.registry
-        self.requests = Counter(
-            "radixinfer_requests", "finished requests", ["finish_reason"], registry=r
+        self.registry.register(_Counters(self._table))
+        r, t = self.registry, self._table
+        first = _GENERATION_TOKENS + 1
+        self.ttft = _Histogram(
+            "radixinfer_time_to_first_token_seconds", "first token - arrival", r, t, first
         )
-        self.prompt_tokens = Counter(
-            "radixinfer_prompt_tokens", "prompt tokens of finished requests", registry=r
-        )
-        self.generation_tokens = Counter(
-            "radixinfer_generation_tokens", "tokens generated", registry=r
-        )
-        self.ttft = _Histogram("radixinfer_time_to_first_token_seconds", "first token - arrival", r)
         self.itl = _Histogram(
-            "radixinfer_inter_token_latency_seconds", "gap between token steps", r
+            "radixinfer_inter_token_latency_seconds",
+            "gap between token steps",
+            r,
+            t,
+            first + _HISTOGRAM_SLOTS,
         )
-        self.e2e = _Histogram("radixinfer_e2e_request_latency_seconds", "last token - arrival", r)
+        self.e2e = _Histogram(
+            "radixinfer_e2e_request_latency_seconds",
+            "last token - arrival",
+            r,
+            t,
+            first + 2 * _HISTOGRAM_SLOTS,
+        )
 
     def record(
         self,
@@ -230,16 +316,18 @@ class ServerMetrics:
         step_times: list[float],
         arrival: float,
     ) -> None:
-        """One finished request: its reason, prompt length, tokens generated, and the engine-step
-        times that gave it tokens, in order (`AsyncStream.step_times`)."""
-        self.requests.labels(finish_reason).inc()
-        self.prompt_tokens.inc(prompt_tokens)
-        self.generation_tokens.inc(generated_tokens)
+        """One finished request: its reason (one of `FINISH_REASONS`), prompt length, tokens
+        generated, and the engine-step times that gave it tokens, in order
+        (`AsyncStream.step_times`)."""
+        row = self._row
+        row[_REASON_SLOTS[finish_reason]] += 1
+        row[_PROMPT_TOKENS] += prompt_tokens
+        row[_GENERATION_TOKENS] += generated_tokens
         if not step_times:
             return
-        self.ttft.observe((step_times[0] - arrival,))
-        self.e2e.observe((step_times[-1] - arrival,))
-        self.itl.observe(b - a for a, b in zip(step_times, step_times[1:]) if b != a)
+        self.ttft.observe(row, (step_times[0] - arrival,))
+        self.e2e.observe(row, (step_times[-1] - arrival,))
+        self.itl.observe(row, (b - a for a, b in zip(step_times, step_times[1:]) if b != a))
 
     def render(self, engine_snapshot: dict) -> bytes:
         """The Prometheus text exposition, with the engine's numbers from ``engine_snapshot``
