@@ -36,9 +36,8 @@ of 600 tokens) and the GPU time of each step's decode graph replay and `sample` 
 the ``.tolist()`` sync overlaps it). The decode floor is (weight bytes + KV bytes the step reads) /
 ``--hbm-tbps`` (measured by `bench_kernels.ceilings` when not given); with ``--tensor-parallel-size N``
 the model is sharded over N GPUs, the times are rank 0's (its graph holds the all-reduces) and the
-weights and KV are rank 0's shard: the floor per GPU; ``--disable-custom-all-reduce`` keeps every
-all-reduce on NCCL (default: a decode step's go through symmetric memory). The fraction achieved is
-that floor over the graph's GPU time and over the whole step.
+weights and KV are rank 0's shard: the floor per GPU. The fraction achieved is that floor over
+the graph's GPU time and over the whole step.
 """
 
 from __future__ import annotations
@@ -552,12 +551,6 @@ def main() -> None:
         "--tensor-parallel-size", type=int, default=1, help="--model over this many GPUs [1]"
     )
     parser.add_argument(
-        "--disable-custom-all-reduce",
-        action="store_true",
-        help="with --tensor-parallel-size: every all-reduce through NCCL, none through symmetric "
-        "memory",
-    )
-    parser.add_argument(
         "--hbm-tbps",
         type=float,
         default=None,
@@ -618,7 +611,6 @@ def main() -> None:
             device=args.device,
             dtype=args.dtype,
             tensor_parallel_size=args.tensor_parallel_size,
-            disable_custom_all_reduce=args.disable_custom_all_reduce,
             max_batch_size=max(batches),
             freeze_gc=True,
             num_blocks=max(batches) * -(-context // BLOCK_SIZE) + 64,

@@ -64,9 +64,7 @@ class LLM:
     the `LLM` starts ranks 1..N-1 itself, as processes on ``cuda:(i + r)`` for ``device="cuda:i"``
     (gloo ranks on a CPU); under torchrun it is rank 0 of torchrun's ranks. The scheduler and the
     cache live here, on rank 0, which sends every step to the others; `close` stops them. A
-    rank that fails makes the next step raise ``TensorParallelError`` instead of hanging. On one
-    host's GPUs a decode step's all-reduces go through symmetric memory instead of NCCL;
-    ``disable_custom_all_reduce=True`` (vLLM's name) keeps them all on NCCL.
+    rank that fails makes the next step raise ``TensorParallelError`` instead of hanging.
 
     ``host_cache_gb`` > 0 (prefix cache on) puts a host-memory tier of that many GiB of KV blocks
     (pinned on CUDA) under the KV pool: prefixes evicted from the pool are written back there and
@@ -108,7 +106,6 @@ class LLM:
         host_write_through_hits: int | None = None,
         freeze_gc: bool = False,
         tensor_parallel_size: int = 1,
-        disable_custom_all_reduce: bool = False,
     ) -> None:
         config, spec, torch_device = engine_options(
             model=model, device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
@@ -120,7 +117,6 @@ class LLM:
             decode_first=decode_first, gpu_memory_utilization=gpu_memory_utilization,
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, freeze_gc=freeze_gc, host_cache_gb=host_cache_gb,
             host_write_through_hits=host_write_through_hits, tensor_parallel_size=tensor_parallel_size,
-            disable_custom_all_reduce=disable_custom_all_reduce,
         )  # fmt: skip
         self._close: Callable[[], None] = lambda: None
         if tensor_parallel_size == 1:

@@ -104,12 +104,6 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "WORLD_SIZE (docs/multi-gpu.md) [1]",
     )
     model.add_argument(
-        "--disable-custom-all-reduce",
-        action="store_true",
-        help="with --tensor-parallel-size: every all-reduce through NCCL, none through "
-        "symmetric memory",
-    )
-    model.add_argument(
         "--host-cache-gb",
         type=float,
         default=0.0,
@@ -193,5 +187,4 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         host_write_through_hits=args.host_write_through_hits,
         freeze_gc=True,
         tensor_parallel_size=args.tensor_parallel_size,
-        disable_custom_all_reduce=args.disable_custom_all_reduce,
     )

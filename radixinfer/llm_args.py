@@ -86,7 +86,6 @@ def engine_options(
     host_cache_gb: float,
     host_write_through_hits: int | None,
     tensor_parallel_size: int,
-    disable_custom_all_reduce: bool,
 ) -> tuple[EngineConfig, RunnerSpec, torch.device]:
     """`LLM`'s arguments checked (``ValueError`` naming the argument), as the engine's config, the
     runner's spec (every tensor-parallel rank builds its runner from it) and the device."""
@@ -110,7 +109,6 @@ def engine_options(
         ("chunked_prefill", chunked_prefill),
         ("decode_first", decode_first),
         ("freeze_gc", freeze_gc),
-        ("disable_custom_all_reduce", disable_custom_all_reduce),
     ):
         checks.flag(name, value)
     checks.integer("seed", seed, 0, SEED_LIMIT)
@@ -151,6 +149,5 @@ def engine_options(
         chunked_prefill=chunked_prefill,
         max_model_len=max_model_len,
         gpu_memory_utilization=check_utilization(gpu_memory_utilization),
-        symmetric_all_reduce=not disable_custom_all_reduce,
     )
     return config, spec, torch_device

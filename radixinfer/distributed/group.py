@@ -8,13 +8,9 @@ A group has two process groups over the same ranks:
 * the **control group** (gloo, on the CPU) carries rank 0's step plans to the workers and the
   start-up handshakes: pickled objects, never a device tensor.
 
-On one host's GPUs, the all-reduces of small messages (a decode step's) go through symmetric
-memory instead of NCCL (`radixinfer/distributed/symmetric_memory.py`), unless turned off.
-
 The groups are built without torch's global default group (the construction vLLM uses for its
 stateless groups), so several engines, each with its own workers, can live in one process (the
-benchmark keeps its compared variants open at once). The device group is registered under a name
-unique to it (symmetric memory finds its group by name), which rank 0 draws and the store shares.
+benchmark keeps its compared variants open at once).
 
 Timeouts: a collective on the device group fails after ``step_timeout`` (a rank that hangs
 mid-step); the control group waits as long as rank 0 stays idle (a worker waits for the next plan),
@@ -26,7 +22,6 @@ from __future__ import annotations
 import logging
 import threading
 import traceback
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -34,11 +29,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _register_process_group, _unregister_process_group
 from torch.distributed import PrefixStore, ProcessGroup, Store
-
-from radixinfer.distributed import symmetric_memory
-from radixinfer.distributed.symmetric_memory import SymmetricAllReduce
 
 logger = logging.getLogger(__name__)
 
@@ -72,18 +63,6 @@ def _process_group(
     return group
 
 
-def _register(group: ProcessGroup, store: Store, rank: int) -> None:
-    """Name ``group`` and register it in torch's group registry (every rank calls this): the name
-    is unique in every process of the group, so several engines' groups can live in one process.
-    Rank 0 draws it; the others read it from ``store``."""
-    key = "device_group_name"
-    if rank == 0:
-        store.set(key, f"radixinfer-tp-{uuid.uuid4().hex}")
-    name = store.get(key).decode()
-    group._set_group_name(name)
-    _register_process_group(name, group)
-
-
 @dataclass(eq=False)
 class TensorParallel:
     """Rank ``rank`` of ``size`` ranks that each hold a shard of every layer.
@@ -91,8 +70,7 @@ class TensorParallel:
     `TensorParallel.single` (size 1) has no groups: every collective is the identity, and the
     layers built with it compute exactly what the unsharded layers do. A group with ``size`` > 1
     comes from `TensorParallel.connect`; ``device_group`` None is a rank that only loads its
-    shard (nothing is exchanged: the collectives must not be called). ``symmetric``: the
-    symmetric-memory all-reduce of small messages, None where the device group carries them all.
+    shard (nothing is exchanged: the collectives must not be called).
     """
 
     rank: int
@@ -100,7 +78,6 @@ class TensorParallel:
     device_group: ProcessGroup | None = None
     control_group: ProcessGroup | None = None
     store: Store | None = None  # where the ranks met; kept alive as long as the groups
-    symmetric: SymmetricAllReduce | None = None
 
     @classmethod
     def single(cls) -> TensorParallel:
@@ -113,25 +90,14 @@ class TensorParallel:
         rank: int,
         size: int,
         device: torch.device,
-        symmetric_all_reduce: bool,
         step_timeout: timedelta = STEP_TIMEOUT,
     ) -> TensorParallel:
         """Join the group whose ranks meet at ``store`` (every rank calls this with its own
-        ``rank`` and ``device``, and the same ``symmetric_all_reduce``: whether small all-reduces
-        may go through symmetric memory, see `symmetric_memory.connect`)."""
+        ``rank`` and ``device``)."""
         cpu = torch.device("cpu")
         control = _process_group(store, "control", rank, size, cpu, IDLE_TIMEOUT)
         device_group = _process_group(store, "device", rank, size, device, step_timeout)
-        _register(device_group, PrefixStore("device", store), rank)
-        tp = cls(rank, size, device_group, control, store)
-        tp.symmetric = symmetric_memory.connect(
-            device_group,
-            PrefixStore("symmetric_memory", store),
-            device,
-            symmetric_all_reduce,
-            tp.all_gather_object,
-        )
-        return tp
+        return cls(rank, size, device_group, control, store)
 
     @property
     def is_driver(self) -> bool:
@@ -140,13 +106,9 @@ class TensorParallel:
 
     # ------------------------------------------------------------------ model tensors
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum ``x`` over the ranks, in place; returns ``x``. Through symmetric memory when
-        ``x`` fits its buffer, else through the device group."""
-        if self.size == 1:
-            return x
-        if self.symmetric is not None and self.symmetric.fits(x):
-            return self.symmetric.all_reduce(x)
-        dist.all_reduce(x, group=self.device_group)
+        """Sum ``x`` over the ranks, in place; returns ``x``."""
+        if self.size > 1:
+            dist.all_reduce(x, group=self.device_group)
         return x
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
@@ -177,13 +139,9 @@ class TensorParallel:
         """The smallest ``value`` any rank gives (every rank calls it)."""
         if self.size == 1:
             return value
-        return min(self.all_gather_object(value))
-
-    def all_gather_object(self, value: object) -> list:
-        """Every rank's ``value`` (any picklable value), by rank (every rank calls it)."""
-        values: list = [None] * self.size
+        values: list[int | None] = [None] * self.size
         dist.all_gather_object(values, value, group=self.control_group)
-        return values
+        return min(values)
 
     @contextmanager
     def on_every_rank(self, what: str) -> Iterator[None]:
@@ -200,46 +158,41 @@ class TensorParallel:
         except Exception as exc:
             is_value_error = isinstance(exc, ValueError)
             failure = (is_value_error, str(exc) if is_value_error else traceback.format_exc())
-            self.all_gather_object(failure)
+            self._gather_failures(failure)
             raise
-        failures = self.all_gather_object(None)
+        failures = self._gather_failures(None)
         for rank, failed in enumerate(failures):
             if failed is not None:
                 is_value_error, message = failed
                 error = ValueError if is_value_error else RankFailed
                 raise error(f"tensor-parallel rank {rank} failed to {what}: {message}")
 
+    def _gather_failures(self, failure: tuple[bool, str] | None) -> list[tuple[bool, str] | None]:
+        failures: list[tuple[bool, str] | None] = [None] * self.size
+        dist.all_gather_object(failures, failure, group=self.control_group)
+        return failures
+
     def close(self) -> None:
-        """Leave the group (this object is unusable after).
-
-        What must hold first: no CUDA graph that captured this group's collectives is alive, and
-        the device is idle (`StepGraphs.release` does both; the runners release their graphs
-        before they close the group). NCCL holds its communicator for as long as a graph that
-        captured one of its kernels exists, and ``ncclCommAbort`` / ``ncclCommDestroy`` wait for
-        those graphs to go (pytorch/pytorch#115388): with the graphs alive the abort never
-        returns, and the process dies at exit ("terminate called without an active exception").
-
-        Teardown order: the symmetric buffer is dropped (no graph replays through it any more),
-        the device group is aborted (nothing is in flight) and its name unregistered, then the
-        control group is shut down. Neither end blocks the caller longer than ``END_TIMEOUT_S``
-        (see `_end_group`), which is what a group left with live graphs (a failed step) meets."""
-        self.symmetric = None
-        if self.device_group is not None:
-            _end_group(self.device_group, "abort")
-            _unregister_process_group(self.device_group.group_name)
-        if self.control_group is not None:
-            _end_group(self.control_group, "shutdown")
+        """Leave the group (this object is unusable after). The device group is aborted rather
+        than shut down in order: an NCCL communicator that CUDA graphs captured can hang in an
+        orderly destroy (pytorch/pytorch#115388), and nothing is in flight by now; its abort
+        returns only once those graphs are gone, so the caller releases them first
+        (`StepGraphs.release`, see docs/multi-gpu.md). Neither end blocks the caller longer than
+        ``END_TIMEOUT_S`` each (see `_end_group`)."""
+        for group, end in ((self.device_group, "abort"), (self.control_group, "shutdown")):
+            if group is not None:
+                _end_group(group, end)
         self.device_group = self.control_group = self.store = None
 
 
 def _end_group(group: ProcessGroup, end: str, timeout_s: float = END_TIMEOUT_S) -> None:
     """``group.abort()`` or ``group.shutdown()`` (``end``), waited for at most ``timeout_s``.
 
-    It runs on a daemon thread: an NCCL group whose all-reduces live CUDA graphs captured hangs
-    in its abort (see `TensorParallel.close`; after a failed step the graphs are not released,
-    since the device may never become idle). A group that does not end in time is left to the
-    process's exit (its communicator leaks until then) rather than hanging `LLM.close`. A group
-    whose other ranks are gone may raise instead: nothing is left to end then."""
+    It runs on a daemon thread: on H200s with torch 2.11 an NCCL group whose all-reduces CUDA
+    graphs captured was seen to hang in its abort as well as in an orderly destroy. A group that
+    does not end in time is left to the process's exit (its communicator leaks until then) rather
+    than hanging `LLM.close`. A group whose other ranks are gone may raise instead: nothing is
+    left to end then."""
 
     def run() -> None:
         try:

@@ -63,7 +63,7 @@ def start_group(size: int, device: torch.device, spec: RunnerSpec) -> StartedGro
     process, else spawn the workers on this host. Raises ``ValueError`` naming
     ``tensor_parallel_size`` when the ranks or GPUs do not match it."""
     if torchrun_rank() is not None:
-        return _join_torchrun(size, device, spec.symmetric_all_reduce)
+        return _join_torchrun(size, device)
     if device.type == "cuda":
         first = device.index or 0
         if first + size > torch.cuda.device_count():
@@ -89,7 +89,7 @@ def start_group(size: int, device: torch.device, spec: RunnerSpec) -> StartedGro
     try:
         _wait_until_ready(store, workers)
         local = rank_device(device, 0)
-        tp = TensorParallel.connect(store, 0, size, local, spec.symmetric_all_reduce)
+        tp = TensorParallel.connect(store, 0, size, local)
     except BaseException:
         _stop(workers, timeout_s=0.0)
         raise
@@ -105,14 +105,13 @@ def join_as_worker(device: torch.device, spec: RunnerSpec) -> None:
     local = rank_device(device, rank)
     if local.type == "cuda":
         torch.cuda.set_device(local)
-    tp = TensorParallel.connect(store, rank, size, local, spec.symmetric_all_reduce)
-    run_worker(tp, local, spec)
+    run_worker(TensorParallel.connect(store, rank, size, local), local, spec)
 
 
 _torchrun_group_joined = False  # torchrun's ranks form one group: one engine per launch
 
 
-def _join_torchrun(size: int, device: torch.device, symmetric_all_reduce: bool) -> StartedGroup:
+def _join_torchrun(size: int, device: torch.device) -> StartedGroup:
     global _torchrun_group_joined
     rank, world_size = torchrun_rank(), int(os.environ["WORLD_SIZE"])
     if world_size != size:
@@ -134,7 +133,7 @@ def _join_torchrun(size: int, device: torch.device, symmetric_all_reduce: bool) 
     local = rank_device(device, 0)
     if local.type == "cuda":
         torch.cuda.set_device(local)
-    tp = TensorParallel.connect(store, 0, size, local, symmetric_all_reduce)
+    tp = TensorParallel.connect(store, 0, size, local)
     return StartedGroup(
         tp, local, [], lambda: "the other ranks' logs say why (torchrun started them)", lambda: None
     )
@@ -149,8 +148,7 @@ def _spawned_worker(rank: int, size: int, port: int, device_name: str, spec: Run
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=CONNECT_TIMEOUT)
     store.set(f"ready/{rank}", "1")
-    tp = TensorParallel.connect(store, rank, size, device, spec.symmetric_all_reduce)
-    run_worker(tp, device, spec)
+    run_worker(TensorParallel.connect(store, rank, size, device), device, spec)
 
 
 def _wait_until_ready(

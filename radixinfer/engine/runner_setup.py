@@ -37,9 +37,7 @@ class RunnerSpec:
 
     ``prefill_max_tokens`` / ``prefill_max_requests``: a prefill round's budget and requests (the
     admission settings); ``chunked_prefill`` False lets one prompt of the whole context run as one
-    pass. ``num_blocks`` None: as many as the memory plan allows. ``symmetric_all_reduce``:
-    whether a tensor-parallel group may sum small messages through symmetric memory
-    (`TensorParallel.connect`)."""
+    pass. ``num_blocks`` None: as many as the memory plan allows."""
 
     model: str | os.PathLike | PretrainedConfig
     dtype: str | torch.dtype
@@ -52,7 +50,6 @@ class RunnerSpec:
     chunked_prefill: bool
     max_model_len: int | None
     gpu_memory_utilization: float
-    symmetric_all_reduce: bool
 
 
 @dataclass(frozen=True)
