@@ -17,7 +17,9 @@ frames itself: ``Connection.recv_bytes`` reads a frame's header and its body wit
 of which gives up the GIL and waits to take it back while the front's event loop is busy
 (``benchmarks/pipe_read_lag.py``, 230 frames a second beside a spinning thread, on a 2-core CPU: a
 p99 lag of 90-190 ms, against 13-42 ms read at once). An engine process that dies (killed, crashed)
-closes its end of the pipe, which the front's reader turns into `CoreFailed`.
+closes its end of the pipe, which the front's reader turns into `CoreFailed`. The other way round,
+an engine process ends when its last front has closed its pipe, and at once when the process that
+started it exits, however it exits (`radixinfer.lifetime.exit_with_parent`).
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ from radixinfer.core_messages import (
 )
 from radixinfer.engine.prompts import PromptChecker
 from radixinfer.engine_core import EngineCore
+from radixinfer.lifetime import exit_with_parent
 
 
 @dataclass(frozen=True)
@@ -202,7 +205,8 @@ class _CoreEnd:
                     messages += self._aborts(front)
             if messages or not block:
                 return messages
-            if not self._closing:  # else: they are owed nothing; close them before waiting
+            # Waiting needs a front still open: with none left, the loop's top ends the engine.
+            if self._pipes and not self._closing:  # else: they are owed nothing; close them first
                 multiprocessing.connection.wait([pipe.conn for pipe in self._pipes.values()])
 
     def _adopt(self, front: int, messages: list[CoreInput]) -> list[CoreInput]:
@@ -303,6 +307,7 @@ def _engine_process_main(
 ) -> None:
     """The engine process: build the `LLM`, report `CoreReady` (or `CoreFailed`) to every front,
     serve them."""
+    exit_with_parent()  # ends with its fronts' process, even killed (and its TP workers with it)
     # Stopped by its fronts (a `Close`, or the pipes closing), not by the terminal's Ctrl-C.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     name_this_process(ENGINE_PROCESS_NAME)
@@ -342,8 +347,8 @@ def start_engine_process(
     """Start ``spec``'s engine process (multiprocessing's spawn context, a daemon, named
     ``radixinfer-engine``) serving ``num_fronts`` fronts, and return it with one connection per
     front. It starts loading at once; each front learns that it is ready (or what failed) through
-    its connection. The process ends when every front has closed or gone; its owner should
-    ``join`` it then (and ``kill`` it if it does not end)."""
+    its connection. The process ends when every front has closed or gone, or this process has
+    exited; its owner should ``join`` it then (and ``kill`` it if it does not end)."""
     if num_fronts < 1:
         raise ValueError(f"num_fronts must be >= 1, got {num_fronts}")
     context = multiprocessing.get_context("spawn")

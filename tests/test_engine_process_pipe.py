@@ -1,6 +1,7 @@
 """The engine process's pipe (`radixinfer.engine_process._PipeEnd`): what one end sends, the other
 receives, every message once and in order, however the sender groups them into frames; an
-`AddRequest` crosses it whole (its prompt as bytes), with params asked for ids only."""
+`AddRequest` crosses it whole (its prompt as bytes), with params asked for ids only. An idle
+engine whose last front goes away closes (`_CoreEnd.take`) instead of waiting on no pipe."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import threading
 import numpy as np
 import pytest
 
-from radixinfer.core_messages import AddRequest
-from radixinfer.engine_process import _PipeEnd
+from radixinfer.core_messages import AddRequest, Close
+from radixinfer.engine_process import _CoreEnd, _PipeEnd
 from radixinfer.sampling_params import SamplingParams
 
 
@@ -107,3 +108,18 @@ def test_frames_read_together_or_split_over_reads_arrive_whole_and_in_order():
     with pytest.raises(EOFError):
         receiver.recv()
     receiver.close()
+
+
+@pytest.mark.parametrize("num_fronts", [1, 2])
+def test_an_idle_engine_whose_last_front_goes_away_closes(num_fronts):
+    pipes = [multiprocessing.Pipe() for _ in range(num_fronts)]
+    core = _CoreEnd([_PipeEnd(far, f"test-core-{i}") for i, (_, far) in enumerate(pipes)])
+    taken: list = []
+    taker = threading.Thread(target=lambda: taken.extend(core.take(block=True)), daemon=True)
+    taker.start()  # waits: nothing was sent
+    for near, _ in pipes:
+        near.close()  # the front's process has gone
+    taker.join(timeout=10)
+    assert not taker.is_alive(), "the engine went on waiting with no front left"
+    assert taken == [Close()]
+    core.close()

@@ -26,6 +26,7 @@ from multiprocessing.process import BaseProcess
 from radixinfer.bench.metrics import RequestRecord
 from radixinfer.bench.run_loop import run_workload, wall_time
 from radixinfer.bench.workloads import Session
+from radixinfer.lifetime import exit_with_parent
 
 _START_LEAD_SECONDS = 0.05  # from the start message to the start time: every process has read it
 
@@ -111,7 +112,9 @@ class ClientProcesses:
 
 
 def _client_main(conn: Connection, base_url: str, model: str) -> None:
-    """A client process: open the backend, then run each share of a workload sent, until None."""
+    """A client process: open the backend, then run each share of a workload sent, until None (or
+    until the bench process has gone, `exit_with_parent`)."""
+    exit_with_parent()
     from radixinfer.bench.openai_backend import OpenAIBackend
 
     try:

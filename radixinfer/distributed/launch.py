@@ -30,6 +30,7 @@ from radixinfer.distributed.group import TensorParallel
 from radixinfer.distributed.torchrun import torchrun_rank
 from radixinfer.distributed.worker import run_worker
 from radixinfer.engine.runner_setup import RunnerSpec
+from radixinfer.lifetime import exit_with_parent
 
 CONNECT_TIMEOUT = timedelta(minutes=5)  # every rank started and connected
 STOP_TIMEOUT_S = 30.0  # a stopped worker leaves its step loop and exits
@@ -140,7 +141,8 @@ def _join_torchrun(size: int, device: torch.device) -> StartedGroup:
 
 
 def _spawned_worker(rank: int, size: int, port: int, device_name: str, spec: RunnerSpec) -> None:
-    """A spawned worker process's body."""
+    """A spawned worker process's body; it ends with rank 0's process (`exit_with_parent`)."""
+    exit_with_parent()
     device = torch.device(device_name)
     if device.type == "cuda":
         torch.cuda.set_device(device)

@@ -20,7 +20,9 @@ way to the engine, so the server as a whole admits at most N x the requests in f
 When any of these processes exits, the others are stopped and ``radixinfer serve`` exits, with an
 error when that process failed: a dead API server or engine never leaves the server half up.
 SIGINT (the terminal's Ctrl-C reaches every process) and SIGTERM (sent to this process, which passes
-it on) stop the API servers gracefully; the engine ends when its last API server has gone.
+it on) stop the API servers gracefully; the engine ends when its last API server has gone. Killed
+by SIGKILL, this process cleans nothing up, but the engine and the API servers exit with it
+(`radixinfer.lifetime.exit_with_parent`), so no server is left accepting on the socket.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from radixinfer.engine_process import (
     name_this_process,
     start_engine_process,
 )
+from radixinfer.lifetime import exit_with_parent
 from radixinfer.server.app import ServerConfig
 from radixinfer.server.metrics import shared_metrics_table
 
@@ -130,6 +133,7 @@ def _api_server_main(
 ) -> None:
     """API server process ``connection.front``: a front over the shared engine, the app, uvicorn on
     the shared socket; exits with an error when the engine cannot serve."""
+    exit_with_parent()  # ``radixinfer serve`` killed: no server left accepting on its socket
     from radixinfer.async_llm import AsyncLLM
     from radixinfer.server.launch import serve_http
     from radixinfer.server.metrics import ServerMetrics
