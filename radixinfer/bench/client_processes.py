@@ -66,9 +66,11 @@ class ClientProcesses:
         """`run_workload` over ``sessions`` (session j in process j mod ``count``, at offset
         ``offsets[j]``) across the processes: every record, and the wall time from the first
         submit to the last token of all of them. A failed request raises ``RuntimeError``."""
-        shares = [list(range(i, len(sessions), len(self._conns))) for i in range(len(self._conns))]
-        busy = [conn for conn, share in zip(self._conns, shares) if share]
-        for i, (conn, share) in enumerate(zip(busy, shares)):
+        count = len(self._conns)
+        shares = [(conn, range(i, len(sessions), count)) for i, conn in enumerate(self._conns)]
+        shares = [(conn, share) for conn, share in shares if share]  # fewer sessions than processes
+        busy = [conn for conn, _ in shares]
+        for i, (conn, share) in enumerate(shares):
             work = ([sessions[j] for j in share], [offsets[j] for j in share], args, desc, i == 0)
             conn.send(work)
         self._receive_all(busy)  # their prompts are ready
