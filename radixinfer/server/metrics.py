@@ -232,8 +232,8 @@ class _Counters:
 
 class _Histogram:
     """A Prometheus histogram (``le`` buckets, ``_count``, ``_sum``, ``_created``) whose counts live
-    in the metrics table from ``offset`` (`ROW_WIDTH`), observed by one process into its own row
-    and exposed summed over the rows, as ``prometheus_client``'s own histogram would be."""
+    in the metrics table from ``offset`` (`ROW_WIDTH`), observed by this process into its own row
+    ``row`` and exposed summed over the rows, as ``prometheus_client``'s own histogram would be."""
 
     def __init__(
         self,
@@ -241,20 +241,21 @@ class _Histogram:
         documentation: str,
         registry: CollectorRegistry,
         table: np.ndarray,
+        row: int,
         offset: int,
     ) -> None:
         self.name, self.documentation = name, documentation
-        self.table, self.offset = table, offset
+        self.table, self.row, self.offset = table, table[row], offset
         self.created = time.time()
         registry.register(self)
 
-    def observe(self, row: np.ndarray, values: Iterable[float]) -> None:
-        """Add ``values`` to ``row`` (this process's): counted in a list, added to the row once."""
+    def observe(self, values: Iterable[float]) -> None:
+        """Add ``values`` to this process's row: counted in a list, added to the row once."""
         counts, bounds, total = [0] * _NUM_BUCKETS, _LATENCY_BUCKETS, 0.0
         for value in values:
             counts[bisect_left(bounds, value)] += 1  # the first bound >= value: its ``le`` bucket
             total += value
-        start = self.offset
+        start, row = self.offset, self.row
         row[start : start + _NUM_BUCKETS] += counts
         row[start + _NUM_BUCKETS] += total
 
@@ -288,24 +289,16 @@ class ServerMetrics:
         self._engine = _EngineCollector()
         self.registry.register(self._engine)
         self.registry.register(_Counters(self._table))
-        r, t = self.registry, self._table
-        first = _GENERATION_TOKENS + 1
-        self.ttft = _Histogram(
-            "radixinfer_time_to_first_token_seconds", "first token - arrival", r, t, first
-        )
-        self.itl = _Histogram(
-            "radixinfer_inter_token_latency_seconds",
-            "gap between token steps",
-            r,
-            t,
-            first + _HISTOGRAM_SLOTS,
-        )
-        self.e2e = _Histogram(
-            "radixinfer_e2e_request_latency_seconds",
-            "last token - arrival",
-            r,
-            t,
-            first + 2 * _HISTOGRAM_SLOTS,
+        self.ttft, self.itl, self.e2e = (
+            _Histogram(name, documentation, self.registry, self._table, row, offset)
+            for (name, documentation), offset in zip(
+                (
+                    ("radixinfer_time_to_first_token_seconds", "first token - arrival"),
+                    ("radixinfer_inter_token_latency_seconds", "gap between token steps"),
+                    ("radixinfer_e2e_request_latency_seconds", "last token - arrival"),
+                ),
+                range(_GENERATION_TOKENS + 1, ROW_WIDTH, _HISTOGRAM_SLOTS),
+            )
         )
 
     def record(
@@ -325,9 +318,9 @@ class ServerMetrics:
         row[_GENERATION_TOKENS] += generated_tokens
         if not step_times:
             return
-        self.ttft.observe(row, (step_times[0] - arrival,))
-        self.e2e.observe(row, (step_times[-1] - arrival,))
-        self.itl.observe(row, (b - a for a, b in zip(step_times, step_times[1:]) if b != a))
+        self.ttft.observe((step_times[0] - arrival,))
+        self.e2e.observe((step_times[-1] - arrival,))
+        self.itl.observe(b - a for a, b in zip(step_times, step_times[1:]) if b != a)
 
     def render(self, engine_snapshot: dict) -> bytes:
         """The Prometheus text exposition, with the engine's numbers from ``engine_snapshot``
