@@ -69,7 +69,6 @@ class HostTier:
     counters: HostCounters = field(init=False, default_factory=HostCounters)
     # the queued copies, as the calls queued them: (offload, src, dst)
     _queue: list[tuple[bool, list[int], list[int]]] = field(init=False, default_factory=list)
-    _queued_loads: bool = field(init=False, default=False)  # whether `_queue` holds a load
     tickets_taken: int = field(init=False, default=0)  # the ticket of the last take
     _loading: dict[int, int] = field(init=False, default_factory=dict)  # GPU block -> ticket
 
@@ -81,7 +80,6 @@ class HostTier:
         blocks are loading from now on, under the ticket of the next take."""
         self._queue.append((offload, list(src), list(dst)))  # the callers' lists change later
         if not offload:
-            self._queued_loads = True
             ticket = self.tickets_taken + 1
             for block in dst:
                 self._loading[block] = ticket
@@ -102,7 +100,7 @@ class HostTier:
         A queue of write-backs alone (every step of a workload that evicts and reuses nothing) is
         one batch, built without a step per copy in Python."""
         self.tickets_taken += 1
-        if not self._queued_loads:
+        if all(offload for offload, _, _ in self._queue):  # an entry per call, not per copy
             if not self._queue:
                 return []
             run: dict[int, int] = {}  # dst -> src: a later copy into a dst replaces the earlier
@@ -111,7 +109,6 @@ class HostTier:
             self._queue.clear()
             src = list(run.values())
             return [TransferBatch(True, src, list(run), self.is_loading(src))]
-        self._queued_loads = False
         levels: list[dict[int, int]] = []  # batch index -> {dst: src}, in queue order
         # (direction, pool, block) -> the latest batch of that direction touching the block,
         # and (direction, block) -> the latest batch of that direction writing the block
@@ -158,5 +155,4 @@ class HostTier:
         """Forget the queued copies (after every block of both pools was freed, none is read); the
         caller has waited for every load."""
         self._queue.clear()
-        self._queued_loads = False
         self._loading.clear()
