@@ -75,10 +75,14 @@ def allocator_counts() -> list[int]:
     return [stats.get(name, 0) for name in ALLOCATOR_COUNTERS]
 
 
-def bench_engine(args: argparse.Namespace) -> tuple[dict[str, float], dict[str, dict[str, int]]]:
-    """Median output tokens per second of each configuration, end to end, and the engine's step
-    counters over each configuration's last run (forwards, preemptions: a configuration that runs
-    more steps, or preempts, for the same tokens shows it here rather than in its kernels)."""
+def bench_engine(
+    args: argparse.Namespace,
+) -> tuple[dict[str, list[float]], dict[str, dict[str, int]]]:
+    """Output tokens per second of each configuration in each round, end to end, and the engine's
+    step counters over each configuration's last run (forwards, preemptions: a configuration that
+    runs more steps, or preempts, for the same tokens shows it here rather than in its kernels).
+    Rounds are kept apart so that a stall in one (a kernel compiled mid-run) shows as one slow
+    round rather than only in the median."""
     llm = LLM(
         args.model,
         device=args.device,
@@ -115,7 +119,7 @@ def bench_engine(args: argparse.Namespace) -> tuple[dict[str, float], dict[str, 
                 run(CONFIGS[name], args.batch, args.input_len, args.output_len, name)
             )
     gc.set_threshold(700)
-    return {name: statistics.median(values) for name, values in rates.items()}, steps
+    return rates, steps
 
 
 def sampler_inputs(fields: dict, rows: int) -> SamplingBatch:
@@ -201,19 +205,26 @@ def main() -> None:
     }
 
     if not args.skip_engine:
-        rates, steps = bench_engine(args)
+        rounds, steps = bench_engine(args)
         gc.collect()  # the engine's pool goes back before the sampler's own runs
         torch.cuda.empty_cache()
+        rates = {name: statistics.median(values) for name, values in rounds.items()}
         greedy = rates["greedy"]
         print(f"\n{args.model}, batch {args.batch}, {args.input_len} in / {args.output_len} out")
         columns = STEP_COUNTERS + ALLOCATOR_COUNTERS
         heads = "".join(f" {c.removeprefix('num_').split('_')[0]:>10}" for c in columns)
-        print(f"{'configuration':<30} {'out tok/s':>10} {'vs greedy':>10}{heads}")
+        print(f"{'configuration':<30} {'out tok/s':>10} {'vs greedy':>10}{heads}  each round")
         for name, rate in rates.items():
             counts = "".join(f" {steps[name][c]:>10}" for c in columns)
-            print(f"{name:<30} {rate:>10,.0f} {rate / greedy:>10.3f}{counts}")
+            each = " / ".join(f"{r:,.0f}" for r in rounds[name])
+            print(f"{name:<30} {rate:>10,.0f} {rate / greedy:>10.3f}{counts}  {each}")
         result["engine"] = {
-            name: {"out_tok_s": rate, "ratio_to_greedy": rate / greedy, "steps": steps[name]}
+            name: {
+                "out_tok_s": rate,
+                "ratio_to_greedy": rate / greedy,
+                "rounds_out_tok_s": rounds[name],
+                "steps": steps[name],
+            }
             for name, rate in rates.items()
         }
 

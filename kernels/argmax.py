@@ -18,13 +18,19 @@ from kernels.device import num_sms
 
 BLOCK = 2048  # logits a program holds per iteration
 PROGRAMS_PER_SM = 16
+# Chunk results a program merges per iteration, fixed so that one compiled kernel serves every batch size:
+# the chunk count follows the rows, and a width that followed it (its next power of two, as a constexpr)
+# compiled every kernel again for each new class of batch sizes, a stall of a fraction of a second each time
+# in the middle of serving. Likewise no kernel of a row count specializes an integer argument that follows it
+# (Triton compiles a variant for an int equal to 1 and one for a multiple of 16): see ``do_not_specialize``.
+MERGE_BLOCK = 16
 
 
 def argmax_ref(logits: torch.Tensor) -> torch.Tensor:  # [rows, vocab] -> [rows] int64
     return logits.argmax(dim=-1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_chunks"])
 def _argmax_partial_kernel(
     x_ptr, val_ptr, idx_ptr, stride_row, vocab, chunk_len, num_chunks, BLOCK: tl.constexpr
 ):
@@ -55,16 +61,23 @@ def _argmax_partial_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_chunks"])
 def _argmax_merge_kernel(val_ptr, idx_ptr, out_ptr, num_chunks, BLOCK_C: tl.constexpr):
-    """Program (row): the chunk with the largest maximum, the earliest among equals (chunks are in order)."""
+    """Program (row): the chunk with the largest maximum, the earliest among equals (chunks are in order),
+    ``BLOCK_C`` chunks an iteration."""
     row = tl.program_id(0).to(tl.int64)
-    c = tl.arange(0, BLOCK_C)
-    mask = c < num_chunks
-    vals = tl.load(val_ptr + row * num_chunks + c, mask=mask, other=float("-inf"))
-    idxs = tl.load(idx_ptr + row * num_chunks + c, mask=mask, other=2147483647)
-    top = tl.max(vals, 0)
-    tl.store(out_ptr + row, tl.min(tl.where(vals == top, idxs, 2147483647), 0).to(tl.int64))
+    best = tl.full((), float("-inf"), tl.float32)
+    best_idx = tl.full((), 2147483647, tl.int32)
+    for first in range(0, num_chunks, BLOCK_C):
+        c = first + tl.arange(0, BLOCK_C)
+        mask = c < num_chunks
+        vals = tl.load(val_ptr + row * num_chunks + c, mask=mask, other=float("-inf"))
+        idxs = tl.load(idx_ptr + row * num_chunks + c, mask=mask, other=2147483647)
+        top = tl.max(vals, 0)
+        take = (top > best) | (first == 0)  # a later block only with a strictly larger maximum
+        best_idx = tl.where(take, tl.min(tl.where(vals == top, idxs, 2147483647), 0), best_idx)
+        best = tl.maximum(best, top)
+    tl.store(out_ptr + row, best_idx.to(tl.int64))
 
 
 def argmax_triton(logits: torch.Tensor, chunks: int | None = None) -> torch.Tensor:
@@ -86,5 +99,5 @@ def argmax_triton(logits: torch.Tensor, chunks: int | None = None) -> torch.Tens
     _argmax_partial_kernel[(rows, chunks)](
         logits, vals, idxs, logits.stride(0), vocab, chunk_len, chunks, BLOCK=BLOCK, num_warps=8
     )
-    _argmax_merge_kernel[(rows,)](vals, idxs, out, chunks, BLOCK_C=triton.next_power_of_2(chunks))
+    _argmax_merge_kernel[(rows,)](vals, idxs, out, chunks, BLOCK_C=MERGE_BLOCK)
     return out

@@ -103,7 +103,12 @@ def count_tokens_ref(
     output_counts.view(-1).scatter_add_(0, flat, torch.ones_like(flat, dtype=output_counts.dtype))
 
 
-@triton.jit
+# entries a program of the count kernel adds: fixed, as a block that followed the batch compiled the
+# kernel again for each power of two of it (a stall mid-run)
+COUNT_BLOCK = 1024
+
+
+@triton.jit(do_not_specialize=["n"])  # one compiled kernel for any number of entries
 def _count_kernel(counts_ptr, stride_counts, count_rows_ptr, tokens_ptr, n, BLOCK: tl.constexpr):
     """Program: entries ``[pid * BLOCK, (pid + 1) * BLOCK)``, each one atomic add."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -121,7 +126,6 @@ def count_tokens_triton(
     n = count_rows.shape[0]
     if n == 0:
         return
-    block = min(1024, triton.next_power_of_2(n))
-    _count_kernel[(triton.cdiv(n, block),)](
-        output_counts, output_counts.stride(0), count_rows, tokens, n, BLOCK=block
+    _count_kernel[(triton.cdiv(n, COUNT_BLOCK),)](
+        output_counts, output_counts.stride(0), count_rows, tokens, n, BLOCK=COUNT_BLOCK
     )

@@ -58,13 +58,15 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.argmax import _argmax_merge_kernel
+from kernels.argmax import MERGE_BLOCK, _argmax_merge_kernel
 from kernels.device import num_sms
 
 _MIX = 0x45D9F3B
 DIGIT_BITS = 4  # bits of the threshold key found per pass of the rowwise kernel: 16 buckets
 # significant high bits of a float32 key per logit dtype (its float32 value's low bits are zero)
 KEY_BITS = {torch.bfloat16: 16, torch.float16: 19, torch.float32: 32}
+# integer arguments that follow the batch's rows, never specialized on (`kernels.argmax.MERGE_BLOCK`)
+NOT_SPECIALIZED = ["rows", "num_chunks"]
 
 
 def gumbel_from_keys(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -303,7 +305,7 @@ def sample_triton_rowwise(
 
 @triton.jit
 def _row_setup(inv_temp_ptr, min_p_ptr, pmax_ptr, row, num_chunks, HAS_MAX: tl.constexpr,
-               CHUNKS: tl.constexpr):  # fmt: skip
+               MERGE_BLOCK: tl.constexpr):  # fmt: skip
     """A row's ``(greedy, scale, row_max, min_s)``: the scale of its logits (1 for a greedy row),
     the maximum of its scaled logits (merged from the chunk maxima) and the min-p floor (``-inf``
     when off)."""
@@ -313,10 +315,13 @@ def _row_setup(inv_temp_ptr, min_p_ptr, pmax_ptr, row, num_chunks, HAS_MAX: tl.c
     row_max = tl.zeros((), tl.float32)
     min_s = tl.full((), float("-inf"), tl.float32)
     if HAS_MAX:
-        c = tl.arange(0, CHUNKS)
-        row_max = tl.max(
-            tl.load(pmax_ptr + row * num_chunks + c, mask=c < num_chunks, other=float("-inf")), 0
-        )
+        row_max = tl.full((), float("-inf"), tl.float32)
+        for first in range(0, num_chunks, MERGE_BLOCK):
+            c = first + tl.arange(0, MERGE_BLOCK)
+            chunk_max = tl.load(
+                pmax_ptr + row * num_chunks + c, mask=c < num_chunks, other=float("-inf")
+            )
+            row_max = tl.maximum(row_max, tl.max(chunk_max, 0))
         min_p = tl.load(min_p_ptr + row)
         min_s = tl.where((min_p > 0.0) & ~greedy, row_max + tl.log(min_p), min_s)
     return greedy, scale, row_max, min_s
@@ -332,7 +337,7 @@ def _key_weights(keys, scale, row_max):
 
 @triton.jit
 def _resolve(state_ptr, partial_ptr, row, rows, num_chunks, top_p, prev_par, has_prev,
-             prev_shift, scale, row_max, CHUNKS: tl.constexpr, BUCKETS: tl.constexpr,
+             prev_shift, scale, row_max, MERGE_BLOCK: tl.constexpr, BUCKETS: tl.constexpr,
              EXACT: tl.constexpr, STRIDE: tl.constexpr):  # fmt: skip
     """A row's search state ``(min_key, base, above, target)`` after the previous launch (none when
     ``has_prev`` is 0: all zero): the state that launch read, its digit chosen from its programs'
@@ -349,11 +354,15 @@ def _resolve(state_ptr, partial_ptr, row, rows, num_chunks, top_p, prev_par, has
     above = tl.load(sp + 2, mask=prev, other=0).to(tl.float32, bitcast=True)
     target = tl.load(sp + 3, mask=prev, other=0).to(tl.float32, bitcast=True)
     active = prev & (target != float("inf"))
-    c = tl.arange(0, CHUNKS)
     b = tl.arange(0, BUCKETS)
-    parts = partial_ptr + ((prev_par * rows + row) * num_chunks + c[:, None]) * STRIDE + b[None, :]
-    mask = tl.where(active, (c[:, None] < num_chunks) & (b[None, :] < BUCKETS), False)
-    hist = tl.sum(tl.load(parts, mask=mask, other=0.0), axis=0)
+    hist = tl.zeros([BUCKETS], tl.float32)
+    for first in range(0, num_chunks, MERGE_BLOCK):
+        c = first + tl.arange(0, MERGE_BLOCK)
+        parts = (
+            partial_ptr + ((prev_par * rows + row) * num_chunks + c[:, None]) * STRIDE + b[None, :]
+        )
+        mask = tl.where(active, (c[:, None] < num_chunks) & (b[None, :] < BUCKETS), False)
+        hist += tl.sum(tl.load(parts, mask=mask, other=0.0), axis=0)
     if EXACT:
         low = prev_shift.to(tl.uint32)
         keys = base + (b.to(tl.uint32) << low)  # a bucket's least key: a positive value's
@@ -365,13 +374,16 @@ def _resolve(state_ptr, partial_ptr, row, rows, num_chunks, top_p, prev_par, has
     return min_key, base, above, target
 
 
-@triton.jit(do_not_specialize=["par", "prev_par", "has_prev", "new_search", "shift", "prev_shift"])
+@triton.jit(
+    do_not_specialize=NOT_SPECIALIZED
+    + ["par", "prev_par", "has_prev", "new_search", "shift", "prev_shift"]
+)
 def _search_kernel(
     logits_ptr, stride_row, vocab, chunk_len, num_chunks, rows, inv_temp_ptr, top_k_ptr,
     top_p_ptr, min_p_ptr, pmax_ptr, state_ptr, partial_ptr, par, prev_par, has_prev, new_search,
     shift, prev_shift, MASS: tl.constexpr, HAS_MAX: tl.constexpr, COUNTS: tl.constexpr,
     BUCKETS_FIRST: tl.constexpr, BUCKETS: tl.constexpr, PREV_BUCKETS: tl.constexpr,
-    PREV_EXACT: tl.constexpr, STRIDE: tl.constexpr, CHUNKS: tl.constexpr, BLOCK: tl.constexpr,
+    PREV_EXACT: tl.constexpr, STRIDE: tl.constexpr, MERGE_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
     UNROLL: tl.constexpr,
 ):  # fmt: skip
     """Program (row, chunk), one digit of a search (count, or ``MASS``): resolves the previous
@@ -391,12 +403,12 @@ def _search_kernel(
     chunk = tl.program_id(1)
     shift = shift.to(tl.uint32)
     greedy, scale, row_max, min_s = _row_setup(
-        inv_temp_ptr, min_p_ptr, pmax_ptr, row, num_chunks, HAS_MAX, CHUNKS
+        inv_temp_ptr, min_p_ptr, pmax_ptr, row, num_chunks, HAS_MAX, MERGE_BLOCK
     )
     top_p = tl.load(top_p_ptr + row)
     min_key, base, above, target = _resolve(
         state_ptr, partial_ptr, row, rows, num_chunks, top_p, prev_par, has_prev, prev_shift,
-        scale, row_max, CHUNKS, PREV_BUCKETS, PREV_EXACT, STRIDE,
+        scale, row_max, MERGE_BLOCK, PREV_BUCKETS, PREV_EXACT, STRIDE,
     )  # fmt: skip
     fresh = new_search != 0
     if MASS:
@@ -452,7 +464,7 @@ def _search_kernel(
         tl.store(part + buckets, hist)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_chunks"])
 def _chunk_max_kernel(
     logits_ptr, stride_row, vocab, chunk_len, num_chunks, inv_temp_ptr, top_p_ptr, min_p_ptr,
     pmax_ptr, BLOCK: tl.constexpr,
@@ -478,12 +490,12 @@ def _chunk_max_kernel(
         tl.store(pmax_ptr + row * num_chunks + chunk, tl.max(acc, axis=0))
 
 
-@triton.jit(do_not_specialize=["prev_par", "has_prev", "prev_shift"])
+@triton.jit(do_not_specialize=NOT_SPECIALIZED + ["prev_par", "has_prev", "prev_shift"])
 def _draw_kernel(
     logits_ptr, stride_row, vocab, chunk_len, num_chunks, rows, inv_temp_ptr, top_p_ptr,
     min_p_ptr, keys_ptr, pmax_ptr, state_ptr, partial_ptr, prev_par, has_prev, prev_shift,
     val_ptr, idx_ptr, HAS_MAX: tl.constexpr, BUCKETS: tl.constexpr, EXACT: tl.constexpr,
-    STRIDE: tl.constexpr, CHUNKS: tl.constexpr, BLOCK: tl.constexpr,
+    STRIDE: tl.constexpr, MERGE_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Program (row, chunk): resolves the last search digit (the row's threshold), then the
     Gumbel-max of the chunk's kept tokens and its first index (for a greedy row, the chunk's
@@ -491,11 +503,11 @@ def _draw_kernel(
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     greedy, scale, row_max, min_s = _row_setup(
-        inv_temp_ptr, min_p_ptr, pmax_ptr, row, num_chunks, HAS_MAX, CHUNKS
+        inv_temp_ptr, min_p_ptr, pmax_ptr, row, num_chunks, HAS_MAX, MERGE_BLOCK
     )
     min_key, base, _, _ = _resolve(
         state_ptr, partial_ptr, row, rows, num_chunks, tl.load(top_p_ptr + row), prev_par,
-        has_prev, prev_shift, scale, row_max, CHUNKS, BUCKETS, EXACT, STRIDE,
+        has_prev, prev_shift, scale, row_max, MERGE_BLOCK, BUCKETS, EXACT, STRIDE,
     )  # fmt: skip
     threshold = tl.maximum(min_key, base)
     noise_scale = tl.where(greedy, 0.0, 1.0)
@@ -635,7 +647,6 @@ def sample_triton(
         return out
     use_top_k, use_top_p, use_min_p = filters
     chunks, chunk_len = tiles.num_chunks(rows, vocab, device)
-    chunks_p2 = triton.next_power_of_2(chunks)
     block, search_block, count_block = (
         min(b, triton.next_power_of_2(vocab))
         for b in (tiles.block, tiles.search_block, tiles.count_block)
@@ -664,7 +675,7 @@ def sample_triton(
             launch % 2, (launch - 1) % 2, int(launch > 0), int(first), digit_shift, shift,
             MASS=mass, HAS_MAX=has_max, COUNTS=counted, BUCKETS_FIRST=tiles.buckets_first,
             BUCKETS=1 << bits, PREV_BUCKETS=buckets, PREV_EXACT=exact, STRIDE=stride,
-            CHUNKS=chunks_p2, BLOCK=digit_block, UNROLL=unroll, num_warps=tiles.search_warps,
+            MERGE_BLOCK=MERGE_BLOCK, BLOCK=digit_block, UNROLL=unroll, num_warps=tiles.search_warps,
         )  # fmt: skip
         shift, buckets, exact = digit_shift, 1 << bits, mass and counted
     vals = torch.empty(rows, chunks, dtype=torch.float32, device=device)
@@ -672,8 +683,8 @@ def sample_triton(
     _draw_kernel[grid](
         *common, rows, inv_temperature, top_p, min_p, keys, pmax, state, partial,
         (len(plan) - 1) % 2, int(len(plan) > 0), shift, vals, idxs, HAS_MAX=has_max,
-        BUCKETS=buckets, EXACT=exact, STRIDE=stride, CHUNKS=chunks_p2, BLOCK=block,
+        BUCKETS=buckets, EXACT=exact, STRIDE=stride, MERGE_BLOCK=MERGE_BLOCK, BLOCK=block,
         num_warps=tiles.warps,
     )  # fmt: skip
-    _argmax_merge_kernel[(rows,)](vals, idxs, out, chunks, BLOCK_C=chunks_p2)
+    _argmax_merge_kernel[(rows,)](vals, idxs, out, chunks, BLOCK_C=MERGE_BLOCK)
     return out

@@ -164,8 +164,8 @@ def check_argmax(rows, vocab, dtype, seed, chunks=None):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
-    "vocab, chunks", [(300, None), (5000, 1), (5000, 3), (4097, 64)]
-)  # 64: capped
+    "vocab, chunks", [(300, None), (5000, 1), (5000, 3), (4097, 64), (41000, 20)]
+)  # 64: capped; 20: merged over two iterations
 def test_argmax_matches_reference_first_index_of_ties(dtype, vocab, chunks):
     check_argmax(rows=4, vocab=vocab, dtype=dtype, seed=vocab, chunks=chunks)
 

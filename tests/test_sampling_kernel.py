@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kernels.argmax import MERGE_BLOCK
 from kernels.sampling import (
     Tiles,
     gumbel_from_keys,
@@ -107,6 +108,16 @@ def test_launch_plans_for_the_filters_in_use(filters):
     args = (logits, inv_t, top_k, top_p, min_p, keys)
     ref = sample_ref(*args).tolist()
     assert sample_triton(*args, filters=filters, tiles=SPLIT).tolist() == ref
+
+
+def test_rows_cut_into_more_chunks_than_a_merge_reads_at_once():
+    """A few rows of a wide vocabulary, each cut into 38 chunks: every program merges the row's
+    chunk maxima and bucket sums over several iterations of `MERGE_BLOCK` chunks, and the chunks'
+    draws are merged the same way."""
+    args = random_rows(6, 600, torch.bfloat16, seed=11)
+    tiles = Tiles(block=16, search_block=16, chunks=40, count_block=16)
+    assert tiles.num_chunks(6, 600, torch.device(DEVICE))[0] > 2 * MERGE_BLOCK
+    assert sample_triton(*args, tiles=tiles).tolist() == sample_ref(*args).tolist()
 
 
 def test_kernel_handles_ties_infinities_and_signed_zeros():
@@ -210,6 +221,35 @@ def test_kernel_draws_the_reference_tokens_at_a_real_vocabulary():
     assert (out != ref).sum().item() <= 2
 
 
+def compiled_variants(*kernels) -> int:
+    """How many compiled variants the Triton kernels hold, over every device."""
+    return sum(len(caches[0]) for k in kernels for caches in k.device_caches.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(
+    "filters",
+    [(False, False, False), (True, False, False), (False, True, True), (True, True, True)],
+)
+def test_one_compiled_kernel_serves_every_batch_size(filters):
+    """After one call, sampling any other number of rows (1, a multiple of 16, neither; one chunk a
+    row or 75) compiles nothing: a batch size first seen mid-run must not stall on a compile."""
+    from kernels import argmax, sampling
+
+    kernels = (
+        sampling._search_kernel,
+        sampling._draw_kernel,
+        sampling._chunk_max_kernel,
+        argmax._argmax_merge_kernel,
+    )
+    sample_triton(*random_rows(256, 151936, torch.bfloat16, seed=1), filters=filters)
+    before = compiled_variants(*kernels)
+    for rows in (1, 3, 16, 100, 2200):
+        sample_triton(*random_rows(rows, 151936, torch.bfloat16, seed=rows), filters=filters)
+    assert compiled_variants(*kernels) == before
+
+
 def test_tiles_read_from_their_text_form():
     tiles = Tiles.parse("block=1024, histogram=0,chunks=0,digit_bits=2,count_bits=4")
     assert (tiles.block, tiles.histogram, tiles.chunks, tiles.digit_bits) == (1024, False, None, 2)
@@ -236,7 +276,7 @@ def compile_for_sm90(fn, num_warps, pointers=POINTERS, **constexprs):
     source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
     triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 
-search = dict(HAS_MAX=True, CHUNKS=16, BLOCK=512, UNROLL=1, STRIDE=256)
+search = dict(HAS_MAX=True, MERGE_BLOCK=16, BLOCK=512, UNROLL=1, STRIDE=256)
 for mass, counts, first, buckets, prev, exact in [
     (True, False, True, 16, 256, False), (True, False, False, 16, 16, False),
     (False, True, True, 256, 256, False), (True, False, True, 4, 4, False),
@@ -245,15 +285,16 @@ for mass, counts, first, buckets, prev, exact in [
     compile_for_sm90(s._search_kernel, 8, MASS=mass, COUNTS=counts, BUCKETS_FIRST=first,
                      BUCKETS=buckets, PREV_BUCKETS=prev, PREV_EXACT=exact, **search)
 compile_for_sm90(s._search_kernel, 8, MASS=False, COUNTS=True, BUCKETS_FIRST=True, BUCKETS=256,
-                 PREV_BUCKETS=256, PREV_EXACT=False, STRIDE=256, HAS_MAX=True, CHUNKS=16,
+                 PREV_BUCKETS=256, PREV_EXACT=False, STRIDE=256, HAS_MAX=True, MERGE_BLOCK=16,
                  BLOCK=2048, UNROLL=1)
 compile_for_sm90(s._search_kernel, 8, MASS=True, COUNTS=False, BUCKETS_FIRST=True, BUCKETS=16,
-                 PREV_BUCKETS=16, PREV_EXACT=False, STRIDE=256, HAS_MAX=True, CHUNKS=16,
+                 PREV_BUCKETS=16, PREV_EXACT=False, STRIDE=256, HAS_MAX=True, MERGE_BLOCK=16,
                  BLOCK=256, UNROLL=2)
-compile_for_sm90(s._draw_kernel, 8, HAS_MAX=True, BUCKETS=256, EXACT=True, STRIDE=256, CHUNKS=16,
+compile_for_sm90(s._draw_kernel, 8, HAS_MAX=True, BUCKETS=256, EXACT=True, STRIDE=256, MERGE_BLOCK=16,
                  BLOCK=2048)
 compile_for_sm90(s._chunk_max_kernel, 8, BLOCK=2048)
 compile_for_sm90(s._rowwise_kernel, 16, PASSES=4, BLOCK=512)
+compile_for_sm90(s._argmax_merge_kernel, 4, BLOCK_C=16)
 import kernels.penalties as pen
 ints = {"positions_ptr": "*i64", "count_rows_ptr": "*i64", "tokens_ptr": "*i64", "seen_ptr": "*u8",
         "counts_ptr": "*i32", "logits_ptr": "*bf16", "out_ptr": "*bf16"}
