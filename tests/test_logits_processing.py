@@ -285,6 +285,30 @@ def test_logit_bias_and_min_tokens_rows():
     assert torch.equal(out[0], logits[1])  # min_tokens reached: stop tokens allowed again
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_no_processing_step_waits_for_the_device():
+    """A batch's first step (count rows filled from the prompts), ``logit_bias`` and ``min_tokens``
+    rows, and the steps after it, under torch's sync debug mode: any op that makes the host wait
+    for the stream raises."""
+    device = torch.device("cuda")
+    processor = LogitsProcessor(VOCAB, device, 4)
+    reqs = [
+        request([1, 2, 3], presence_penalty=0.5, frequency_penalty=0.5),
+        request([5, 6], repetition_penalty=1.3, min_tokens=3),
+        request([7], logit_bias={4: 5.0}),
+    ]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            logits = torch.randn(3, VOCAB, device=device)
+            tokens = torch.randint(0, VOCAB, (3,), device=device)
+            processor.record(processor.process(reqs, logits), tokens)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert logits[1, [3, 7]].tolist() == [float("-inf")] * 2  # min_tokens applied
+
+
 def test_batches_without_processing_are_returned_untouched():
     processor = LogitsProcessor(VOCAB, torch.device("cpu"), 4)
     logits = torch.randn(2, VOCAB)
