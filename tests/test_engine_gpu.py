@@ -113,3 +113,29 @@ def test_bf16_logits_close_to_transformers_on_qwen25_05b(tmp_path):
     assert rel(ours) < min(1.05 * rel(hf_bf16), 2e-2), (
         f"{rel(ours):.3e}; transformers' bf16: {rel(hf_bf16):.3e}"
     )
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {},
+        {"temperature": 0.8, "top_p": 0.95, "top_k": 50, "min_p": 0.05},
+        {"temperature": 0.8, "presence_penalty": 0.5, "frequency_penalty": 0.5},
+        {"temperature": 0.8, "repetition_penalty": 1.2, "min_tokens": 6, "logit_bias": {5: 2.0}},
+    ],
+)
+def test_steps_never_synchronise_the_stream(fields):
+    """A burst of requests, several prefill chunks and decode steps, under torch's sync debug mode:
+    no op on the engine's path makes the host wait for the stream (a step reads its tokens back
+    by an event on pinned memory; anything else would idle the GPU while the host catches up).
+    Requests asking for logprobs read back at once by design, so none here asks."""
+    llm = LLM("tiny", device="cuda", max_batch_size=16, prefill_max_tokens=128)
+    prompts = [[(7 * i + j) % 250 for j in range(40 + 9 * i)] for i in range(16)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True, seed=1, **fields)
+    llm.generate(prompts[:2], params)  # compile the kernels, capture the graphs
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        outs = llm.generate(prompts, params)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert [len(o.outputs[0].token_ids) for o in outs] == [12] * 16
