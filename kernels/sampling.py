@@ -23,6 +23,10 @@ widths are `Tiles` settings. The result is exact: the kernels keep the same toke
 reference (`sample_ref`) up to float rounding of the top-p masses, and with the same noise draw the
 same token.
 
+Top-p without top-k first tries the cheaper path: draw from every token min-p keeps, and keep the
+draw when it lies in the nucleus, which it does with probability at least ``top_p``; only the
+other rows search their threshold and draw again (`sample_triton`). The tokens are the same.
+
 Performance: `sample_triton` cuts each row into chunks, one program each, so every pass streams the
 batch from all SMs (a pass reads 78 MB at batch 256 x 151,936 bf16); a pass's programs leave
 per-chunk bucket sums and the next launch's programs each merge their row's (up to a few thousand
@@ -381,10 +385,10 @@ def _resolve(state_ptr, partial_ptr, row, rows, num_chunks, top_p, prev_par, has
 def _search_kernel(
     logits_ptr, stride_row, vocab, chunk_len, num_chunks, rows, inv_temp_ptr, top_k_ptr,
     top_p_ptr, min_p_ptr, pmax_ptr, state_ptr, partial_ptr, par, prev_par, has_prev, new_search,
-    shift, prev_shift, MASS: tl.constexpr, HAS_MAX: tl.constexpr, COUNTS: tl.constexpr,
+    shift, prev_shift, taken_ptr, MASS: tl.constexpr, HAS_MAX: tl.constexpr, COUNTS: tl.constexpr,
     BUCKETS_FIRST: tl.constexpr, BUCKETS: tl.constexpr, PREV_BUCKETS: tl.constexpr,
     PREV_EXACT: tl.constexpr, STRIDE: tl.constexpr, MERGE_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
-    UNROLL: tl.constexpr,
+    UNROLL: tl.constexpr, TAKEN: tl.constexpr,
 ):  # fmt: skip
     """Program (row, chunk), one digit of a search (count, or ``MASS``): resolves the previous
     launch's digit (`_resolve`, its ``PREV_BUCKETS`` sums; ``new_search``: its threshold becomes
@@ -398,7 +402,8 @@ def _search_kernel(
     loop iteration reads (more loads in flight for the same bucket sums); ``BUCKETS_FIRST``:
     bucket sums held ``[BUCKETS, BLOCK]`` (Triton's default layout then gives each thread whole
     columns: no logit computed by several threads), else ``[BLOCK, BUCKETS]``. Bucket sums are
-    stored ``STRIDE`` apart (the widest digit's buckets)."""
+    stored ``STRIDE`` apart (the widest digit's buckets). ``TAKEN``: a row whose unrestricted
+    draw stands (``taken_ptr``, `_take_kernel`) searches nothing."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     shift = shift.to(tl.uint32)
@@ -413,6 +418,8 @@ def _search_kernel(
     fresh = new_search != 0
     if MASS:
         uses = ~greedy & (top_p < 1.0)
+        if TAKEN:
+            uses = uses & (tl.load(taken_ptr + row) == 0)
         fresh_target = tl.where(uses, -1.0, float("inf"))
     else:
         top_k = tl.load(top_k_ptr + row)
@@ -494,14 +501,23 @@ def _chunk_max_kernel(
 def _draw_kernel(
     logits_ptr, stride_row, vocab, chunk_len, num_chunks, rows, inv_temp_ptr, top_p_ptr,
     min_p_ptr, keys_ptr, pmax_ptr, state_ptr, partial_ptr, prev_par, has_prev, prev_shift,
-    val_ptr, idx_ptr, HAS_MAX: tl.constexpr, BUCKETS: tl.constexpr, EXACT: tl.constexpr,
-    STRIDE: tl.constexpr, MERGE_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
+    val_ptr, idx_ptr, taken_ptr, drawn_ptr, HAS_MAX: tl.constexpr, BUCKETS: tl.constexpr,
+    EXACT: tl.constexpr, STRIDE: tl.constexpr, MERGE_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
+    TAKEN: tl.constexpr,
 ):  # fmt: skip
     """Program (row, chunk): resolves the last search digit (the row's threshold), then the
     Gumbel-max of the chunk's kept tokens and its first index (for a greedy row, the chunk's
-    maximum), merged per row by `kernels.argmax`'s merge."""
+    maximum), merged per row by `kernels.argmax`'s merge. ``TAKEN``: a row whose unrestricted
+    draw stands (``taken_ptr``) hands that draw (``drawn_ptr``) to the merge instead."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
+    if TAKEN:
+        if tl.load(taken_ptr + row) != 0:
+            first = chunk == 0
+            tl.store(val_ptr + row * num_chunks + chunk, tl.where(first, 0.0, float("-inf")))
+            drawn = tl.load(drawn_ptr + row).to(tl.int32)
+            tl.store(idx_ptr + row * num_chunks + chunk, tl.where(first, drawn, 2147483647))
+            return
     greedy, scale, row_max, min_s = _row_setup(
         inv_temp_ptr, min_p_ptr, pmax_ptr, row, num_chunks, HAS_MAX, MERGE_BLOCK
     )
@@ -526,6 +542,64 @@ def _draw_kernel(
     top = tl.max(best, axis=0)
     tl.store(val_ptr + row * num_chunks + chunk, top)
     tl.store(idx_ptr + row * num_chunks + chunk, tl.min(tl.where(best == top, idx, 2147483647), 0))
+
+
+@triton.jit(do_not_specialize=NOT_SPECIALIZED)
+def _nucleus_mass_kernel(
+    logits_ptr, stride_row, vocab, chunk_len, num_chunks, inv_temp_ptr, top_p_ptr, min_p_ptr,
+    pmax_ptr, drawn_ptr, sums_ptr, MERGE_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Program (row, chunk), for a row sampling with top-p (no row uses top-k): the chunk's mass
+    (``exp(s - row_max)``) of the tokens min-p keeps, and of those among them whose key is above
+    the drawn token's, into ``sums [rows, chunks, 2]`` (other rows write zeros)."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    greedy, scale, row_max, min_s = _row_setup(
+        inv_temp_ptr, min_p_ptr, pmax_ptr, row, num_chunks, True, MERGE_BLOCK
+    )
+    checks = ~greedy & (tl.load(top_p_ptr + row) < 1.0)
+    above = tl.zeros((), tl.float32)
+    total = tl.zeros((), tl.float32)
+    if checks:
+        row_ptr = logits_ptr + row * stride_row
+        drawn_key, _ = _row_values(row_ptr, tl.load(drawn_ptr + row), True, scale)
+        start = chunk * chunk_len
+        end = tl.minimum(start + chunk_len, vocab)
+        offs = tl.arange(0, BLOCK)
+        acc_above = tl.zeros([BLOCK], tl.float32)
+        acc_total = tl.zeros([BLOCK], tl.float32)
+        for off in range(start, end, BLOCK):
+            cols = off + offs
+            key, s = _row_values(row_ptr, cols, cols < end, scale)
+            weight = tl.where((cols < end) & (s >= min_s), tl.exp(s - row_max), 0.0)
+            acc_total += weight
+            acc_above += tl.where(key > drawn_key, weight, 0.0)
+        above = tl.sum(acc_above, axis=0)
+        total = tl.sum(acc_total, axis=0)
+    tl.store(sums_ptr + (row * num_chunks + chunk) * 2, above)
+    tl.store(sums_ptr + (row * num_chunks + chunk) * 2 + 1, total)
+
+
+@triton.jit(do_not_specialize=NOT_SPECIALIZED)
+def _take_kernel(
+    sums_ptr, num_chunks, inv_temp_ptr, top_p_ptr, taken_ptr, MERGE_BLOCK: tl.constexpr
+):  # fmt: skip
+    """Program (row), no row using top-k: whether the row's unrestricted draw stands (1) or its
+    top-p threshold must be searched (0). It stands for a greedy row, a row without top-p, and a
+    top-p row whose drawn token lies in the nucleus: the mass strictly above it is below
+    ``top_p`` of min-p's candidates' (`sample_triton` says why that is exact)."""
+    row = tl.program_id(0).to(tl.int64)
+    above = tl.zeros((), tl.float32)
+    total = tl.zeros((), tl.float32)
+    for first in range(0, num_chunks, MERGE_BLOCK):
+        c = first + tl.arange(0, MERGE_BLOCK)
+        at = sums_ptr + (row * num_chunks + c) * 2
+        above += tl.sum(tl.load(at, mask=c < num_chunks, other=0.0), axis=0)
+        total += tl.sum(tl.load(at + 1, mask=c < num_chunks, other=0.0), axis=0)
+    top_p = tl.load(top_p_ptr + row)
+    greedy = tl.load(inv_temp_ptr + row) == 0.0
+    stands = greedy | (top_p >= 1.0) | (above < top_p * total)
+    tl.store(taken_ptr + row, stands.to(tl.int32))
 
 
 @dataclass(frozen=True)
@@ -637,7 +711,16 @@ def sample_triton(
     passes in bf16, then top-p's mass in 3: 2 weighted and 1 counted), a draw pass and the merge
     of the chunks' draws: 6 launches (5 passes over the logits) for top-p alone in bf16, 4 for
     top-k, 3 for min-p, 2 for temperature alone. Rows without a filter skip its passes (their
-    programs return at once)."""
+    programs return at once).
+
+    Top-p without top-k first draws each row from every token min-p keeps (one draw pass and a
+    merge), then weighs, in one more pass, the mass strictly above the drawn token against
+    ``top_p`` of the whole (`_nucleus_mass_kernel`, `_take_kernel`). A drawn token inside the
+    nucleus is the row's answer: the Gumbel-max over a set is the Gumbel-max over any subset
+    holding it, with the same noise, so the tokens are the search's own. It lies inside with
+    probability at least ``top_p`` (the nucleus's mass under the distribution it was drawn from),
+    so most rows skip the threshold search and the second draw, whose programs return at once for
+    them: 3 passes over such a row instead of 5, the draw being the costliest."""
     rows, vocab = logits.shape
     assert logits.stride(1) == 1
     tiles = tiles or TILES
@@ -667,24 +750,41 @@ def sample_triton(
         _chunk_max_kernel[grid](
             *common, inv_temperature, top_p, min_p, pmax, BLOCK=block, num_warps=tiles.warps
         )
+    vals = torch.empty(rows, chunks, dtype=torch.float32, device=device)
+    idxs = torch.empty(rows, chunks, dtype=torch.int32, device=device)
+    taken = None  # top-p without top-k: which rows' unrestricted draw stands ([rows] int32)
+    if use_top_p and not use_top_k:
+        _draw_kernel[grid](
+            *common, rows, inv_temperature, top_p, min_p, keys, pmax, state, partial, 0, 0, 0,
+            vals, idxs, out, out, HAS_MAX=True, BUCKETS=1, EXACT=False, STRIDE=stride,
+            MERGE_BLOCK=MERGE_BLOCK, BLOCK=block, TAKEN=False, num_warps=tiles.warps,
+        )  # fmt: skip
+        _argmax_merge_kernel[(rows,)](vals, idxs, out, chunks, BLOCK_C=MERGE_BLOCK)
+        sums = torch.empty(rows, chunks, 2, dtype=torch.float32, device=device)
+        _nucleus_mass_kernel[grid](
+            *common, inv_temperature, top_p, min_p, pmax, out, sums,
+            MERGE_BLOCK=MERGE_BLOCK, BLOCK=block, num_warps=tiles.warps,
+        )  # fmt: skip
+        taken = torch.empty(rows, dtype=torch.int32, device=device)
+        _take_kernel[(rows,)](sums, chunks, inv_temperature, top_p, taken, MERGE_BLOCK=MERGE_BLOCK)
+    taken_arg = out if taken is None else taken  # (a pointer the kernels read only when TAKEN)
     shift, buckets, exact = 0, 1, False  # the previous launch's digit
     for launch, (mass, first, (digit_shift, bits, counted)) in enumerate(plan):
         digit_block, unroll = (count_block, 1) if counted else (search_block, tiles.unroll)
         _search_kernel[grid](
             *common, rows, inv_temperature, top_k, top_p, min_p, pmax, state, partial,
             launch % 2, (launch - 1) % 2, int(launch > 0), int(first), digit_shift, shift,
-            MASS=mass, HAS_MAX=has_max, COUNTS=counted, BUCKETS_FIRST=tiles.buckets_first,
+            taken_arg, MASS=mass, HAS_MAX=has_max, COUNTS=counted, BUCKETS_FIRST=tiles.buckets_first,
             BUCKETS=1 << bits, PREV_BUCKETS=buckets, PREV_EXACT=exact, STRIDE=stride,
-            MERGE_BLOCK=MERGE_BLOCK, BLOCK=digit_block, UNROLL=unroll, num_warps=tiles.search_warps,
+            MERGE_BLOCK=MERGE_BLOCK, BLOCK=digit_block, UNROLL=unroll, TAKEN=taken is not None,
+            num_warps=tiles.search_warps,
         )  # fmt: skip
         shift, buckets, exact = digit_shift, 1 << bits, mass and counted
-    vals = torch.empty(rows, chunks, dtype=torch.float32, device=device)
-    idxs = torch.empty(rows, chunks, dtype=torch.int32, device=device)
     _draw_kernel[grid](
         *common, rows, inv_temperature, top_p, min_p, keys, pmax, state, partial,
-        (len(plan) - 1) % 2, int(len(plan) > 0), shift, vals, idxs, HAS_MAX=has_max,
-        BUCKETS=buckets, EXACT=exact, STRIDE=stride, MERGE_BLOCK=MERGE_BLOCK, BLOCK=block,
-        num_warps=tiles.warps,
+        (len(plan) - 1) % 2, int(len(plan) > 0), shift, vals, idxs, taken_arg, out,
+        HAS_MAX=has_max, BUCKETS=buckets, EXACT=exact, STRIDE=stride, MERGE_BLOCK=MERGE_BLOCK,
+        BLOCK=block, TAKEN=taken is not None, num_warps=tiles.warps,
     )  # fmt: skip
     _argmax_merge_kernel[(rows,)](vals, idxs, out, chunks, BLOCK_C=MERGE_BLOCK)
     return out

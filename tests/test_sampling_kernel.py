@@ -120,6 +120,23 @@ def test_rows_cut_into_more_chunks_than_a_merge_reads_at_once():
     assert sample_triton(*args, tiles=tiles).tolist() == sample_ref(*args).tolist()
 
 
+@pytest.mark.parametrize("top_p", [0.05, 0.6, 0.97])
+def test_top_p_rows_keep_their_unrestricted_draw_only_inside_the_nucleus(top_p):
+    """Top-p rows first draw from every token min-p keeps, and keep that draw when it lies in the
+    nucleus; the others are searched and drawn again. The reference's own draws show both kinds
+    of row in the batch, and the kernel matches it on each."""
+    logits, inv_t, top_k, _, min_p, keys = random_rows(48, 203, torch.bfloat16, seed=21)
+    inv_t = inv_t.clamp(min=0.3)  # every row samples
+    top_k = torch.zeros_like(top_k)
+    top_p = torch.full_like(inv_t, top_p)
+    args = (logits, inv_t, top_k, top_p, min_p, keys)
+    ref = sample_ref(*args)
+    unrestricted = sample_ref(logits, inv_t, top_k, torch.ones_like(top_p), min_p, keys)
+    assert (ref == unrestricted).any() and (ref != unrestricted).any()
+    assert sample_triton(*args, tiles=SPLIT).tolist() == ref.tolist()
+    assert sample_triton(*args).tolist() == ref.tolist()
+
+
 def test_kernel_handles_ties_infinities_and_signed_zeros():
     """bf16 rows full of equal values, -inf entries and both zeros: ties at a threshold are kept
     together, and the greedy row takes the first index of its maximum."""
@@ -267,7 +284,7 @@ from triton.compiler import ASTSource
 import kernels.sampling as s
 
 POINTERS = {"logits_ptr": "*bf16", "top_k_ptr": "*i64", "keys_ptr": "*i64", "out_ptr": "*i64",
-            "state_ptr": "*i32", "idx_ptr": "*i32"}
+            "state_ptr": "*i32", "idx_ptr": "*i32", "taken_ptr": "*i32", "drawn_ptr": "*i64"}
 
 def compile_for_sm90(fn, num_warps, pointers=POINTERS, **constexprs):
     names = inspect.signature(fn.fn).parameters
@@ -276,7 +293,7 @@ def compile_for_sm90(fn, num_warps, pointers=POINTERS, **constexprs):
     source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
     triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 
-search = dict(HAS_MAX=True, MERGE_BLOCK=16, BLOCK=512, UNROLL=1, STRIDE=256)
+search = dict(HAS_MAX=True, MERGE_BLOCK=16, BLOCK=512, UNROLL=1, STRIDE=256, TAKEN=True)
 for mass, counts, first, buckets, prev, exact in [
     (True, False, True, 16, 256, False), (True, False, False, 16, 16, False),
     (False, True, True, 256, 256, False), (True, False, True, 4, 4, False),
@@ -286,12 +303,15 @@ for mass, counts, first, buckets, prev, exact in [
                      BUCKETS=buckets, PREV_BUCKETS=prev, PREV_EXACT=exact, **search)
 compile_for_sm90(s._search_kernel, 8, MASS=False, COUNTS=True, BUCKETS_FIRST=True, BUCKETS=256,
                  PREV_BUCKETS=256, PREV_EXACT=False, STRIDE=256, HAS_MAX=True, MERGE_BLOCK=16,
-                 BLOCK=2048, UNROLL=1)
+                 BLOCK=2048, UNROLL=1, TAKEN=False)
 compile_for_sm90(s._search_kernel, 8, MASS=True, COUNTS=False, BUCKETS_FIRST=True, BUCKETS=16,
                  PREV_BUCKETS=16, PREV_EXACT=False, STRIDE=256, HAS_MAX=True, MERGE_BLOCK=16,
-                 BLOCK=256, UNROLL=2)
-compile_for_sm90(s._draw_kernel, 8, HAS_MAX=True, BUCKETS=256, EXACT=True, STRIDE=256, MERGE_BLOCK=16,
-                 BLOCK=2048)
+                 BLOCK=256, UNROLL=2, TAKEN=False)
+for taken in (False, True):
+    compile_for_sm90(s._draw_kernel, 8, HAS_MAX=True, BUCKETS=256, EXACT=True, STRIDE=256,
+                     MERGE_BLOCK=16, BLOCK=2048, TAKEN=taken)
+compile_for_sm90(s._nucleus_mass_kernel, 8, MERGE_BLOCK=16, BLOCK=2048)
+compile_for_sm90(s._take_kernel, 4, MERGE_BLOCK=16)
 compile_for_sm90(s._chunk_max_kernel, 8, BLOCK=2048)
 compile_for_sm90(s._rowwise_kernel, 16, PASSES=4, BLOCK=512)
 compile_for_sm90(s._argmax_merge_kernel, 4, BLOCK_C=16)
