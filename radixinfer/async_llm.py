@@ -51,11 +51,11 @@ from radixinfer.core_messages import (
     CoreFailed,
     CoreInput,
     CoreOutput,
+    EventSplitter,
     Sink,
     StepOutput,
     StreamEvents,
     StreamFailure,
-    split_events,
 )
 from radixinfer.engine.prompts import PromptChecker
 from radixinfer.engine_core import ThreadCore
@@ -118,6 +118,7 @@ class AsyncLLM(StreamFront):
         self.request_timeout = request_timeout
         self._lock = threading.Lock()  # what submitting threads and the delivering thread share
         self._sinks: dict[str, Sink] = {}  # open requests
+        self._splitter = EventSplitter()  # of the delivering thread
         self._calls: dict[int, Future] = {}
         self._ids = itertools.count()
         self._call_ids = itertools.count()
@@ -257,7 +258,7 @@ class AsyncLLM(StreamFront):
     def _deliver(self, events: StreamEvents) -> None:
         """Put ``events`` on their sinks, one list per sink (a `TokenBatch` split by sink); forget
         the requests that finished."""
-        for sink, sink_events in split_events(events, self._sinks).items():
+        for sink, sink_events in self._splitter.split(events, self._sinks).items():
             sink.put(sink_events)
 
     def _fail_everyone(self, exc: BaseException) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol, TypeVar
+from typing import Any, ClassVar, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 
@@ -141,32 +141,65 @@ class Sink(Protocol):
     def put(self, events: StreamEvents) -> None: ...
 
 
-def split_events(events: StreamEvents, owners: dict[str, K]) -> dict[K, StreamEvents]:
-    """``events`` as one list per owner (``owners``: request id -> owner, a sink or a front; owners
-    hash by identity or value), in order; a `TokenBatch` goes whole to an owner of all its rows,
-    else as one batch of its rows per owner. A request that finishes leaves ``owners``; events of
-    requests not in ``owners`` (their owner has gone) are dropped."""
-    split: dict[K, StreamEvents] = {}
-    for event in events:
-        if type(event) is TokenBatch:
-            _split_batch(event, owners, split)
-            continue
-        request_id = event.request_id
-        owner = owners.pop(request_id, None) if event.finished else owners.get(request_id)
-        if owner is not None:
-            split.setdefault(owner, []).append(event)
-    return split
+class _Rows(NamedTuple):
+    """Some rows of a repeating decode batch: their indices, and the request ids and cached-token
+    counts they hold, which stay the same while the batch repeats."""
+
+    rows: list[int]
+    request_ids: list[str]
+    num_cached_tokens: list[int]
+
+    def of(self, batch: TokenBatch) -> TokenBatch:
+        """These rows of ``batch``, a step of the batch they were taken from."""
+        tokens = batch.token_ids
+        token_ids = [tokens[row] for row in self.rows]
+        return TokenBatch(self.request_ids, token_ids, self.num_cached_tokens, batch.timestamp)
 
 
-def _split_batch(batch: TokenBatch, owners: dict[str, K], split: dict[K, StreamEvents]) -> None:
-    routes = [owners.get(request_id) for request_id in batch.request_ids]
-    if routes.count(routes[0]) == len(routes):  # one consumer of many requests: no per-row object
-        if routes[0] is not None:
-            split.setdefault(routes[0], []).append(batch)
-        return
-    rows: dict[K, list[int]] = {}
-    for row, owner in enumerate(routes):
-        if owner is not None:
-            rows.setdefault(owner, []).append(row)
-    for owner, owner_rows in rows.items():
-        split.setdefault(owner, []).append(batch.rows(owner_rows))
+class EventSplitter:
+    """Splits each step's events into one list per owner (`split`). A steady decode batch repeats
+    step after step (the same request ids, in order: the engine passes the same list on), so the
+    split of the last `TokenBatch` is kept and reused while its ids repeat: no look-up per row
+    then, and only the new tokens are gathered. That holds because a request keeps its owner while
+    it runs: it leaves ``owners`` only when it finishes, and a finished request is in no later
+    batch."""
+
+    def __init__(self) -> None:
+        self._request_ids: list[str] | None = None  # of the last batch split
+        self._parts: dict[Any, _Rows | None] = {}  # its rows by owner; None: every row
+
+    def split(self, events: StreamEvents, owners: dict[str, K]) -> dict[K, StreamEvents]:
+        """``events`` as one list per owner (``owners``: request id -> owner, a sink or a front;
+        owners hash by identity or value), in order; a `TokenBatch` goes whole to an owner of all
+        its rows, else as one batch of its rows per owner. A request that finishes leaves
+        ``owners``; events of requests not in ``owners`` (their owner has gone) are dropped."""
+        split: dict[K, StreamEvents] = {}
+        for event in events:
+            if type(event) is TokenBatch:
+                for owner, part in self._batch_parts(event, owners).items():
+                    split.setdefault(owner, []).append(event if part is None else part.of(event))
+                continue
+            request_id = event.request_id
+            owner = owners.pop(request_id, None) if event.finished else owners.get(request_id)
+            if owner is not None:
+                split.setdefault(owner, []).append(event)
+        return split
+
+    def _batch_parts(self, batch: TokenBatch, owners: dict[str, K]) -> dict[K, _Rows | None]:
+        """``batch``'s rows by owner (None: every row), as the last batch's when its ids repeat."""
+        if batch.request_ids == self._request_ids:
+            return self._parts
+        routes = [owners.get(request_id) for request_id in batch.request_ids]
+        parts: dict[Any, _Rows | None] = {}
+        if routes.count(routes[0]) == len(routes):  # one consumer of many requests: no per-row list
+            parts[routes[0]] = None
+        else:
+            rows: dict[Any, list[int]] = {}
+            for row, owner in enumerate(routes):
+                rows.setdefault(owner, []).append(row)
+            for owner, owner_rows in rows.items():
+                part = batch.rows(owner_rows)
+                parts[owner] = _Rows(owner_rows, part.request_ids, part.num_cached_tokens)
+        parts.pop(None, None)  # rows of requests whose owner has gone
+        self._request_ids, self._parts = batch.request_ids, parts
+        return parts

@@ -55,8 +55,8 @@ from radixinfer.core_messages import (
     CoreInput,
     CoreOutput,
     CoreReady,
+    EventSplitter,
     StepOutput,
-    split_events,
 )
 from radixinfer.engine.prompts import PromptChecker
 from radixinfer.engine_core import EngineCore
@@ -181,6 +181,7 @@ class _CoreEnd:
         self._pipes = dict(enumerate(pipes))  # the open fronts' pipes, by front index
         self._closing: list[int] = []  # fronts that sent `Close`: their pipe closes next take
         self._owners: dict[str, int] = {}  # open request id -> front
+        self._splitter = EventSplitter()
         self._calls: dict[int, tuple[int, int]] = {}  # engine call id -> (front, its call id)
         self._call_ids = itertools.count()
         self._taken = [0] * len(pipes)
@@ -240,7 +241,7 @@ class _CoreEnd:
         if len(self._reported) == 1:  # one front: everything is its own
             per_front = {0: output.events} if output.events else {}
         else:
-            per_front = split_events(output.events, self._owners)
+            per_front = self._splitter.split(output.events, self._owners)
         results: dict[int, list[CallResult]] = {}
         for result in output.results:
             front, result.call_id = self._calls.pop(result.call_id)

@@ -1,5 +1,6 @@
 """``radixinfer serve --api-server-count 2``, the command itself: concurrent streams equal
-`LLM.generate` and land on both API server processes; ``/metrics`` adds both processes up; the API
+`LLM.generate` and land on both API server processes, spread by the kernel even while one is busy;
+``/metrics`` adds both processes up; the API
 key and the cache-salt header hold in both; clients that leave abort their requests and free every
 block; a process that dies stops the whole server; the flag refuses what it cannot serve."""
 
@@ -11,13 +12,21 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
 from radixinfer import LLM, SamplingParams
 from radixinfer.cli import parse_args
-from tests.http_server import MODEL, REPO, leave_mid_stream, serve_process, stream_texts
+from tests.http_server import (
+    MODEL,
+    REPO,
+    ServeProcess,
+    leave_mid_stream,
+    serve_process,
+    stream_texts,
+)
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -58,7 +67,7 @@ def wait_idle(url: str, timeout: float = 60) -> dict[str, float]:
 
 def test_concurrent_streams_equal_generate_land_on_both_api_servers_and_add_up(server):
     """Waves of 32 concurrent streams until both API server processes have served some (the
-    kernel hands each connection to whichever accepts first); every text is greedy generate's, and
+    kernel hashes each connection to one of them); every text is greedy generate's, and
     the whole server's counters move by what all the waves did."""
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     before = scrape(server.url)
@@ -89,6 +98,37 @@ def test_concurrent_streams_equal_generate_land_on_both_api_servers_and_add_up(s
     assert moved("radixinfer_prefix_cache_queried_tokens_total") == moved(
         "radixinfer_prompt_tokens_total"
     )
+
+
+def api_server_pids(running: ServeProcess, count: int = 2) -> list[int]:
+    """The API server processes' ids, in order, once each has started and named itself."""
+    names = [f"radixinfer-api{i}" for i in range(count)]
+    deadline = time.monotonic() + 120
+    while not set(names) <= set(children := running.children()):
+        assert time.monotonic() < deadline, children
+        time.sleep(0.2)
+    return [children[name] for name in names]
+
+
+def test_connections_wait_for_a_busy_api_server_instead_of_piling_onto_the_free_one(server):
+    """32 streams connect while API server 0 is stopped (SIGSTOP: as busy as a process gets). Each
+    process listens on its own socket, which the kernel hashes connections over, so about half of
+    them wait for process 0 and it serves them once it goes on; on one socket shared by both,
+    process 1 would have accepted every one."""
+    first = api_server_pids(server)[0]
+    prompts = [f"while one is busy, stream {i}" for i in range(32)]
+    before = wait_idle(server.url)
+    with ThreadPoolExecutor(1) as pool:
+        os.kill(first, signal.SIGSTOP)
+        try:
+            texts = pool.submit(stream_texts, server.url, prompts, 2, AUTH)
+            time.sleep(2)  # every connection is made (and hashed) meanwhile
+        finally:
+            os.kill(first, signal.SIGCONT)
+        assert len(texts.result()) == 32
+    after = wait_idle(server.url)
+    # hashed evenly, fewer than 4 of 32 is about a one-in-a-million chance
+    assert served_by(after, 0) - served_by(before, 0) >= 4
 
 
 def test_the_api_key_and_the_tenant_header_hold_on_every_api_server(server):
@@ -128,12 +168,9 @@ def test_clients_leaving_mid_stream_abort_and_free_every_block(server):
 @pytest.mark.parametrize("victim", ["radixinfer-api1", "radixinfer-core"])
 def test_a_process_that_dies_stops_the_whole_server(victim):
     with serve_process("--api-server-count", "2", *ENGINE) as running:
+        api_server_pids(running)  # both started
         names = {"radixinfer-core", "radixinfer-api0", "radixinfer-api1"}
-        deadline = time.monotonic() + 120
-        while not names <= set(children := running.children()):  # an API server still starting
-            assert time.monotonic() < deadline, children
-            time.sleep(0.2)
-        children = {name: children[name] for name in names}
+        children = {name: running.children()[name] for name in names}
         os.kill(children[victim], signal.SIGKILL)
         assert running.process.wait(timeout=60) == 1
         output = running.process.stdout.read().decode()

@@ -1,15 +1,17 @@
 """``radixinfer serve --api-server-count N`` with N > 1: N API server processes over one engine
 process, so the HTTP side (parsing, streaming, detokenizing) is not one process's event loop::
 
-    radixinfer serve           binds the listening socket, starts the others, watches them
+    radixinfer serve           binds a socket per API server, starts the others, watches them
     ├── radixinfer-core        the engine process: one `EngineCore`, one pipe per API server
     │                          (`start_engine_process`)
     └── radixinfer-api0 .. N-1 API server i: uvicorn + the app + an `AsyncLLM` over pipe i
-                               (`EngineConnection`), accepting connections on the shared socket
+                               (`EngineConnection`), accepting connections on socket i
 
 (the names are what ``top`` and ``ps -o comm`` show, `name_this_process`).
 
-Every API server accepts on the same socket, so the kernel hands each connection to one of them.
+Every API server listens on a socket of its own bound to the server's port (``SO_REUSEPORT``), so
+the kernel hashes each connection to one of them: a burst of connections spreads evenly over the
+processes, whichever of them is busy when it arrives (`radixinfer.server.launch.bind_sockets`).
 Each names its requests with its own prefix, and the engine sends a request's outputs back over the
 pipe it came by. The per-request metrics live in a shared table, a row per API server
 (`shared_metrics_table`), so any server's ``/metrics`` reports the whole server; the engine's
@@ -22,7 +24,7 @@ error when that process failed: a dead API server or engine never leaves the ser
 SIGINT (the terminal's Ctrl-C reaches every process) and SIGTERM (sent to this process, which passes
 it on) stop the API servers gracefully; the engine ends when its last API server has gone. Killed
 by SIGKILL, this process cleans nothing up, but the engine and the API servers exit with it
-(`radixinfer.lifetime.exit_with_parent`), so no server is left accepting on the socket.
+(`radixinfer.lifetime.exit_with_parent`), so no server is left accepting on the port.
 """
 
 from __future__ import annotations
@@ -57,10 +59,13 @@ class _Stop(Exception):
     """This process got SIGTERM."""
 
 
-def run_api_servers(args: argparse.Namespace, config: ServerConfig, sock: socket.socket) -> None:
-    """Serve ``radixinfer serve``'s ``args`` with ``args.api_server_count`` API server processes on
-    ``sock`` (bound, not yet listening) until interrupted or until one of the processes exits;
-    raises ``SystemExit`` naming a process that failed."""
+def run_api_servers(
+    args: argparse.Namespace, config: ServerConfig, sockets: list[socket.socket]
+) -> None:
+    """Serve ``radixinfer serve``'s ``args`` with ``args.api_server_count`` API server processes,
+    process i on ``sockets[i]`` (`radixinfer.server.launch.bind_sockets`: bound to one port, not yet
+    listening), until interrupted or until one of the processes exits; raises ``SystemExit`` naming
+    a process that failed."""
     count = args.api_server_count
     table = shared_metrics_table(count)
     engine, connections = start_engine_process(EngineProcess(**llm_kwargs(args)), count)
@@ -72,7 +77,7 @@ def run_api_servers(args: argparse.Namespace, config: ServerConfig, sock: socket
             name=f"radixinfer-api-server-{connection.front}",
             daemon=True,
         )
-        for connection in connections
+        for connection, sock in zip(connections, sockets)
     ]
     for server in servers:
         server.start()
@@ -132,7 +137,8 @@ def _api_server_main(
     table: Any,
 ) -> None:
     """API server process ``connection.front``: a front over the shared engine, the app, uvicorn on
-    the shared socket; exits with an error when the engine cannot serve."""
+    ``sock``, its own socket on the server's port; exits with an error when the engine cannot
+    serve."""
     exit_with_parent()  # ``radixinfer serve`` killed: no server left accepting on its socket
     from radixinfer.async_llm import AsyncLLM
     from radixinfer.server.launch import serve_http

@@ -68,7 +68,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         metavar="N",
-        help="HTTP server processes over the one engine process, accepting on the same socket: "
+        help="HTTP server processes over the one engine process, each accepting on its own socket of "
+        "the port (SO_REUSEPORT: the kernel spreads connections evenly over them): "
         "more than one when one process's event loop cannot stream the engine's tokens as fast as "
         "it makes them (not with --data-parallel-size > 1) [1]",
     )
@@ -189,13 +190,16 @@ def serve(args: argparse.Namespace) -> None:
     )
     if args.gc_threshold:  # before the engine process starts: it copies the thresholds
         gc.set_threshold(args.gc_threshold, *gc.get_threshold()[1:])
-    sock = bind_socket(args.host, args.port)
+    sockets = bind_sockets(args.host, args.port, args.api_server_count)
     if args.api_server_count > 1:
         from radixinfer.server.api_servers import run_api_servers
 
-        with sock:
-            run_api_servers(args, config, sock)
+        with contextlib.ExitStack() as stack:
+            for sock in sockets:
+                stack.enter_context(sock)
+            run_api_servers(args, config, sockets)
         return
+    (sock,) = sockets
     limits = {"max_waiting": args.max_waiting, "request_timeout": args.request_timeout}
     if args.data_parallel_size == 1:
         front: AsyncLLM | DataParallelLLM = AsyncLLM(EngineProcess(**llm_kwargs(args)), **limits)
@@ -213,19 +217,32 @@ def serve(args: argparse.Namespace) -> None:
         serve_http(llm, config, args, sock)
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to ``host``:``port`` (IPv6 when ``host`` has a colon), not yet listening:
-    the server listens once its app is up, so a client connecting earlier is refused, not kept
-    waiting. Raises ``SystemExit`` when the address is taken or cannot be bound."""
+def bind_sockets(host: str, port: int, count: int) -> list[socket.socket]:
+    """``count`` TCP sockets bound to ``host``:``port`` (IPv6 when ``host`` has a colon; port 0: a
+    free port, the same for all), not yet listening: the server listens once its app is up, so a
+    client connecting earlier is refused, not kept waiting. Raises ``SystemExit`` when the address
+    is taken or cannot be bound.
+
+    With ``count`` > 1, one socket per API server process, each with ``SO_REUSEPORT``: the kernel
+    hashes each connection to one of the listening sockets, so the processes share a burst evenly.
+    On one shared socket, whichever process is free when the burst arrives takes it (asyncio accepts
+    up to its backlog of connections per wake-up), and streams then pile onto one event loop."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sockets: list[socket.socket] = []
     try:
-        sock.bind((host, port))
+        for _ in range(count):
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if count > 1:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            sock.bind((host, port))
+            port = sock.getsockname()[1]  # port 0 picked a free one: the others share it
     except OSError as exc:
-        sock.close()
+        for sock in sockets:
+            sock.close()
         raise SystemExit(f"radixinfer serve: cannot listen on {host}:{port}: {exc}") from exc
-    return sock
+    return sockets
 
 
 def serve_http(
