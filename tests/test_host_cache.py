@@ -274,28 +274,33 @@ def test_with_write_through_the_hit_prefix_is_copied_once_and_its_eviction_moves
     llm.engine.cache.check_integrity([])
 
 
-def test_a_request_waits_for_its_load_while_the_others_go_on_and_aborting_it_leaks_nothing():
+def test_a_request_hit_on_the_host_starts_in_the_round_of_its_load_and_aborting_it_leaks_nothing():
+    """A request whose prefix loads from the host tier is admitted beside a fresh prompt; the
+    round's first pass computes the fresh prompt without waiting for the load, and the second pass
+    computes the loaded request's suffix once the load completed: both prompts are done in the
+    step that admitted them (the loaded request used to wait for the next step)."""
     want = _llm(False, 0).generate([P + [7, 8], list(range(200, 230))], ONE)
     llm = _llm(True, HOST_BLOCKS)
     llm.reset_prefix_cache()
     llm.generate([P], ONE)
     llm.generate([Q], ONE)  # P is host-resident now
     engine = llm.engine
+    forwards = engine.counters.prefill_forwards
     loading = engine.add_request(P + [7, 8], ONE)
     fresh = engine.add_request(list(range(200, 230)), ONE)
-    engine.step()  # both admitted: P's load is queued and run, the fresh prompt is computed
+    engine.step()  # both admitted: the fresh prompt is computed, P's load queued and run
     assert engine.requests[fresh].prompt_done == 30
-    assert engine.requests[loading].prompt_done == 0  # it waited for its load
+    assert engine.requests[loading].prompt_done == 42  # in the second pass, after its load
+    assert engine.counters.prefill_forwards == forwards + 2
     while engine.has_unfinished():
         engine.step()
     got = [engine.pop_finished(r).output_ids for r in (loading, fresh)]
     assert got == [w.token_ids for w in want]
     assert llm.cache_stats()["host_hit_tokens"] > 0
-    # a request aborted while it waits for its load releases everything
+    # a request aborted in the step that loaded its prefix releases everything
     llm.generate([Q], ONE)
     held = engine.add_request(P + [9], ONE)
     engine.step()
-    assert engine.requests[held].prompt_done == 0
     engine.abort(held)
     engine.pop_finished(held)
     assert llm.generate([P + [7, 8]], ONE)[0].token_ids == want[0].token_ids

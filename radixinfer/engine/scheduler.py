@@ -40,8 +40,9 @@ class Scheduler:
 
     ``epoch`` counts changes to the set of running requests (a decode batch holds while it is
     unchanged); ``departures`` counts requests that stopped running (a launch's tokens all go to
-    running requests while it is unchanged); ``held_for_loads``: the last round's prefilling
-    requests that waited for loads from the host tier."""
+    running requests while it is unchanged); ``held_for_loads``: the prefilling requests of the
+    round being planned that wait for loads from the host tier (`plan_deferred` plans those whose
+    loads completed)."""
 
     def __init__(self, cache: KVCacheManager, config: EngineConfig, counters: EngineCounters):
         self.cache = cache
@@ -53,7 +54,7 @@ class Scheduler:
         self.epoch = 0
         self.departures = 0
         self.last_decode: DecodeBatch | None = None
-        self.held_for_loads = 0
+        self.held_for_loads: list[Request] = []
         # Requests admitted while their prefix loads -> the chunk each reserved then (`_plan_item`).
         self._held: dict[Request, ReservedChunk] = {}
         self._round = itertools.count()
@@ -70,7 +71,7 @@ class Scheduler:
         admission = self.config.admission
         first = PrefillPass()
         budget = admission.max_tokens
-        self.held_for_loads = 0
+        self.held_for_loads = []
         for req in self.prefilling:
             outcome = Planned.NO_MEMORY
             if budget > 0:
@@ -132,9 +133,13 @@ class Scheduler:
         return req.params.penalized and req.seq is not None
 
     def plan_deferred(self, grants: list[Grant[Request]]) -> PrefillPass:
-        """The second pass of a round, planned after the first pass's forward was issued. A request
-        that would now copy a block the second pass itself writes waits for the next round."""
+        """The second pass of a round, planned after the first pass's forward was issued: first the
+        requests held for loads that have completed since (the caller may have the device wait for
+        them: `LLMEngine._prefill_round`), so they start this round rather than the next, then the
+        deferred ``grants``. A request that would now copy a block the second pass itself writes
+        waits for the next round."""
         second = PrefillPass()
+        self._plan_loaded(second)
         growth = self._blocks_to_finish_held()
         for grant in grants:
             outcome = self._plan_item(
@@ -145,6 +150,14 @@ class Scheduler:
             if outcome is not Planned.DEFERRED:
                 growth += self._blocks_to_finish(grant.item)
         return second
+
+    def _plan_loaded(self, pass_: PrefillPass) -> None:
+        """Plan into ``pass_`` the requests held for loads that have completed (each reserved its
+        chunk at admission, or reads its whole prompt); the others stay held."""
+        held = self.held_for_loads
+        self.held_for_loads = []
+        for req in held:
+            self._plan_item(pass_, req, self.config.admission.max_tokens, False)
 
     def _uncached_cost(self, req: Request) -> int:
         tokens = req.token_array()
@@ -194,7 +207,7 @@ class Scheduler:
                         return self._no_memory(req)
                     self._held[req] = chunk
                 self._enter(req)
-            self.held_for_loads += 1
+            self.held_for_loads.append(req)
             return Planned.LOADING
         start = seq.num_kv
         chunk = self._held.pop(req, None)
