@@ -25,6 +25,12 @@ from radixinfer.engine.prefill_plan import (
 )
 from radixinfer.engine.request import Request, Status
 
+# Admission leaves room for the output the requests holding KV surely produce over this many more
+# decode steps (a chat answer's worth): a longer output's later growth is met by the requests that
+# finish meanwhile, or by preemption, rather than by holding its whole length back from admission
+# (which would keep a batch of long generations from running at once).
+GROWTH_LOOKAHEAD = 256
+
 
 class Planned(enum.Enum):
     """What `Scheduler._plan_item` did with a request."""
@@ -275,10 +281,12 @@ class Scheduler:
     def _blocks_to_finish(self, req: Request, held_positions: int | None = None) -> int:
         """The blocks ``req`` will surely take still, beyond those of its first ``held_positions``
         positions (None: its block table): for its prompt and the positions of the output it
-        surely reaches (`_sure_output_len`; the last token is never fed back), once for each
-        sequence it holds (samples waiting to fork it grow apart)."""
+        surely reaches (`_sure_output_len`; the last token is never fed back) within
+        `GROWTH_LOOKAHEAD` more tokens, once for each sequence it holds (samples waiting to fork
+        it grow apart)."""
         bs = self.cache.block_size
-        final = -(-(len(req.prompt_ids) + _sure_output_len(req) - 1) // bs)
+        end = len(req.prompt_ids) + _sure_output_len(req)
+        final = -(-(min(end, req.num_tokens + GROWTH_LOOKAHEAD) - 1) // bs)
         held = len(req.seq.table) if held_positions is None else -(-held_positions // bs)
         return max(0, final - held) * _seqs(req)
 
