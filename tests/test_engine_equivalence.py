@@ -33,11 +33,17 @@ def burst(seed: int) -> list[list[int]]:
     return prompts
 
 
-def check(llm: LLM, checkpoint, prompts: list[list[int]]) -> None:
-    outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+def check(llm: LLM, checkpoint, prompts: list[list[int]], stop_token_ids=()) -> None:
+    """Greedy answers of ``prompts`` equal transformers'. ``stop_token_ids``: tokens that end an
+    answer, none of which transformers' answers hold (they stop nothing, but the engine cannot
+    know how long the answers run)."""
+    params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, stop_token_ids=stop_token_ids)
+    outs = llm.generate(prompts, params)
     for prompt, out in zip(prompts, outs):
+        want = hf_greedy(checkpoint, prompt, MAX_NEW)
+        assert not set(stop_token_ids) & set(want), f"a stop token in the answer to {prompt}"
         assert out.prompt_token_ids == prompt
-        assert out.token_ids == hf_greedy(checkpoint, prompt, MAX_NEW), f"prompt {prompt}"
+        assert out.token_ids == want, f"prompt {prompt}"
 
 
 @pytest.mark.parametrize("block_size", [1, 3, 16])
@@ -63,11 +69,13 @@ def test_single_requests_one_at_a_time(checkpoint):
 
 def test_tiny_pool_evicts_and_preempts(checkpoint):
     """Eight requests that cannot all fit: the engine evicts LRU leaves, then preempts the newest; the
-    outputs are still exactly transformers'."""
+    outputs are still exactly transformers'. (A stop token keeps their length unknown: admission
+    leaves room for the outputs of requests that surely run to their length, which preempts
+    none.)"""
     llm = LLM(str(checkpoint), block_size=2, num_blocks=40, max_batch_size=8)
     prompts = burst(3) + burst(4)[:2]
-    check(llm, checkpoint, prompts)
-    check(llm, checkpoint, burst(5))
+    check(llm, checkpoint, prompts, stop_token_ids=[0])
+    check(llm, checkpoint, burst(5), stop_token_ids=[0])
     stats = llm.cache_stats()
     assert stats["preemptions"] > 0
     assert stats["evicted_blocks"] > 0

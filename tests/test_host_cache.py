@@ -69,6 +69,53 @@ def _chat(llm: LLM, conversations: int, turns: int, seed: int) -> list[list[int]
     return answers
 
 
+def _chat_under_way(llm: LLM, conversations: int, turns: int, seed: int) -> tuple[list, int]:
+    """Every conversation under way at once: a conversation's next turn (the conversation so far
+    plus a new user message) is added as soon as its answer is out, while the others decode.
+    Returns every turn's greedy answer by conversation and turn, and the preemptions."""
+    rng = random.Random(seed)
+    histories = [[rng.randrange(3, 250) for _ in range(16)] for _ in range(conversations)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    engine = llm.engine
+    preempted = llm.cache_stats()["preemptions"]
+    live = {engine.add_request(h, params): c for c, h in enumerate(histories)}
+    answers: list[list[list[int]]] = [[] for _ in range(conversations)]
+    for _ in range(200 * conversations * turns):
+        if not live:
+            break
+        engine.step()
+        for request_id in [r for r in live if engine.is_finished(r)]:
+            c = live.pop(request_id)
+            answers[c].append(engine.pop_finished(request_id).output_ids)
+            if len(answers[c]) < turns:
+                histories[c] += answers[c][-1] + [rng.randrange(3, 250) for _ in range(12)]
+                live[engine.add_request(histories[c], params)] = c
+    assert not live, "the engine stopped making progress"
+    return answers, llm.cache_stats()["preemptions"] - preempted
+
+
+def test_conversations_under_way_at_once_preempt_no_more_with_the_tier():
+    """10 conversations of 4 turns, all under way at once, over a 48-block pool: the turns that
+    hit the host tier are admitted cheaply (only their new message is computed), many in one
+    round. Admission leaves free the blocks the requests holding KV will surely still take (these
+    run to their length), so the tier preempts no more than the engine without it, and answers
+    as the engine without a prefix cache. (When admission left no room for decoding, the tier
+    preempted 9 times here, and the engine without it 4.)"""
+    want, _ = _chat_under_way(_llm(False, 0, num_blocks=48), 10, 4, seed=0)
+    runs = {}
+    for host_blocks in (0, HOST_BLOCKS):
+        llm = _llm(True, host_blocks, num_blocks=48)
+        llm.reset_prefix_cache()
+        before = llm.cache_stats()["host_hit_tokens"]
+        answers, preempted = _chat_under_way(llm, 10, 4, seed=0)
+        runs[host_blocks] = (preempted, llm.cache_stats()["host_hit_tokens"] - before)
+        assert answers == want
+        llm.engine.cache.check_integrity([])
+    (off_preempted, _), (on_preempted, host_hits) = runs[0], runs[HOST_BLOCKS]
+    assert host_hits > 0
+    assert on_preempted <= off_preempted
+
+
 @pytest.mark.parametrize("write_through_hits", [None, 1])
 def test_multi_turn_history_many_times_the_pool_matches_no_cache_with_host_hits(
     write_through_hits,
@@ -227,28 +274,33 @@ def test_with_write_through_the_hit_prefix_is_copied_once_and_its_eviction_moves
     llm.engine.cache.check_integrity([])
 
 
-def test_a_request_waits_for_its_load_while_the_others_go_on_and_aborting_it_leaks_nothing():
+def test_a_request_hit_on_the_host_starts_in_the_round_of_its_load_and_aborting_it_leaks_nothing():
+    """A request whose prefix loads from the host tier is admitted beside a fresh prompt; the
+    round's first pass computes the fresh prompt without waiting for the load, and the second pass
+    computes the loaded request's suffix once the load completed: both prompts are done in the
+    step that admitted them (the loaded request used to wait for the next step)."""
     want = _llm(False, 0).generate([P + [7, 8], list(range(200, 230))], ONE)
     llm = _llm(True, HOST_BLOCKS)
     llm.reset_prefix_cache()
     llm.generate([P], ONE)
     llm.generate([Q], ONE)  # P is host-resident now
     engine = llm.engine
+    forwards = engine.counters.prefill_forwards
     loading = engine.add_request(P + [7, 8], ONE)
     fresh = engine.add_request(list(range(200, 230)), ONE)
-    engine.step()  # both admitted: P's load is queued and run, the fresh prompt is computed
+    engine.step()  # both admitted: the fresh prompt is computed, P's load queued and run
     assert engine.requests[fresh].prompt_done == 30
-    assert engine.requests[loading].prompt_done == 0  # it waited for its load
+    assert engine.requests[loading].prompt_done == 42  # in the second pass, after its load
+    assert engine.counters.prefill_forwards == forwards + 2
     while engine.has_unfinished():
         engine.step()
     got = [engine.pop_finished(r).output_ids for r in (loading, fresh)]
     assert got == [w.token_ids for w in want]
     assert llm.cache_stats()["host_hit_tokens"] > 0
-    # a request aborted while it waits for its load releases everything
+    # a request aborted in the step that loaded its prefix releases everything
     llm.generate([Q], ONE)
     held = engine.add_request(P + [9], ONE)
     engine.step()
-    assert engine.requests[held].prompt_done == 0
     engine.abort(held)
     engine.pop_finished(held)
     assert llm.generate([P + [7, 8]], ONE)[0].token_ids == want[0].token_ids

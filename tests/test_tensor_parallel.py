@@ -83,7 +83,8 @@ def checkpoint(request, tmp_path_factory):
 def run_workload(llm: LLM) -> tuple[list[list[int]], dict]:
     """Shared prefixes that end inside a block (copy-on-write), a second round that hits them and
     repeats a prompt exactly, and more decoding than the pool holds at once (preemption)."""
-    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    # EOS may stop them (their length unknown), so admission leaves no room for their outputs
+    greedy = SamplingParams(max_tokens=10, temperature=0.0)
     prefix = [(7 * i) % VOCAB for i in range(1, 7)]  # 6 tokens: ends inside the second block
     first = [prefix + [100 + i, 200 + i, 50 + i] for i in range(6)]
     second = [

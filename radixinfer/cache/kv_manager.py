@@ -197,10 +197,14 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ growth
     def reserve(
-        self, seqs: Sequence[SeqKV], new_lens: Sequence[int] | None = None
+        self,
+        seqs: Sequence[SeqKV],
+        new_lens: Sequence[int] | None = None,
+        keep_free: int = 0,
     ) -> ReservePlan | None:
         """Give each sequence slots for positions ``num_kv .. new_len - 1`` (``new_lens`` None: one more
-        position each, a decode step), all or nothing.
+        position each, a decode step), all or nothing, leaving at least ``keep_free`` blocks free after
+        it (evicting for them too).
 
         Evicts unlocked LRU leaves if the pool is short. Returns None and changes nothing but the eviction
         when memory is still short (the caller preempts or waits). Copy-on-write of the boundary block is
@@ -217,7 +221,9 @@ class KVCacheManager:
                 for seq, n in zip(seqs, new_lens)
                 if n > seq.num_kv
             )
-        if self.pool.num_free < most and not self.ensure_free(self.blocks_needed(seqs, new_lens)):
+        if self.pool.num_free < most + keep_free and not self.ensure_free(
+            self.blocks_needed(seqs, new_lens) + keep_free
+        ):
             return None
         plan, _ = plan_growth(self.pool, self._written_fill, seqs, new_lens, dry_run=False)
         self.counters.cow_copies += len(plan.copies)

@@ -181,13 +181,19 @@ class LLMEngine:
         return events
 
     def _prefill_round(self) -> bool:
-        """Run the scheduler's prefill round: its first pass, then its deferred requests' pass.
-        Returns whether anything was prefilled."""
-        plan = self.scheduler.plan_prefill()
-        self._run_prefill_pass(plan.first)
-        if plan.deferred:
-            self._run_prefill_pass(self.scheduler.plan_deferred(plan.deferred))
-        return bool(plan.first.items)
+        """Run the scheduler's prefill round: its first pass, then a second one for its deferred
+        requests and those the first held for loads from the host tier (`_join_loads`). Returns
+        whether anything was prefilled."""
+        scheduler = self.scheduler
+        plan = scheduler.plan_prefill()
+        self._run_prefill_pass(plan.first)  # the loads of the requests held for them start here
+        if scheduler.held_for_loads:
+            self._join_loads()
+        if not (plan.deferred or scheduler.held_for_loads):
+            return bool(plan.first.items)
+        second = scheduler.plan_deferred(plan.deferred)
+        self._run_prefill_pass(second)
+        return bool(plan.first.items or second.items)
 
     def _run_prefill_pass(self, pass_: PrefillPass) -> None:
         """Copy the pass's blocks, run its ragged forward, and launch the first token of every
@@ -299,6 +305,14 @@ class LLMEngine:
             self.host_kv.run(batches, kv.k, kv.v, self.cache.host.tickets_taken)
         if copies:  # (most steps copy nothing)
             self.runner.copy_blocks(copies)
+
+    def _join_loads(self) -> None:
+        """Have the device run whatever comes next after every load queued so far (on a GPU the
+        current stream waits for the side stream; the host does not wait), and tell the cache
+        they completed: the requests held for them join the round's second pass, their loads
+        overlapping the first pass's forward instead of holding them a step."""
+        self.host_kv.join()
+        self.cache.host.finish_loads(self.cache.host.tickets_taken)
 
     def _finish_loads(self, wait: bool = False) -> None:
         """Tell the cache which of the host tier's loads have completed (``wait``: wait for all of

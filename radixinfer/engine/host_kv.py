@@ -14,12 +14,15 @@ current stream, in order with the forwards: the blocks it frees may be written b
 forward, which then needs no wait. Its copy across the bus, and every load, run on a side stream
 that waits for the work queued before it (a load may write a block a gather just read, or one a
 finished request held); the current stream waits for nothing there but the copies out of the one
-write-back staging tensor before it gathers into it again (`MAX_STAGED_BYTES` of device memory at
+write-back staging tensor before it gathers into it again, and the loads that requests held for
+them are about to read (`join`, below) (`MAX_STAGED_BYTES` of device memory at
 most; a take that writes back less goes on at once), so the step's forwards run while the bus copies
 do. Only the requests that read a loaded block wait, in the cache, until
 `finished_ticket` reports their take's loads completed (an event on the side stream; the cache then
-lets them join); an offload that reads a block still loading (`TransferBatch.reads_loading`) has
-the current stream wait for the side stream first. The host side returns as soon as the copies are
+lets them join), or until the engine has the current stream wait for the loads after a prefill
+pass's forward (`join`: the requests held for them join the round's second pass); an offload that
+reads a block still loading (`TransferBatch.reads_loading`) has the current stream wait for the
+side stream first. The host side returns as soon as the copies are
 queued; index tensors go up from pinned memory, so nothing here waits for the device.
 
 Load bandwidth: each load batch is timed on the side stream with CUDA events (wall time on a CPU)
@@ -136,7 +139,8 @@ class HostKVPool:
             self._in_flight.append((ticket, done, timings))
 
     def join(self) -> None:
-        """Make the current stream wait for every copy queued so far (a benchmark's timing)."""
+        """Make the current stream wait for every copy queued so far (the host does not wait): what
+        is queued on it next reads the loaded blocks."""
         if self._stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self._stream)
 

@@ -25,6 +25,12 @@ from radixinfer.engine.prefill_plan import (
 )
 from radixinfer.engine.request import Request, Status
 
+# Admission leaves room for the output the requests holding KV surely produce over this many more
+# decode steps (a chat answer's worth): a longer output's later growth is met by the requests that
+# finish meanwhile, or by preemption, rather than by holding its whole length back from admission
+# (which would keep a batch of long generations from running at once).
+GROWTH_LOOKAHEAD = 256
+
 
 class Planned(enum.Enum):
     """What `Scheduler._plan_item` did with a request."""
@@ -40,8 +46,9 @@ class Scheduler:
 
     ``epoch`` counts changes to the set of running requests (a decode batch holds while it is
     unchanged); ``departures`` counts requests that stopped running (a launch's tokens all go to
-    running requests while it is unchanged); ``held_for_loads``: the last round's prefilling
-    requests that waited for loads from the host tier."""
+    running requests while it is unchanged); ``held_for_loads``: the prefilling requests of the
+    round being planned that wait for loads from the host tier (`plan_deferred` plans those whose
+    loads completed)."""
 
     def __init__(self, cache: KVCacheManager, config: EngineConfig, counters: EngineCounters):
         self.cache = cache
@@ -53,7 +60,7 @@ class Scheduler:
         self.epoch = 0
         self.departures = 0
         self.last_decode: DecodeBatch | None = None
-        self.held_for_loads = 0
+        self.held_for_loads: list[Request] = []
         # Requests admitted while their prefix loads -> the chunk each reserved then (`_plan_item`).
         self._held: dict[Request, ReservedChunk] = {}
         self._round = itertools.count()
@@ -70,7 +77,7 @@ class Scheduler:
         admission = self.config.admission
         first = PrefillPass()
         budget = admission.max_tokens
-        self.held_for_loads = 0
+        self.held_for_loads = []
         for req in self.prefilling:
             outcome = Planned.NO_MEMORY
             if budget > 0:
@@ -87,6 +94,7 @@ class Scheduler:
         # sequences held, counting the samples that prefilling requests will fork
         held = len(self.active) + sum([_seqs(r) - 1 for r in self.prefilling if len(r.group) > 1])
         penalized: int | None = None  # penalised sequences held, counted at the first such grant
+        growth = self._blocks_to_finish_held()
         free_slots = admission.max_requests if cap is None else cap - held
         if self.waiting and free_slots > 0 and budget > 0:
             window = max(admission.lookahead, admission.max_requests)
@@ -108,11 +116,15 @@ class Scheduler:
                 # tier stops short of the match the policy costed (the rest is computed then, as
                 # without the tier), so it holds no partial prompt; the budget left bounds it.
                 num_tokens = grant.num_tokens if grant.chunked else max(grant.num_tokens, budget)
-                outcome = self._plan_item(first, grant.item, num_tokens, True, may_defer=True)
+                outcome = self._plan_item(
+                    first, grant.item, num_tokens, True, may_defer=True, growth=growth
+                )
                 if outcome is Planned.NO_MEMORY:
                     break  # the rest waits
                 if outcome is Planned.ADMITTED:
                     budget -= first.items[-1].end - first.items[-1].start
+                if outcome is not Planned.DEFERRED:
+                    growth += self._blocks_to_finish(grant.item)
                 held += need
                 if grant.item.params.penalized:
                     penalized += need
@@ -127,14 +139,31 @@ class Scheduler:
         return req.params.penalized and req.seq is not None
 
     def plan_deferred(self, grants: list[Grant[Request]]) -> PrefillPass:
-        """The second pass of a round, planned after the first pass's forward was issued. A request
-        that would now copy a block the second pass itself writes waits for the next round."""
+        """The second pass of a round, planned after the first pass's forward was issued: first the
+        requests held for loads that have completed since (the caller may have the device wait for
+        them: `LLMEngine._prefill_round`), so they start this round rather than the next, then the
+        deferred ``grants``. A request that would now copy a block the second pass itself writes
+        waits for the next round."""
         second = PrefillPass()
+        self._plan_loaded(second)
+        growth = self._blocks_to_finish_held()
         for grant in grants:
-            outcome = self._plan_item(second, grant.item, grant.num_tokens, True, may_defer=True)
+            outcome = self._plan_item(
+                second, grant.item, grant.num_tokens, True, may_defer=True, growth=growth
+            )
             if outcome is Planned.NO_MEMORY:
                 break
+            if outcome is not Planned.DEFERRED:
+                growth += self._blocks_to_finish(grant.item)
         return second
+
+    def _plan_loaded(self, pass_: PrefillPass) -> None:
+        """Plan into ``pass_`` the requests held for loads that have completed (each reserved its
+        chunk at admission, or reads its whole prompt); the others stay held."""
+        held = self.held_for_loads
+        self.held_for_loads = []
+        for req in held:
+            self._plan_item(pass_, req, self.config.admission.max_tokens, False)
 
     def _uncached_cost(self, req: Request) -> int:
         tokens = req.token_array()
@@ -150,10 +179,13 @@ class Scheduler:
         num_tokens: int,
         fresh: bool,
         may_defer: bool = False,
+        growth: int = 0,
     ) -> Planned:
         """Admit (when ``fresh``), reserve and publish up to ``num_tokens`` prompt positions of
         ``req`` into ``pass_``. Leaves the request where it was unless it returns ``ADMITTED`` or
-        ``LOADING``; ``DEFERRED`` only with ``may_defer``.
+        ``LOADING``; ``DEFERRED`` only with ``may_defer``. A fresh admission's reservation leaves
+        free the ``growth`` blocks the requests holding KV still take to finish, and those the
+        request itself takes after this chunk (`_reserve_chunk`).
 
         ``LOADING``: admitted, nothing planned, as it reads blocks still arriving from the host
         tier. It reserves its chunk at admission all the same (all or nothing, as any admission
@@ -176,12 +208,12 @@ class Scheduler:
         if cache.is_loading(seq):
             if fresh:
                 if seq.num_kv < n:
-                    chunk = self._reserve_chunk(req, num_tokens, may_retry=False)
+                    chunk = self._reserve_chunk(req, num_tokens, False, growth)
                     if chunk is None:
                         return self._no_memory(req)
                     self._held[req] = chunk
                 self._enter(req)
-            self.held_for_loads += 1
+            self.held_for_loads.append(req)
             return Planned.LOADING
         start = seq.num_kv
         chunk = self._held.pop(req, None)
@@ -196,7 +228,8 @@ class Scheduler:
             else:  # recompute the last position for fresh logits; its K/V is already stored
                 item = PrefillItem(req, n - 1, n, [STORED])
         else:
-            chunk = self._reserve_chunk(req, num_tokens, may_retry=fresh and not self.active)
+            growth_of = growth if fresh else None
+            chunk = self._reserve_chunk(req, num_tokens, fresh and not self.active, growth_of)
             if chunk is None:
                 return self._no_memory(req) if fresh else Planned.NO_MEMORY
         if chunk is not None:
@@ -214,10 +247,14 @@ class Scheduler:
         return Planned.ADMITTED
 
     def _reserve_chunk(
-        self, req: Request, num_tokens: int, may_retry: bool
+        self, req: Request, num_tokens: int, may_retry: bool, growth: int | None = None
     ) -> ReservedChunk | None:
         """Reserve ``req``'s next ``num_tokens`` prompt positions (at least one), or None when
-        memory is short. ``may_retry``: a fresh admission while nothing else holds KV, so only the
+        memory is short. ``growth`` (an admission): the blocks the requests holding KV still take
+        to finish; the reservation leaves them free, and those ``req`` takes after the chunk, so
+        admitting it preempts nobody later (but when nothing else holds KV: it runs alone then,
+        and preemption is what frees memory for it). ``may_retry``: a fresh admission while
+        nothing else holds KV, so only the
         request's own locked hit can be in the way (ancestors along its path hold older versions
         of boundary blocks it does not read): it is admitted again as a miss, which fits the pool
         once everything unlocked is evicted (`add_request` checked that), and computes from the
@@ -225,7 +262,10 @@ class Scheduler:
         cache, seq = self.cache, req.seq
         start = seq.num_kv
         end = min(req.num_tokens, start + max(num_tokens, 1))
-        plan = cache.reserve([seq], [end])
+        keep_free = 0
+        if growth is not None and self.active:
+            keep_free = growth + self._blocks_to_finish(req, end)
+        plan = cache.reserve([seq], [end], keep_free)
         if plan is None and may_retry:
             cache.release(seq)
             req.seq = seq = cache.admit(req.token_array(), req.salt, use_cache=False)
@@ -233,6 +273,22 @@ class Scheduler:
             plan = cache.reserve([seq], [end])
             assert plan is not None, "a request that fits the empty pool did not fit it"
         return None if plan is None else ReservedChunk(start, end, plan.slots, plan.copies)
+
+    def _blocks_to_finish_held(self) -> int:
+        """The blocks the requests holding KV will surely take still (`_blocks_to_finish`)."""
+        return sum([self._blocks_to_finish(r) for r in self.active if r.seq is not None])
+
+    def _blocks_to_finish(self, req: Request, held_positions: int | None = None) -> int:
+        """The blocks ``req`` will surely take still, beyond those of its first ``held_positions``
+        positions (None: its block table): for its prompt and the positions of the output it
+        surely reaches (`_sure_output_len`; the last token is never fed back) within
+        `GROWTH_LOOKAHEAD` more tokens, once for each sequence it holds (samples waiting to fork
+        it grow apart)."""
+        bs = self.cache.block_size
+        end = len(req.prompt_ids) + _sure_output_len(req)
+        final = -(-(min(end, req.num_tokens + GROWTH_LOOKAHEAD) - 1) // bs)
+        held = len(req.seq.table) if held_positions is None else -(-held_positions // bs)
+        return max(0, final - held) * _seqs(req)
 
     def _no_memory(self, req: Request) -> Planned:
         """A fresh admission found memory short: it gives back what it holds and waits."""
@@ -349,3 +405,12 @@ def _seqs(req: Request) -> int:
     """The sequences a request holds once running: itself, and the samples waiting to fork it."""
     group = req.group
     return 1 if len(group) == 1 else 1 + sum([r.status is Status.FORKING for r in group])
+
+
+def _sure_output_len(req: Request) -> int:
+    """The output length ``req`` reaches unless aborted: ``max_output_len`` when only the length
+    can stop it (no stop token or string, EOS ignored), else ``min_tokens`` (stops count only
+    after those)."""
+    if not req.stop_ids and req.stop_strings is None:
+        return req.max_output_len
+    return min(req.params.min_tokens, req.max_output_len)
