@@ -94,9 +94,9 @@ class Scheduler:
         # sequences held, counting the samples that prefilling requests will fork
         held = len(self.active) + sum([_seqs(r) - 1 for r in self.prefilling if len(r.group) > 1])
         penalized: int | None = None  # penalised sequences held, counted at the first such grant
-        growth = self._blocks_to_finish_held()
         free_slots = admission.max_requests if cap is None else cap - held
         if self.waiting and free_slots > 0 and budget > 0:
+            growth = self._blocks_to_finish_held()  # (a loop over the running: only to admit)
             window = max(admission.lookahead, admission.max_requests)
             grants = plan_admission(
                 list(itertools.islice(self.waiting, window)), admission, next(self._round),
@@ -146,7 +146,7 @@ class Scheduler:
         waits for the next round."""
         second = PrefillPass()
         self._plan_loaded(second)
-        growth = self._blocks_to_finish_held()
+        growth = self._blocks_to_finish_held() if grants else 0
         for grant in grants:
             outcome = self._plan_item(
                 second, grant.item, grant.num_tokens, True, may_defer=True, growth=growth
