@@ -179,6 +179,7 @@ class _CoreEnd:
 
     def __init__(self, pipes: list[_PipeEnd]) -> None:
         self._pipes = dict(enumerate(pipes))  # the open fronts' pipes, by front index
+        self._one_front = len(pipes) == 1  # every request its own: no owners, no splitting
         self._closing: list[int] = []  # fronts that sent `Close`: their pipe closes next take
         self._owners: dict[str, int] = {}  # open request id -> front
         self._splitter = EventSplitter()
@@ -216,7 +217,7 @@ class _CoreEnd:
         for message in messages:
             kind = type(message)
             if kind is AddRequest:
-                if len(self._taken) > 1:  # one front owns every request: no need to remember
+                if not self._one_front:
                     self._owners[message.request_id] = front
                 self._taken[front] += 1
             elif kind is Call:
@@ -238,7 +239,7 @@ class _CoreEnd:
             for pipe in self._pipes.values():
                 self._send(pipe, output)
             return
-        if len(self._reported) == 1:  # one front: everything is its own
+        if self._one_front:
             per_front = {0: output.events} if output.events else {}
         else:
             per_front = self._splitter.split(output.events, self._owners)

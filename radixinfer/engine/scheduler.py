@@ -95,7 +95,7 @@ class Scheduler:
         held = len(self.active) + sum([_seqs(r) - 1 for r in self.prefilling if len(r.group) > 1])
         penalized: int | None = None  # penalised sequences held, counted at the first such grant
         free_slots = admission.max_requests if cap is None else cap - held
-        if self.waiting and free_slots > 0 and budget > 0:
+        if free_slots > 0 and budget > 0:
             growth = self._blocks_to_finish_held()  # (a loop over the running: only to admit)
             window = max(admission.lookahead, admission.max_requests)
             grants = plan_admission(
@@ -254,11 +254,10 @@ class Scheduler:
         to finish; the reservation leaves them free, and those ``req`` takes after the chunk, so
         admitting it preempts nobody later (but when nothing else holds KV: it runs alone then,
         and preemption is what frees memory for it). ``may_retry``: a fresh admission while
-        nothing else holds KV, so only the
-        request's own locked hit can be in the way (ancestors along its path hold older versions
-        of boundary blocks it does not read): it is admitted again as a miss, which fits the pool
-        once everything unlocked is evicted (`add_request` checked that), and computes from the
-        start up to the end planned for the hit."""
+        nothing else holds KV, so only the request's own locked hit can be in the way (ancestors
+        along its path hold older versions of boundary blocks it does not read): it is admitted
+        again as a miss, which fits the pool once everything unlocked is evicted (`add_request`
+        checked that), and computes from the start up to the end planned for the hit."""
         cache, seq = self.cache, req.seq
         start = seq.num_kv
         end = min(req.num_tokens, start + max(num_tokens, 1))
