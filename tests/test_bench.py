@@ -381,6 +381,25 @@ def test_multi_turn_prompts_extend_the_previous_prompt_and_answer():
         assert turns[2] == turns[1] + [1, 2, 3] + session.follow_ups[1]
 
 
+def test_later_turns_wait_their_think_time_after_the_answer():
+    flags = "--dataset multi-turn --num-conversations 1 --input-len 4 --turn-len 2 --output-len 3"
+    args = bench_args(*flags.split(), "--turns", "3", "--think-time", "0.05")
+    backend = ScriptedBackend()
+    (session,) = build_workload(args, backend.tokenizer, backend.vocab_size)
+    # Drawn after the tokens: the conversation is the one without think times.
+    (plain,) = build_workload(
+        bench_args(*flags.split(), "--turns", "3"), backend.tokenizer, backend.vocab_size
+    )
+    assert (session.prompt, session.follow_ups) == (plain.prompt, plain.follow_ups)
+    assert len(session.think_times) == 2 and min(session.think_times) > 0 and not plain.think_times
+    records, _ = run_workload(backend, [session], [0.0], args, "test")
+    turns = sorted(records, key=lambda r: r.submit_time)
+    for k, think in enumerate(session.think_times):
+        waited = turns[k + 1].submit_time - turns[k].token_times[-1]
+        # Never early; late by at most a scheduling hiccup (as for first turns' offsets).
+        assert think - 1e-3 <= waited < think + 0.2
+
+
 def test_first_turns_go_in_the_backends_form_and_later_turns_as_built():
     """First turns are converted before the clock starts (`Backend.native_prompt`); later turns are built from
     answers at run time and submitted as lists."""

@@ -215,6 +215,13 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     data.add_argument(
         "--turn-len", type=int, default=32, help="multi-turn: new user tokens per later turn [32]"
     )
+    data.add_argument(
+        "--think-time",
+        type=float,
+        default=0.0,
+        help="multi-turn: mean seconds between an answer and the next turn (exponential); 0 = at "
+        "once [0]",
+    )
 
 
 # flag -> (SamplingParams field, type, default): how every request of the bench samples
@@ -262,6 +269,8 @@ def check_bench_arguments(parser: argparse.ArgumentParser, args: argparse.Namesp
         parser.error("give --request-rate or --submit-interval-ms, not both")
     if args.request_rate <= 0:
         parser.error("--request-rate must be > 0")
+    if not args.think_time >= 0:
+        parser.error("--think-time must be >= 0")
     if (args.backend == "openai") != (args.base_url is not None):
         parser.error("--backend openai and --base-url go together")
     if args.client_processes < 1:

@@ -5,6 +5,8 @@ it over every variant, side by side."""
 from __future__ import annotations
 
 import argparse
+import heapq
+import itertools
 import queue
 import sys
 import time
@@ -57,9 +59,10 @@ def run_workload(
     start: Callable[[], float] = time.perf_counter,
     progress: bool = True,
 ) -> tuple[list[RequestRecord], float]:
-    """Submit each session's first turn at its offset and each later turn as soon as the previous answer is
-    complete; collect every token's timestamp. Returns the records (one per turn) and the wall time from
-    the first submit to the last token (`wall_time`). A failed request raises RuntimeError.
+    """Submit each session's first turn at its offset and each later turn once the previous answer is
+    complete and the session's think time after it has passed; collect every token's timestamp. Returns
+    the records (one per turn) and the wall time from the first submit to the last token (`wall_time`). A
+    failed request raises RuntimeError.
 
     ``start`` is called once the first turns are ready and returns the ``perf_counter`` time the offsets
     count from (client processes that share a workload start together, `radixinfer.bench.client_processes`);
@@ -70,7 +73,6 @@ def run_workload(
     ~9x longer on the 256-request random run, 15 ms against 1.7 ms). Requests ask for token ids only
     (``detokenize=False``): nothing here reads text."""
     events: queue.SimpleQueue = queue.SimpleQueue()
-    arrivals = sorted(range(len(sessions)), key=offsets.__getitem__)
     inflight: dict[str, _Turn] = {}
     records: list[RequestRecord] = []
     progress = tqdm(
@@ -81,31 +83,27 @@ def run_workload(
         leave=False,
         disable=not progress,
     )
-
-    def submit(
-        session: Session, index: int, prompt: list[int], params: SamplingParams, native: Any
-    ) -> None:
-        record = RequestRecord(time.perf_counter(), len(prompt))
-        inflight[backend.submit(native, params, events)] = _Turn(session, index, prompt, record)
+    # Turns not yet submitted, by when they are due: (due time, order, session, turn, prompt, params,
+    # the prompt in the backend's form); ``order`` keeps equal times in submission order.
+    due: list[tuple[float, int, Session, int, list[int], SamplingParams, Any]] = []
+    order = itertools.count()
 
     # First turns are known up front: fitted and in the backend's form before the clock starts
     # (`Backend.native_prompt`).
     first = [request_for(s, s.prompt, backend.max_context_len, args) for s in sessions]
     native_first = [backend.native_prompt(prompt) for prompt, _ in first]
     started = start()
-    next_arrival = 0
+    for i, session in enumerate(sessions):
+        due.append((started + offsets[i], next(order), session, 0, *first[i], native_first[i]))
+    heapq.heapify(due)
     with progress:
-        while next_arrival < len(arrivals) or inflight:
-            while (
-                next_arrival < len(arrivals)
-                and time.perf_counter() >= started + offsets[arrivals[next_arrival]]
-            ):
-                i = arrivals[next_arrival]
-                submit(sessions[i], 0, *first[i], native_first[i])
-                next_arrival += 1
-            timeout = None  # nothing left to submit: wait for tokens
-            if next_arrival < len(arrivals):
-                timeout = max(0.0, started + offsets[arrivals[next_arrival]] - time.perf_counter())
+        while due or inflight:
+            while due and time.perf_counter() >= due[0][0]:
+                _, _, session, index, prompt, params, native = heapq.heappop(due)
+                record = RequestRecord(time.perf_counter(), len(prompt))
+                request_id = backend.submit(native, params, events)
+                inflight[request_id] = _Turn(session, index, prompt, record)
+            timeout = max(0.0, due[0][0] - time.perf_counter()) if due else None
             try:
                 batch = events.get(timeout=timeout)
             except queue.Empty:
@@ -131,7 +129,10 @@ def run_workload(
                 if index + 1 < session.num_turns:
                     answered = session.next_prompt(index, turn.prompt, turn.record.token_ids)
                     prompt, params = request_for(session, answered, backend.max_context_len, args)
-                    submit(session, index + 1, prompt, params, prompt)
+                    when = time.perf_counter() + session.think_time(index)
+                    heapq.heappush(
+                        due, (when, next(order), session, index + 1, prompt, params, prompt)
+                    )
     return records, wall_time(records)
 
 

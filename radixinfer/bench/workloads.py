@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -26,11 +26,13 @@ from radixinfer.tokenizer import Tokenizer
 @dataclass(frozen=True)
 class Session:
     """One request, or one conversation: ``prompt`` is its first turn; each later turn appends the previous
-    answer and the next ``follow_ups`` entry. Every turn asks for ``max_tokens`` new tokens."""
+    answer and the next ``follow_ups`` entry, sent ``think_times[k]`` seconds after answer ``k`` is
+    complete (at once without them). Every turn asks for ``max_tokens`` new tokens."""
 
     prompt: list[int]
     max_tokens: int
     follow_ups: tuple[list[int], ...] = ()
+    think_times: tuple[float, ...] = ()
 
     @property
     def num_turns(self) -> int:
@@ -39,6 +41,10 @@ class Session:
     def next_prompt(self, turn: int, prompt: list[int], answer: list[int]) -> list[int]:
         """The prompt of turn ``turn + 1`` after turn ``turn`` (0-based) got ``answer`` to ``prompt``."""
         return prompt + answer + self.follow_ups[turn]
+
+    def think_time(self, turn: int) -> float:
+        """Seconds between the answer to turn ``turn`` and the next turn's submission."""
+        return self.think_times[turn] if self.think_times else 0.0
 
 
 def parse_repeats(text: str) -> list[int]:
@@ -114,8 +120,10 @@ def multi_turn(
     args: argparse.Namespace, tokenizer: Tokenizer, vocab_size: int, rng: np.random.Generator
 ) -> list[Session]:
     """``num_conversations`` chats of ``turns`` turns: an ``input_len`` first message, then ``turn_len``
-    new user tokens per turn, each turn sent once the previous answer has arrived."""
-    return [
+    new user tokens per turn, each turn sent once the previous answer has arrived, after a think time
+    drawn from an exponential of mean ``think_time`` seconds (none when 0: at once). The think times
+    are drawn after every token, so a conversation's tokens do not depend on them."""
+    sessions = [
         Session(
             _token_ids(rng, vocab_size, args.input_len),
             args.max_new_tokens,
@@ -123,6 +131,10 @@ def multi_turn(
         )
         for _ in range(args.num_conversations)
     ]
+    if args.think_time > 0:
+        think = rng.exponential(args.think_time, size=(len(sessions), args.turns - 1))
+        sessions = [replace(s, think_times=tuple(t.tolist())) for s, t in zip(sessions, think)]
+    return sessions
 
 
 WORKLOADS: dict[
