@@ -30,6 +30,14 @@ bus; qwen2.5-0.5b computes a history again in milliseconds.
         --num-conversations 64 --turns 8 --input-len 512 --turn-len 512 --max-new-tokens 64 \
         --ignore-eos --max-num-seqs 64 --max-batch-size 64 --num-blocks 3072 --host-cache-gb 40 \
         --compare-host-cache --json host_multi_turn_llama.json
+    # the same chats as users have them: conversations start 4 a second and each user thinks an
+    # exponential 3 s on average before the next turn, so while one thinks the others' turns evict
+    # its history from the GPU; TTFT is then the turn's own work (a load and 512 tokens, or the whole
+    # history computed again), not a wait for a seat
+    radixinfer bench --model llama-3.1-8b --dtype bfloat16 --dataset multi-turn \
+        --num-conversations 64 --turns 8 --input-len 512 --turn-len 512 --max-new-tokens 64 \
+        --ignore-eos --max-num-seqs 64 --max-batch-size 64 --num-blocks 3072 --host-cache-gb 40 \
+        --request-rate 4 --think-time 3 --compare-host-cache --json host_chat_think_llama.json
     # the copies alone: load bandwidth vs a plain pinned copy_ of the same bytes (1 GiB moved)
     python benchmarks/bench_host_kv.py --model llama-3.1-8b --json host_copies_llama.json
     # the cost when nothing is reused: random prompts, a pool of about the running batch's KV, so
