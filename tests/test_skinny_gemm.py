@@ -1,0 +1,116 @@
+"""The skinny GEMM (a linear layer for a few tokens) and its fusion with SwiGLU's gate, against
+``F.linear`` and ``silu_and_mul_ref``, and its launch-shape rule.
+
+Without CUDA the kernel runs in Triton's interpreter at tiny sizes, with small tiles so that N and K
+are not multiples of them; the ``gpu`` tests repeat it at the real per-rank shapes of qwen2.5-0.5b and
+llama-3.1-8b.
+"""
+
+from tests import _triton_env  # noqa: F401, I001  (first: without CUDA, Triton must start interpreted)
+
+import pytest
+import torch
+
+from kernels.skinny_gemm import (
+    GemmConfig,
+    linear_ref,
+    linear_silu_and_mul_ref,
+    linear_silu_and_mul_triton,
+    linear_triton,
+    skinny_config,
+)
+from tests.test_fused_ops import rounds_like_torch
+from tests.test_kernels import DEVICE, TOLERANCE, gpu_test, randn, rel_err
+from tests.test_kernels import skip_bf16_dot_in_interpreter
+
+HALF = [torch.float16, torch.bfloat16]
+
+
+def check_linear(m, n, k, dtype, bias, fused, seed, config=None):
+    """x as a token-strided view (rows padded, as a fused projection's slice is); the weight scaled
+    like a real layer's so outputs are O(1)."""
+    gen = torch.Generator(DEVICE).manual_seed(seed)
+    x = randn(m, k + 3, dtype=dtype, gen=gen)[:, :k]
+    rows = 2 * n if fused else n
+    weight = (randn(rows, k, dtype=torch.float32, gen=gen) * k**-0.5).to(dtype)
+    b = randn(rows, dtype=dtype, gen=gen) if bias else None
+    triton_fn, ref_fn = (
+        (linear_silu_and_mul_triton, linear_silu_and_mul_ref)
+        if fused
+        else (linear_triton, linear_ref)
+    )
+    out, ref = triton_fn(x, weight, b, config), ref_fn(x, weight, b)
+    assert out.shape == ref.shape == (m, n) and out.dtype == dtype
+    # the interpreter truncates to bf16; the fused gate rounds three times
+    tolerance = TOLERANCE[dtype] * (1 if rounds_like_torch(dtype) or not fused else 3)
+    assert rel_err(out, ref) < tolerance
+
+
+# tokens -> a launch shape with tiles smaller than N = 40 and K = 100 (neither a multiple of them):
+# 1 and 3 tokens on the CUDA-core path, 16 and 20 (two token blocks) through tl.dot
+TINY_CONFIGS = {
+    1: GemmConfig(1, 16, 32, num_warps=4, num_stages=2),
+    3: GemmConfig(4, 8, 32, num_warps=4, num_stages=2),
+    16: GemmConfig(16, 16, 32, num_warps=4, num_stages=2),
+    20: GemmConfig(16, 16, 32, num_warps=4, num_stages=2),
+}
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("m", sorted(TINY_CONFIGS))
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("fused", [False, True], ids=["linear", "silu_and_mul"])
+def test_skinny_gemm_matches_reference(dtype, m, bias, fused):
+    if TINY_CONFIGS[m].block_m >= 16:
+        skip_bf16_dot_in_interpreter(dtype)
+    check_linear(m, 40, 100, dtype, bias, fused, seed=m, config=TINY_CONFIGS[m])
+
+
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_skinny_gemm_default_config_matches_reference(m):
+    check_linear(m, 72, 96, torch.float16, bias=True, fused=False, seed=m)
+    check_linear(m, 72, 96, torch.float16, bias=False, fused=True, seed=m)
+
+
+def test_no_tokens():
+    x = torch.zeros(0, 32, dtype=torch.float16, device=DEVICE)
+    weight = torch.zeros(16, 32, dtype=torch.float16, device=DEVICE)
+    assert linear_triton(x, weight).shape == (0, 16)
+    assert linear_silu_and_mul_triton(x, weight).shape == (0, 8)
+
+
+@pytest.mark.parametrize("sms", [1, 132])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 16, 17, 32, 64])
+@pytest.mark.parametrize(
+    "n, k", [(896, 896), (4864, 896), (896, 4864), (6144, 4096), (28672, 4096)]
+)
+def test_config_covers_the_tokens_and_fills_the_device(sms, m, n, k):
+    cfg = skinny_config(m, n, k, sms)
+    assert cfg.block_m >= m and (cfg.block_m >= 16) == (m > 4)
+    for size in (cfg.block_m, cfg.block_n, cfg.block_k):
+        assert size & (size - 1) == 0
+    smallest = 4 if cfg.block_m < 16 else 16
+    # as many programs as the rule wants, or the smallest tile
+    assert n // cfg.block_n >= 2 * sms or cfg.block_n == smallest
+    assert cfg.block_m * cfg.block_n * cfg.block_k <= 8192 or cfg.block_m >= 16
+
+
+def test_tokens_of_one_bucket_share_a_config():
+    """A batch size never compiles a kernel of its own: M is not a constexpr nor specialised."""
+    assert len({skinny_config(m, 4864, 896, 132) for m in range(17, 33)}) == 1
+    assert len({skinny_config(m, 4864, 896, 132) for m in range(3, 5)}) == 1
+
+
+# --------------------------------------------------------------------------------------------- GPU sizes
+
+# (N, K) per rank of qwen2.5-0.5b and llama-3.1-8b at TP=1 and 2: qkv, o_proj, gate_up's I, down_proj
+GPU_SHAPES = [(1152, 896), (896, 448), (2432, 896), (896, 2432), (6144, 4096), (4096, 7168)]
+
+
+@gpu_test
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("m", [1, 3, 8, 32, 64])
+@pytest.mark.parametrize("n, k", GPU_SHAPES)
+def test_skinny_gemm_gpu(dtype, m, n, k):
+    check_linear(m, n, k, dtype, bias=True, fused=False, seed=m)
+    check_linear(m, n, k, dtype, bias=False, fused=True, seed=m)
