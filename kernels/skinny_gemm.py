@@ -21,7 +21,8 @@ accumulate in float32 and round once at the store, like cuBLAS; the fused gate r
 Launch shapes come from `skinny_config`, a rule on (M bucket, N, K) and the SM count, never from a run-time
 autotune: a decode step is captured in a CUDA graph, which must not compile or benchmark, so every shape a
 model uses compiles in the engine's warm-up. ``M`` is not specialised (``do_not_specialize``), so batch sizes
-of one bucket share one compiled kernel. ``benchmarks/bench_skinny_gemm.py`` sweeps the configs against
+of one bucket share one compiled kernel, and N and K are plain integers (specialised only on divisibility by
+16), so the layers of a model share a config's kernel too. ``benchmarks/bench_skinny_gemm.py`` sweeps the configs against
 cuBLAS at the real per-rank shapes.
 """
 
@@ -105,7 +106,7 @@ def _accumulate(acc, x, w, BLOCK_M: tl.constexpr):
 
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel for a block_m bucket's token counts
 def _skinny_gemm_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, M, N, stride_xm, K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     SILU_AND_MUL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """Program (column block, token block): ``out[rows, cols]`` for ``BLOCK_N`` columns and ``BLOCK_M`` tokens,
@@ -122,7 +123,7 @@ def _skinny_gemm_kernel(
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         x_mask, w_mask = row_mask[:, None], col_mask[:, None]  # broadcast along K
-        if K % BLOCK_K != 0:  # a constexpr test: no K mask when BLOCK_K divides K
+        if not EVEN_K:  # no K mask when BLOCK_K divides K
             k_mask = offs_k[None, :] < K - k0
             x_mask, w_mask = x_mask & k_mask, w_mask & k_mask
         x = tl.load(x_ptrs + k0, mask=x_mask, other=0.0)
@@ -162,8 +163,8 @@ def _launch(
     cfg = config or skinny_config(m, n, k, num_sms(x.device))
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))
     _skinny_gemm_kernel[grid](
-        x, weight, weight if bias is None else bias, out, m, n, x.stride(0), K=k,
-        HAS_BIAS=bias is not None, SILU_AND_MUL=silu_and_mul, BLOCK_M=cfg.block_m,
+        x, weight, weight if bias is None else bias, out, m, n, k, x.stride(0),
+        EVEN_K=k % cfg.block_k == 0, HAS_BIAS=bias is not None, SILU_AND_MUL=silu_and_mul, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
