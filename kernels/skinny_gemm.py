@@ -13,8 +13,8 @@ contiguously::
     x [M, K]  (all rows, BLOCK_K at a time: tiny, stays in L1/L2)
     W [N, K]  ---- program p reads rows [p * BLOCK_N, (p + 1) * BLOCK_N), all of K --->  y[:, those columns]
 
-Up to `MAX_REDUCE_M` tokens the product is a broadcast multiply and a sum over K on the CUDA cores (a tensor-core
-tile would be at least 16 rows of padding); beyond, ``tl.dot`` on ``max(16, next_pow2(M))`` rows. Both
+Up to `MAX_REDUCE_M` tokens the products are multiply-adds on the CUDA cores, summed over K once at the end (a
+tensor-core tile would be at least 16 rows of padding); beyond, ``tl.dot`` on ``max(16, next_pow2(M))`` rows. Both
 accumulate in float32 and round once at the store, like cuBLAS; the fused gate rounds like
 `kernels.activation` (the projection's outputs to the model dtype, then silu, then the product).
 
@@ -22,8 +22,8 @@ Launch shapes come from `skinny_config`, a rule on (M bucket, N, K) and the SM c
 autotune: a decode step is captured in a CUDA graph, which must not compile or benchmark, so every shape a
 model uses compiles in the engine's warm-up. ``M`` is not specialised (``do_not_specialize``), so batch sizes
 of one bucket share one compiled kernel, and N and K are plain integers (specialised only on divisibility by
-16), so the layers of a model share a config's kernel too. ``benchmarks/bench_skinny_gemm.py`` sweeps the configs against
-cuBLAS at the real per-rank shapes.
+16), so the layers of a model share a config's kernel too. ``benchmarks/bench_skinny_gemm.py`` sweeps the
+configs against cuBLAS at the real per-rank shapes.
 """
 
 from __future__ import annotations
@@ -38,9 +38,11 @@ import triton.language as tl
 from kernels.activation import silu_and_mul_ref
 from kernels.device import num_sms
 
-MAX_REDUCE_M = 4  # up to this many tokens, CUDA-core multiply-and-sum; beyond, tl.dot
+MAX_REDUCE_M = 4  # up to this many tokens, CUDA-core multiply-adds; beyond, tl.dot
 PROGRAMS_PER_SM = 2  # the grid aims at this many programs per SM, so every SM streams weight rows
-REDUCE_TILE = 8192  # most products a CUDA-core program holds at once (block_m * block_n * block_k)
+# Products a CUDA-core program accumulates at once (block_m * block_n * block_k, float32), over all
+# accumulators: 64 registers a thread at 8 warps.
+REDUCE_PRODUCTS = 16384
 
 
 class GemmConfig(NamedTuple):
@@ -54,34 +56,38 @@ class GemmConfig(NamedTuple):
     num_stages: int
 
 
-def skinny_config(m: int, n: int, k: int, sms: int) -> GemmConfig:
-    """The launch shape for ``[m, k] @ [n, k]^T`` on a device of ``sms`` SMs (``n``: output columns; the
-    fused gate's intermediate size).
+def skinny_config(m: int, n: int, k: int, sms: int, silu_and_mul: bool = False) -> GemmConfig:
+    """The launch shape for ``[m, k] @ [n, k]^T`` on a device of ``sms`` SMs (``n``: output columns; for
+    the fused gate, the intermediate size, with two accumulators).
 
     The weight is read once whatever the tile, so the choice is about keeping every SM streaming:
     ``block_n`` is the largest power of two that still gives ``PROGRAMS_PER_SM`` programs per SM (the grid is
-    ``cdiv(n, block_n)``; bigger tiles only add bytes per program, fewer programs leave SMs idle), within what
-    the path can hold: 4 to 32 rows on the CUDA cores (``REDUCE_TILE`` products at once), 16 to 64 for
-    ``tl.dot`` (its smallest tile is 16; 64 rows x 128 of K are 16 KB of weight per stage). ``block_k``: a
-    weight row's 1 KB (512 bf16) per iteration on the CUDA-core path at one token, less as tokens add
-    products; 128 for ``tl.dot`` (swept on the GPU with ``benchmarks/bench_skinny_gemm.py``). Four stages
-    keep several iterations' loads in flight per program, as a bandwidth-bound loop needs. Small problems
-    (qwen2.5-0.5b's o_proj: 896 columns) cannot fill an H200's 132 SMs even at the smallest tile; a split
-    over K would need a second launch or a cross-program reduction and is not done.
+    ``cdiv(n, block_n)``; fewer programs leave SMs idle), within 4 to 16 rows on the CUDA cores and 16 to 64
+    for ``tl.dot`` (32 fused; its smallest tile is 16; 64 rows x 128 of K are 16 KB of weight per stage),
+    on 8 warps from 2,048 accumulators up (4 warps spill there: ptxas for sm_90a). On the CUDA
+    cores ``block_k`` then takes what `REDUCE_PRODUCTS` leaves (one token, 4 rows: 4,096 of K, 32 KB of
+    weight an iteration), since each iteration's loads are what a program has in flight (the loop is not
+    software-pipelined there) and few programs run per SM; for ``tl.dot``, 128 with four pipeline stages.
+    Small problems (qwen2.5-0.5b's o_proj and down_proj: 896 columns) cannot fill an H200's 132 SMs even at
+    the smallest tile; a split over K would need a second launch or a cross-program reduction and is not
+    done. The tile sizes are a first rule, to be checked against the sweep of
+    ``benchmarks/bench_skinny_gemm.py`` on the GPU.
     """
+    accumulators = 2 if silu_and_mul else 1
     if m <= MAX_REDUCE_M:
-        block_m = triton.next_power_of_2(m)
-        block_k = 512 if block_m == 1 else 256
-        lo, hi = 4, min(32, REDUCE_TILE // (block_m * block_k))
+        block_m, lo, hi = triton.next_power_of_2(m), 4, 16
     else:
-        block_m = min(64, max(16, triton.next_power_of_2(m)))
-        block_k = 128
-        lo, hi = 16, 64
+        block_m, lo, hi = min(64, max(16, triton.next_power_of_2(m))), 16, 64 // accumulators
     block_n = hi
     while block_n > lo and triton.cdiv(n, block_n) < PROGRAMS_PER_SM * sms:
         block_n //= 2
-    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
-    return GemmConfig(block_m, block_n, block_k, num_warps=4, num_stages=4)
+    if block_m >= 16:
+        block_k = min(128, max(16, triton.next_power_of_2(k)))
+        num_warps = 8 if accumulators * block_m * block_n >= 2048 else 4
+        return GemmConfig(block_m, block_n, block_k, num_warps, num_stages=4)
+    products = REDUCE_PRODUCTS // accumulators
+    block_k = min(4096, products // (block_m * block_n), max(16, triton.next_power_of_2(k)))
+    return GemmConfig(block_m, block_n, block_k, num_warps=8, num_stages=1)
 
 
 def linear_ref(
@@ -98,10 +104,22 @@ def linear_silu_and_mul_ref(
 
 @triton.jit
 def _accumulate(acc, x, w, BLOCK_M: tl.constexpr):
-    """``acc [BLOCK_M, BLOCK_N] += x [BLOCK_M, BLOCK_K] @ w [BLOCK_N, BLOCK_K]^T`` in float32."""
+    """``acc += x [BLOCK_M, BLOCK_K] @ w [BLOCK_N, BLOCK_K]^T`` in float32: ``acc`` ``[BLOCK_M, BLOCK_N]``
+    through ``tl.dot``; below 16 tokens ``[BLOCK_M, BLOCK_N, BLOCK_K]`` products, summed over K only once
+    at the end (`_sum_k`), so the loop makes no cross-thread reduction."""
     if BLOCK_M >= 16:
-        return tl.dot(x, tl.trans(w), acc)
-    return acc + tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        acc = tl.dot(x, tl.trans(w), acc)
+    else:
+        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    return acc
+
+
+@triton.jit
+def _sum_k(acc, BLOCK_M: tl.constexpr):
+    """`_accumulate`'s accumulator -> ``[BLOCK_M, BLOCK_N]``."""
+    if BLOCK_M < 16:
+        acc = tl.sum(acc, axis=2)
+    return acc
 
 
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel for a block_m bucket's token counts
@@ -119,8 +137,11 @@ def _skinny_gemm_kernel(
     x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
     w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * K + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
     up_ptrs = w_ptrs + N * K  # SILU_AND_MUL only
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if BLOCK_M >= 16:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_up = tl.zeros_like(acc)  # SILU_AND_MUL only
     for k0 in range(0, K, BLOCK_K):
         x_mask, w_mask = row_mask[:, None], col_mask[:, None]  # broadcast along K
         if not EVEN_K:  # no K mask when BLOCK_K divides K
@@ -130,6 +151,7 @@ def _skinny_gemm_kernel(
         acc = _accumulate(acc, x, tl.load(w_ptrs + k0, mask=w_mask, other=0.0), BLOCK_M)
         if SILU_AND_MUL:
             acc_up = _accumulate(acc_up, x, tl.load(up_ptrs + k0, mask=w_mask, other=0.0), BLOCK_M)
+    acc, acc_up = _sum_k(acc, BLOCK_M), _sum_k(acc_up, BLOCK_M)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
         if SILU_AND_MUL:
@@ -160,7 +182,7 @@ def _launch(
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    cfg = config or skinny_config(m, n, k, num_sms(x.device))
+    cfg = config or skinny_config(m, n, k, num_sms(x.device), silu_and_mul)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))
     _skinny_gemm_kernel[grid](
         x, weight, weight if bias is None else bias, out, m, n, k, x.stride(0),

@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from kernels.skinny_gemm import (
+    MAX_REDUCE_M,
+    REDUCE_PRODUCTS,
     GemmConfig,
     linear_ref,
     linear_silu_and_mul_ref,
@@ -82,17 +84,20 @@ def test_no_tokens():
 @pytest.mark.parametrize("sms", [1, 132])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 16, 17, 32, 64])
 @pytest.mark.parametrize(
-    "n, k", [(896, 896), (4864, 896), (896, 4864), (6144, 4096), (28672, 4096)]
+    "n, k", [(896, 896), (4864, 896), (896, 4864), (6144, 4096), (14336, 4096)]
 )
-def test_config_covers_the_tokens_and_fills_the_device(sms, m, n, k):
-    cfg = skinny_config(m, n, k, sms)
-    assert cfg.block_m >= m and (cfg.block_m >= 16) == (m > 4)
+@pytest.mark.parametrize("fused", [False, True], ids=["linear", "silu_and_mul"])
+def test_config_covers_the_tokens_and_fills_the_device(sms, m, n, k, fused):
+    cfg = skinny_config(m, n, k, sms, fused)
+    assert cfg.block_m >= m and (cfg.block_m >= 16) == (m > MAX_REDUCE_M)
     for size in (cfg.block_m, cfg.block_n, cfg.block_k):
         assert size & (size - 1) == 0
     smallest = 4 if cfg.block_m < 16 else 16
     # as many programs as the rule wants, or the smallest tile
     assert n // cfg.block_n >= 2 * sms or cfg.block_n == smallest
-    assert cfg.block_m * cfg.block_n * cfg.block_k <= 8192 or cfg.block_m >= 16
+    if cfg.block_m < 16:  # the CUDA-core accumulators fit their register budget
+        accumulators = 2 if fused else 1
+        assert accumulators * cfg.block_m * cfg.block_n * cfg.block_k <= REDUCE_PRODUCTS
 
 
 def test_tokens_of_one_bucket_share_a_config():
