@@ -41,6 +41,7 @@ from bench_kernels import ceilings, graph_ms, table  # noqa: E402  (this script'
 from kernels.activation import silu_and_mul_triton  # noqa: E402
 from kernels.device import num_sms  # noqa: E402
 from kernels.skinny_gemm import (  # noqa: E402
+    REDUCE_PRODUCTS,
     GemmConfig,
     linear_silu_and_mul_triton,
     linear_triton,
@@ -87,20 +88,29 @@ def model_shapes(name: str, tp_size: int) -> list[Shape]:
 
 
 def sweep_configs(m: int, n: int, k: int, sms: int) -> list[GemmConfig]:
-    """The rule's config and its neighbours, four stages each: up to 4 tokens, CUDA-core tiles of 4 to 16
-    columns and 256 to 1,024 of K, and one tl.dot tile (padded to 16 tokens); beyond, tl.dot tiles of 16 to
-    64 columns and 64 to 256 of K, and the rule's with three stages."""
+    """The rule's config and its neighbours: up to 4 tokens, CUDA-core tiles of 4 to 16 columns and 512 to
+    4,096 of K within `REDUCE_PRODUCTS` on 8 warps, the rule's on 4 warps, and one tl.dot tile (padded to 16
+    tokens); beyond, tl.dot tiles of 16 to 64 columns and 64 or 128 of K on 4 or 8 warps, four stages, and
+    the rule's with three."""
     rule = skinny_config(m, n, k, sms)
     bm = rule.block_m
     if m <= 4:
-        tiles = [
-            (bm, bn, bk) for bn in (4, 8, 16) for bk in (256, 512, 1024) if bm * bn * bk <= 16384
-        ]
-        tiles.append((16, 16, 128))
+        configs = {
+            GemmConfig(bm, bn, bk, 8, 1)
+            for bn in (4, 8, 16)
+            for bk in (512, 1024, 2048, 4096)
+            if bm * bn * bk <= REDUCE_PRODUCTS
+        }
+        configs |= {rule._replace(num_warps=4), GemmConfig(16, 16, 128, 4, 4)}
     else:
-        tiles = [(bm, bn, bk) for bn in (16, 32, 64) for bk in (64, 128, 256)]
-    configs = {rule, rule._replace(num_stages=3)} | {GemmConfig(*t, 4, 4) for t in tiles}
-    return sorted(configs)
+        configs = {
+            GemmConfig(bm, bn, bk, warps, 4)
+            for bn in (16, 32, 64)
+            for bk in (64, 128)
+            for warps in (4, 8)
+        }
+        configs.add(rule._replace(num_stages=3))
+    return sorted(configs | {rule})
 
 
 def weight_copies(shape: Shape, rows: int, l2_bytes: int) -> list[torch.Tensor]:
