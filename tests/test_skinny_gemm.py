@@ -1,5 +1,6 @@
 """The skinny GEMM (a linear layer for a few tokens) and its fusion with SwiGLU's gate, against
-``F.linear`` and ``silu_and_mul_ref``, and its launch-shape rule.
+``F.linear`` and ``silu_and_mul_ref``; its launch-shape rule; and the layers' choice between it and
+cuBLAS.
 
 Without CUDA the kernel runs in Triton's interpreter at tiny sizes, with small tiles so that N and K
 are not multiples of them; the ``gpu`` tests repeat it at the real per-rank shapes of qwen2.5-0.5b and
@@ -21,6 +22,7 @@ from kernels.skinny_gemm import (
     linear_triton,
     skinny_config,
 )
+from radixinfer.models import layers
 from tests.test_fused_ops import rounds_like_torch
 from tests.test_kernels import DEVICE, TOLERANCE, gpu_test, randn, rel_err
 from tests.test_kernels import skip_bf16_dot_in_interpreter
@@ -104,6 +106,22 @@ def test_tokens_of_one_bucket_share_a_config():
     """A batch size never compiles a kernel of its own: M is not a constexpr nor specialised."""
     assert len({skinny_config(m, 4864, 896, 132) for m in range(17, 33)}) == 1
     assert len({skinny_config(m, 4864, 896, 132) for m in range(3, 5)}) == 1
+
+
+def test_layers_choose_the_skinny_gemm_only_for_decode_sized_half_batches(monkeypatch):
+    """On the CPU the layers compute F.linear exactly as before; with the Triton path on, the rule
+    takes a half-precision batch of at most ``SKINNY_GEMM_MAX_TOKENS`` tokens; 0 turns it off."""
+    x = torch.randn(3, 32, device=DEVICE)
+    weight = torch.randn(48, 32, device=DEVICE)
+    assert torch.equal(layers.linear(x, weight), torch.nn.functional.linear(x, weight))
+    monkeypatch.setattr(layers, "use_triton", lambda x: True)
+    half = x.half()
+    assert layers.use_skinny_gemm(half)
+    assert not layers.use_skinny_gemm(x)  # float32: cuBLAS
+    long = torch.zeros(layers.SKINNY_GEMM_MAX_TOKENS + 1, 32, dtype=torch.float16)
+    assert not layers.use_skinny_gemm(long)
+    monkeypatch.setattr(layers, "SKINNY_GEMM_MAX_TOKENS", 0)
+    assert not layers.use_skinny_gemm(half)
 
 
 # --------------------------------------------------------------------------------------------- GPU sizes

@@ -7,19 +7,24 @@ parameters, as a `CheckpointTensor` it reads only the needed part of. Modules wi
 
 The element-wise steps between the matmuls (residual add + RMSNorm, rotary, SwiGLU's gate) are fused ops from
 ``kernels/``, chosen per call by `by_device`: their Triton kernels on CUDA, their PyTorch references elsewhere
-(on the CPU the models then compute exactly what transformers' models compute).
+(on the CPU the models then compute exactly what transformers' models compute). The linear layers run
+``F.linear`` (cuBLAS) except for decode-sized half-precision batches on CUDA, which take the skinny GEMM
+(`use_skinny_gemm`).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import TypeVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from kernels.rms_norm import rms_norm_ref, rms_norm_triton
+from kernels.skinny_gemm import linear_silu_and_mul_triton, linear_triton
 
 Op = TypeVar("Op", bound=Callable)
 
@@ -40,6 +45,40 @@ def by_device(triton_fn: Op, ref_fn: Op) -> Op:
 
 rms_norm = by_device(rms_norm_triton, rms_norm_ref)
 silu_and_mul = by_device(silu_and_mul_triton, silu_and_mul_ref)
+
+# The one switch of the skinny GEMM (kernels/skinny_gemm.py): batches of at most this many tokens run their
+# linear layers through it; 0 runs every matmul through cuBLAS, for an A/B of the same code
+# (``RADIXINFER_SKINNY_GEMM_MAX_TOKENS=0``, read once, at import, by every process of the engine).
+SKINNY_GEMM_MAX_TOKENS = int(os.environ.get("RADIXINFER_SKINNY_GEMM_MAX_TOKENS", "64"))
+
+
+def use_skinny_gemm(x: torch.Tensor) -> bool:
+    """Whether a linear layer on ``x`` ``[T, in]`` runs the skinny GEMM: fused ops on Triton (CUDA), a
+    float16/bfloat16 batch of at most `SKINNY_GEMM_MAX_TOKENS` tokens (a decode step, a short prefill).
+    Float32 and longer batches stay on cuBLAS, and so does everything on the CPU, bit for bit as before."""
+    return (
+        use_triton(x)
+        and x.shape[0] <= SKINNY_GEMM_MAX_TOKENS
+        and x.dtype in (torch.float16, torch.bfloat16)
+        and x.dim() == 2
+        and x.stride(1) == 1
+    )
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:  # [T, in], [out, in], [out] -> [T, out]
+    """``F.linear``, through the skinny GEMM where `use_skinny_gemm` says."""
+    return (linear_triton if use_skinny_gemm(x) else F.linear)(x, weight, bias)
+
+
+def linear_silu_and_mul(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:  # [T, in], [2 * I, in] (gate | up), [2 * I] -> [T, I]
+    """``silu_and_mul(F.linear(x, weight, bias))``: one fused launch where `use_skinny_gemm` says."""
+    if use_skinny_gemm(x):
+        return linear_silu_and_mul_triton(x, weight, bias)
+    return silu_and_mul(F.linear(x, weight, bias))
 
 
 class CheckpointTensor:
