@@ -22,10 +22,12 @@ from kernels.skinny_gemm import (
     linear_triton,
     skinny_config,
 )
-from radixinfer.models import layers
-from tests.test_fused_ops import rounds_like_torch
+from radixinfer.models import layers, load_model
+from tests.test_fused_ops import model_logits, rounds_like_torch
 from tests.test_kernels import DEVICE, TOLERANCE, gpu_test, randn, rel_err
 from tests.test_kernels import skip_bf16_dot_in_interpreter
+from tests.test_models import ARCHS
+from tests.test_sampling_kernel import compiled_variants
 
 HALF = [torch.float16, torch.bfloat16]
 
@@ -137,3 +139,36 @@ GPU_SHAPES = [(1152, 896), (896, 448), (2432, 896), (896, 2432), (6144, 4096), (
 def test_skinny_gemm_gpu(dtype, m, n, k):
     check_linear(m, n, k, dtype, bias=True, fused=False, seed=m)
     check_linear(m, n, k, dtype, bias=False, fused=True, seed=m)
+
+
+@gpu_test
+def test_token_counts_of_one_bucket_compile_once():
+    """After one call per bucket, every other token count of the bucket compiles nothing (a decode batch
+    first seen mid-run must not stall on a compile), nor does another layer of the same launch shape."""
+    from kernels import skinny_gemm
+
+    def run(m, n, k):
+        x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+        linear_triton(x, torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16))
+
+    for m in (1, 2, 4, 16, 32, 64):
+        run(m, 4096, 4096)
+    kernel = skinny_gemm._skinny_gemm_kernel
+    before = compiled_variants(kernel)
+    for m in (3, 5, 9, 17, 31, 33, 48, 63):
+        run(m, 4096, 4096)
+        run(m, 4096, 2048)  # another layer: the same launch shapes
+    assert compiled_variants(kernel) == before
+
+
+@gpu_test
+@pytest.mark.parametrize("dtype", HALF)
+def test_llama_forward_with_the_skinny_gemm_matches_cublas(dtype, monkeypatch):
+    """A 16-token pass of a Llama model through the fused ops, its linear layers on the skinny GEMM
+    against the same pass with the switch off (cuBLAS)."""
+    model = load_model(ARCHS["llama3"][1], DEVICE, dtype, seed=1).model
+    monkeypatch.setattr(layers, "SKINNY_GEMM_MAX_TOKENS", 0)
+    ref = model_logits(model, dtype, use_triton=True, monkeypatch=monkeypatch)
+    monkeypatch.setattr(layers, "SKINNY_GEMM_MAX_TOKENS", 64)
+    out = model_logits(model, dtype, use_triton=True, monkeypatch=monkeypatch)
+    assert rel_err(out, ref) < {torch.float16: 1e-2, torch.bfloat16: 3e-2}[dtype]
