@@ -13,9 +13,9 @@ contiguously::
     x [M, K]  (all rows, BLOCK_K at a time: tiny, stays in L1/L2)
     W [N, K]  ---- program p reads rows [p * BLOCK_N, (p + 1) * BLOCK_N), all of K --->  y[:, those columns]
 
-Up to `MAX_REDUCE_M` tokens the products are multiply-adds on the CUDA cores, summed over K once at the end (a
-tensor-core tile would be at least 16 rows of padding); beyond, ``tl.dot`` on ``max(16, next_pow2(M))`` rows. Both
-accumulate in float32 and round once at the store, like cuBLAS; the fused gate rounds like
+Up to `MAX_REDUCE_M` tokens the products are multiply-adds on the CUDA cores, summed over K once at the end
+(a tensor-core tile would be at least 16 rows of padding); beyond, ``tl.dot`` on ``max(16, next_pow2(M))``
+rows. Both accumulate in float32 and round once at the store, like cuBLAS; the fused gate rounds like
 `kernels.activation` (the projection's outputs to the model dtype, then silu, then the product).
 
 Launch shapes come from `skinny_config`, a rule on (M bucket, N, K) and the SM count, never from a run-time
@@ -64,8 +64,8 @@ def skinny_config(m: int, n: int, k: int, sms: int, silu_and_mul: bool = False) 
     ``block_n`` is the largest power of two that still gives ``PROGRAMS_PER_SM`` programs per SM (the grid is
     ``cdiv(n, block_n)``; fewer programs leave SMs idle), within 4 to 16 rows on the CUDA cores and 16 to 64
     for ``tl.dot`` (32 fused; its smallest tile is 16; 64 rows x 128 of K are 16 KB of weight per stage),
-    on 8 warps from 2,048 accumulators up (4 warps spill there: ptxas for sm_90a). On the CUDA
-    cores ``block_k`` then takes what `REDUCE_PRODUCTS` leaves (one token, 4 rows: 4,096 of K, 32 KB of
+    on 8 warps from 2,048 float32 accumulator values a program (4 warps spill there: ptxas for sm_90a).
+    On the CUDA cores ``block_k`` then takes what `REDUCE_PRODUCTS` leaves (one token, 4 rows: 4,096 of K, 32 KB of
     weight an iteration), since each iteration's loads are what a program has in flight (the loop is not
     software-pipelined there) and few programs run per SM; for ``tl.dot``, 128 with four pipeline stages.
     Small problems (qwen2.5-0.5b's o_proj and down_proj: 896 columns) cannot fill an H200's 132 SMs even at
