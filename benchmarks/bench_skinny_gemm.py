@@ -1,6 +1,6 @@
 """The skinny GEMM (`kernels/skinny_gemm.py`) against cuBLAS (``F.linear``) at decode batch sizes.
 
-    python benchmarks/bench_skinny_gemm.py [--json PATH] [--tokens 1 8 32 64] [--models ...]
+    python benchmarks/bench_skinny_gemm.py [--json PATH] [--tokens 1 8 32 64] [--models ...] [--no-sweep]
     python benchmarks/bench_skinny_gemm.py --list     # the cases and configs, no GPU needed
 
 Needs CUDA (but ``--list``). Shapes are the real per-rank shapes of the models' four matmuls at tensor
@@ -19,7 +19,10 @@ to pass 3x the L2, so every call reads its weight from HBM, as a decode step rea
 divided by the calls; the median of `triton.testing.do_bench`'s replays. ``floor``: the weight's bytes over
 the HBM bandwidth measured here (`bench_kernels.ceilings`); ``of HBM``: floor over time. The last table adds
 each (model, TP, tokens)'s four matmuls over all layers: a decode step's linear layers, cuBLAS against the
-rule (the fused gate_up counted for the rule). About a minute on an H200.
+rule (the fused gate_up counted for the rule).
+
+Not yet run on a GPU when written: estimated at 1-2 minutes on an H200, mostly compiling ~80 kernel variants
+(one per launch shape and K class) and ~500 graphs; ``--no-sweep`` times only the rule's launch shape.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -88,27 +92,21 @@ def model_shapes(name: str, tp_size: int) -> list[Shape]:
 
 
 def sweep_configs(m: int, n: int, k: int, sms: int) -> list[GemmConfig]:
-    """The rule's config and its neighbours: up to 4 tokens, CUDA-core tiles of 4 to 16 columns and 512 to
-    4,096 of K within `REDUCE_PRODUCTS` on 8 warps, the rule's on 4 warps, and one tl.dot tile (padded to 16
-    tokens); beyond, tl.dot tiles of 16 to 64 columns and 64 or 128 of K on 4 or 8 warps, four stages, and
-    the rule's with three."""
+    """The rule's config and its neighbours: up to 4 tokens, CUDA-core tiles of 4, 8 or 16 columns, each
+    with the most K that `REDUCE_PRODUCTS` allows, on 8 warps, the rule's on 4 warps, and one tl.dot tile
+    (padded to 16 tokens); beyond, tl.dot tiles of 16 to 64 columns and 64 or 128 of K on the rule's
+    warps, four stages, and the rule's with three."""
     rule = skinny_config(m, n, k, sms)
     bm = rule.block_m
     if m <= 4:
+        most_k = triton.next_power_of_2(k)
         configs = {
-            GemmConfig(bm, bn, bk, 8, 1)
+            GemmConfig(bm, bn, min(4096, most_k, REDUCE_PRODUCTS // (bm * bn)), 8, 1)
             for bn in (4, 8, 16)
-            for bk in (512, 1024, 2048, 4096)
-            if bm * bn * bk <= REDUCE_PRODUCTS
         }
         configs |= {rule._replace(num_warps=4), GemmConfig(16, 16, 128, 4, 4)}
     else:
-        configs = {
-            GemmConfig(bm, bn, bk, warps, 4)
-            for bn in (16, 32, 64)
-            for bk in (64, 128)
-            for warps in (4, 8)
-        }
+        configs = {rule._replace(block_n=bn, block_k=bk) for bn in (16, 32, 64) for bk in (64, 128)}
         configs.add(rule._replace(num_stages=3))
     return sorted(configs | {rule})
 
@@ -131,7 +129,7 @@ def cfg_name(c: GemmConfig) -> str:
 
 
 def bench_shape(
-    shape: Shape, tokens: list[int], hbm_tbs: float, l2_bytes: int, sms: int
+    shape: Shape, tokens: list[int], hbm_tbs: float, l2_bytes: int, sms: int, sweep: bool
 ) -> list[dict]:
     weights = weight_copies(shape, shape.n, l2_bytes)
     floor_us = shape.weight_bytes / hbm_tbs / 1e6
@@ -140,9 +138,10 @@ def bench_shape(
         x = torch.randn(m, shape.k, device="cuda", dtype=DTYPE)
         cublas = graph_us(F.linear, x, weights)
         rule_cfg = skinny_config(m, shape.n, shape.k, sms)
+        configs = sweep_configs(m, shape.n, shape.k, sms) if sweep else [rule_cfg]
         times = {
             c: graph_us(lambda x, w, c=c: linear_triton(x, w, config=c), x, weights)
-            for c in sweep_configs(m, shape.n, shape.k, sms)
+            for c in configs
         }
         best = min(times, key=times.get)
         row = {
@@ -203,6 +202,11 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=MODELS)
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--list", action="store_true", help="print the cases and configs and exit")
+    parser.add_argument(
+        "--no-sweep",
+        action="store_true",
+        help="time only the rule's launch shape (about half the time)",
+    )
     args = parser.parse_args()
     shapes = [s for name in args.models for tp in args.tp for s in model_shapes(name, tp)]
     if args.list:
@@ -224,7 +228,9 @@ def main() -> None:
     rows = [
         r
         for s in shapes
-        for r in bench_shape(s, args.tokens, ceil["hbm_TBps"], props.L2_cache_size, sms)
+        for r in bench_shape(
+            s, args.tokens, ceil["hbm_TBps"], props.L2_cache_size, sms, not args.no_sweep
+        )
     ]
     linear_cols = [
         "model", "tp", "layer", "N", "K", "M", "weight MB", "floor us", "cublas us", "rule us", "best us",
@@ -232,8 +238,22 @@ def main() -> None:
     ]  # fmt: skip
     print("\n## per matmul (bf16; config: block_m/block_n/block_k/warps/stages)\n")
     print(table([{c: r[c] for c in linear_cols} for r in rows]))
-    fused_cols = ["model", "tp", "N", "K", "M", "floor us", "linear+silu us", "fused us", "rule us"]
-    print("\n## gate_up + SiLU-and-mul: two launches (cuBLAS + Triton) against the fused kernel\n")
+    fused_cols = [
+        "model",
+        "tp",
+        "N",
+        "K",
+        "M",
+        "floor us",
+        "cublas us",
+        "rule us",
+        "linear+silu us",
+        "fused us",
+    ]
+    print(
+        "\n## gate_up + SiLU-and-mul: two launches (cuBLAS, then silu_and_mul_triton) against the fused"
+        " kernel; cublas and rule: the projection alone\n"
+    )
     print(table([{c: r[c] for c in fused_cols} for r in rows if r["layer"] == "gate_up"]))
     totals = step_totals(rows)
     print("\n## a decode step's linear layers (every layer's four matmuls; lm head not included)\n")
