@@ -41,8 +41,9 @@ from kernels.device import num_sms
 MAX_REDUCE_M = 4  # up to this many tokens, CUDA-core multiply-adds; beyond, tl.dot
 PROGRAMS_PER_SM = 2  # the grid aims at this many programs per SM, so every SM streams weight rows
 # Products a CUDA-core program accumulates at once (block_m * block_n * block_k, float32), over all
-# accumulators: 64 registers a thread at 8 warps.
-REDUCE_PRODUCTS = 16384
+# accumulators: 32 registers a thread at 8 warps, ~120 in all (ptxas for sm_90a), so two programs fit an SM
+# and a grid of PROGRAMS_PER_SM per SM runs in one wave (at 16,384, ~220 registers: one program an SM).
+REDUCE_PRODUCTS = 8192
 
 
 class GemmConfig(NamedTuple):
@@ -61,21 +62,24 @@ def skinny_config(m: int, n: int, k: int, sms: int, silu_and_mul: bool = False) 
     the fused gate, the intermediate size, with two accumulators).
 
     The weight is read once whatever the tile, so the choice is about keeping every SM streaming:
-    ``block_n`` is the largest power of two that still gives ``PROGRAMS_PER_SM`` programs per SM (the grid is
-    ``cdiv(n, block_n)``; fewer programs leave SMs idle), within 4 to 16 rows on the CUDA cores and 16 to 64
-    for ``tl.dot`` (32 fused; its smallest tile is 16; 64 rows x 128 of K are 16 KB of weight per stage),
-    on 8 warps from 2,048 float32 accumulator values a program (4 warps spill there: ptxas for sm_90a).
-    On the CUDA cores ``block_k`` then takes what `REDUCE_PRODUCTS` leaves (one token, 4 rows: 4,096 of K, 32 KB of
-    weight an iteration), since each iteration's loads are what a program has in flight (the loop is not
-    software-pipelined there) and few programs run per SM; for ``tl.dot``, 128 with four pipeline stages.
-    Small problems (qwen2.5-0.5b's o_proj and down_proj: 896 columns) cannot fill an H200's 132 SMs even at
-    the smallest tile; a split over K would need a second launch or a cross-program reduction and is not
-    done. The tile sizes are a first rule, to be checked against the sweep of
-    ``benchmarks/bench_skinny_gemm.py`` on the GPU.
+
+    - ``block_n``: the largest power of two that still gives ``PROGRAMS_PER_SM`` programs per SM (the grid
+      is ``cdiv(n, block_n)``; fewer programs leave SMs idle), within 4 to 16 columns on the CUDA cores
+      (8 fused) and 16 to 64 for ``tl.dot`` (32 fused; its smallest tile is 16).
+    - ``block_k`` on the CUDA cores: what `REDUCE_PRODUCTS` leaves (one token, 4 columns: 2,048 of K,
+      16 KB of weight an iteration), since one iteration's loads are all a program has in flight (the
+      loop is not software-pipelined there); for ``tl.dot``, 128 (64 columns: 16 KB a stage), four stages.
+    - warps: 8 on the CUDA cores; for ``tl.dot``, 8 from 2,048 float32 accumulator values a program (4
+      warps spill there: ptxas for sm_90a), else 4.
+
+    Small problems (qwen2.5-0.5b's o_proj and down_proj: 896 columns) cannot fill an H200's 132 SMs even
+    at the smallest tile; a split over K would need a second launch or a cross-program reduction and is
+    not done. This is a first rule, checked for spills but not yet timed: ``benchmarks/bench_skinny_gemm.py``
+    sweeps its neighbours on the GPU.
     """
     accumulators = 2 if silu_and_mul else 1
     if m <= MAX_REDUCE_M:
-        block_m, lo, hi = triton.next_power_of_2(m), 4, 16
+        block_m, lo, hi = triton.next_power_of_2(m), 4, 16 // accumulators
     else:
         block_m, lo, hi = min(64, max(16, triton.next_power_of_2(m))), 16, 64 // accumulators
     block_n = hi
