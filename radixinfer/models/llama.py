@@ -23,7 +23,7 @@ from transformers.activations import ACT2FN
 from radixinfer.attention import ForwardContext
 from radixinfer.distributed.group import TensorParallel
 from radixinfer.models.base import AttentionLayer, PagedCausalLM
-from radixinfer.models.layers import RMSNorm
+from radixinfer.models.layers import RMSNorm, silu_and_mul
 from radixinfer.models.parallel import (
     AttentionShards,
     ColumnParallelLinear,
@@ -89,9 +89,10 @@ class LlamaMLP(nn.Module):
         self.act = None if config.hidden_act == "silu" else ACT2FN[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
         if self.act is None:
-            return self.down_proj(self.gate_up_proj.silu_and_mul(x))  # [T, intermediate] between
-        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))  # [T, intermediate] each
+            return self.down_proj(silu_and_mul(gate_up))
+        gate, up = self.gate_up_proj.split(gate_up)
         return self.down_proj(self.act(gate) * up)
 
 

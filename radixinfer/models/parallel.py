@@ -30,13 +30,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from radixinfer.distributed.group import TensorParallel
-from radixinfer.models.layers import (
-    LoadedTensor,
-    copy_checked,
-    linear,
-    linear_silu_and_mul,
-    read_whole,
-)
+from radixinfer.models.layers import LoadedTensor, copy_checked, linear, read_whole
 
 
 @dataclass(frozen=True)
@@ -141,11 +135,6 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, local rows]
         return linear(x, self.weight, self.bias)
-
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, local rows / 2]
-        """``silu(gate) * up`` of this layer's output, for a gate/up layer (two shards of one size,
-        gate first): `forward` then `layers.silu_and_mul`, one launch on decode-sized batches."""
-        return linear_silu_and_mul(x, self.weight, self.bias)
 
     def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """``[..., local rows]`` -> one ``[..., shard's local size]`` view per shard, in order."""
