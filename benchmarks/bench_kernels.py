@@ -59,12 +59,13 @@ class Model:
 MODELS = [Model("qwen2.5-0.5b", 14, 2, 64, 24), Model("llama-3.1-8b", 32, 8, 128, 32)]
 
 
-def median_ms(fn) -> float:
-    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+def median_ms(fn, rep_ms: int = 100) -> float:
+    return do_bench(fn, warmup=rep_ms // 4, rep=rep_ms, return_mode="median")
 
 
-def graph_ms(calls: list[Callable[[], object]]) -> float:
-    """Median milliseconds per call of one CUDA graph that replays ``calls`` in order."""
+def graph_ms(calls: list[Callable[[], object]], rep_ms: int = 100) -> float:
+    """Median milliseconds per call of one CUDA graph that replays ``calls`` in order, timed over
+    about ``rep_ms`` of replays."""
     for call in calls:  # compile and allocate outside the capture
         call()
     stream = torch.cuda.Stream()
@@ -74,7 +75,7 @@ def graph_ms(calls: list[Callable[[], object]]) -> float:
         for call in calls:
             call()
     torch.cuda.current_stream().wait_stream(stream)
-    return median_ms(graph.replay) / len(calls)
+    return median_ms(graph.replay, rep_ms) / len(calls)
 
 
 def ceilings() -> dict:

@@ -29,6 +29,7 @@ SCRIPTS = {
         + ["--repeats", "2"],
         '"load_vs_plain"',
     ),
+    "bench_skinny_gemm.py": (["--list"], ": rule "),  # the cases only: timing needs CUDA
     "pipe_read_lag.py": (["--frames", "20", "--rate", "200"], "engine pipe reader"),
     "bench_stream_front.py": (
         ["--streams", "8", "--tokens", "6", "--behind", "1", "2", "--repeats", "1"],

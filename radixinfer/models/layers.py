@@ -7,19 +7,24 @@ parameters, as a `CheckpointTensor` it reads only the needed part of. Modules wi
 
 The element-wise steps between the matmuls (residual add + RMSNorm, rotary, SwiGLU's gate) are fused ops from
 ``kernels/``, chosen per call by `by_device`: their Triton kernels on CUDA, their PyTorch references elsewhere
-(on the CPU the models then compute exactly what transformers' models compute).
+(on the CPU the models then compute exactly what transformers' models compute). The linear layers run
+``F.linear`` (cuBLAS) except for half-precision batches of 1-4 tokens on small weights on CUDA, which take the
+skinny GEMM (`use_skinny_gemm`).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import TypeVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from kernels.rms_norm import rms_norm_ref, rms_norm_triton
+from kernels.skinny_gemm import MAX_REDUCE_M, linear_triton
 
 Op = TypeVar("Op", bound=Callable)
 
@@ -40,6 +45,50 @@ def by_device(triton_fn: Op, ref_fn: Op) -> Op:
 
 rms_norm = by_device(rms_norm_triton, rms_norm_ref)
 silu_and_mul = by_device(silu_and_mul_triton, silu_and_mul_ref)
+
+# The skinny GEMM (kernels/skinny_gemm.py) is on unless ``RADIXINFER_SKINNY_GEMM=0`` (read once, at import, by
+# every process of the engine): an A/B of the same code against cuBLAS everywhere.
+SKINNY_GEMM = os.environ.get("RADIXINFER_SKINNY_GEMM", "1") != "0"
+# The largest weight the skinny GEMM takes. At 1-4 tokens it beats cuBLAS only where a launch is latency-bound
+# (a small weight), not where streaming the weight dominates. Measured on an H200 at one token
+# (benchmarks/bench_skinny_gemm.py), it wins up to 8.7 MB (qwen2.5-0.5b's qkv, 2.06 MB: 2.86 us vs cuBLAS
+# 4.32; o_proj, 1.61 MB: 2.85 vs 4.72; down_proj, 8.72 MB: 6.27 vs 8.19) except qwen2.5-0.5b's gate_up at
+# TP=2 (8.72 MB, 4864 x 896: 6.78 vs 5.56), and loses from 17.4 MB up (qwen2.5-0.5b's gate_up: 10.2 vs
+# 8.06; llama-3.1-8b's gate_up 69.1 vs 63.0, down_proj 43.3 vs 37.7) except llama-3.1-8b's qkv at TP=2
+# (25 MB: 10.6 vs 12.8).
+LATENCY_BOUND_WEIGHT_BYTES = 10 * 2**20
+
+
+def use_skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a linear layer on ``x`` ``[T, in]`` with ``weight`` ``[out, in]`` runs the skinny GEMM:
+
+    - fused ops on Triton (CUDA) and the switch on (`SKINNY_GEMM`);
+    - a float16/bfloat16 ``x``, 2-D with unit stride along ``in``;
+    - at most `MAX_REDUCE_M` (4) tokens;
+    - a weight of at most `LATENCY_BOUND_WEIGHT_BYTES`.
+
+    Everything else runs ``F.linear`` (cuBLAS), and so does everything on the CPU, bit for bit as before."""
+    return (
+        SKINNY_GEMM
+        and use_triton(x)
+        and x.dtype in (torch.float16, torch.bfloat16)
+        and x.dim() == 2
+        and x.stride(1) == 1
+        and skinny_gemm_suits(x.shape[0], weight.numel() * weight.element_size())
+    )
+
+
+def skinny_gemm_suits(num_tokens: int, weight_bytes: int) -> bool:
+    """`use_skinny_gemm`'s shape test: at most `MAX_REDUCE_M` tokens, at most `LATENCY_BOUND_WEIGHT_BYTES`
+    of weight (``benchmarks/bench_skinny_gemm.py`` applies it to shapes without tensors)."""
+    return num_tokens <= MAX_REDUCE_M and weight_bytes <= LATENCY_BOUND_WEIGHT_BYTES
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:  # [T, in], [out, in], [out] -> [T, out]
+    """``F.linear``, through the skinny GEMM where `use_skinny_gemm` says."""
+    return (linear_triton if use_skinny_gemm(x, weight) else F.linear)(x, weight, bias)
 
 
 class CheckpointTensor:

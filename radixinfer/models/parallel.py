@@ -30,7 +30,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from radixinfer.distributed.group import TensorParallel
-from radixinfer.models.layers import LoadedTensor, copy_checked, read_whole
+from radixinfer.models.layers import LoadedTensor, copy_checked, linear, read_whole
 
 
 @dataclass(frozen=True)
@@ -134,7 +134,7 @@ class ColumnParallelLinear(nn.Module):
         return tuple(self.shards) if self.checkpoint_shards else (None,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, local rows]
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
     def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """``[..., local rows]`` -> one ``[..., shard's local size]`` view per shard, in order."""
@@ -175,8 +175,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, local in] -> [T, out]
         if self.tp.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+            return linear(x, self.weight, self.bias)
+        y = self.tp.all_reduce(linear(x, self.weight))
         return y if self.bias is None else y.add_(self.bias)
 
     def weight_loader(

@@ -1,0 +1,150 @@
+"""The skinny GEMM (a linear layer for 1-4 tokens) against ``F.linear``; its launch-shape rule; and the
+layers' choice between it and cuBLAS.
+
+Without CUDA the kernel runs in Triton's interpreter at tiny sizes, with small tiles so that N and K
+are not multiples of them; the ``gpu`` tests repeat it at the real per-rank shapes the layers' rule
+sends to it (qwen2.5-0.5b's, TP 1 and 2).
+"""
+
+from tests import _triton_env  # noqa: F401, I001  (first: without CUDA, Triton must start interpreted)
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.skinny_gemm import (
+    MAX_REDUCE_M,
+    REDUCE_PRODUCTS,
+    GemmConfig,
+    linear_ref,
+    linear_triton,
+    skinny_config,
+)
+from radixinfer.models import layers
+from tests.test_kernels import DEVICE, TOLERANCE, gpu_test, randn, rel_err
+from tests.test_sampling_kernel import compiled_variants
+
+HALF = [torch.float16, torch.bfloat16]
+
+
+def check_linear(m, n, k, dtype, bias, seed, config=None):
+    """x as a token-strided view (rows padded, as a fused projection's slice is); the weight scaled
+    like a real layer's so outputs are O(1)."""
+    gen = torch.Generator(DEVICE).manual_seed(seed)
+    x = randn(m, k + 3, dtype=dtype, gen=gen)[:, :k]
+    weight = (randn(n, k, dtype=torch.float32, gen=gen) * k**-0.5).to(dtype)
+    b = randn(n, dtype=dtype, gen=gen) if bias else None
+    out, ref = linear_triton(x, weight, b, config), linear_ref(x, weight, b)
+    assert out.shape == ref.shape == (m, n) and out.dtype == dtype
+    assert rel_err(out, ref) < TOLERANCE[dtype]
+
+
+# tokens -> a launch shape with tiles smaller than N = 40 and K = 100 (neither a multiple of them)
+TINY_CONFIGS = {1: GemmConfig(1, 16, 32, num_warps=4, num_stages=1), 3: GemmConfig(4, 8, 32, 4, 1)}
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("m", sorted(TINY_CONFIGS))
+@pytest.mark.parametrize("bias", [False, True])
+def test_skinny_gemm_matches_reference(dtype, m, bias):
+    check_linear(m, 40, 100, dtype, bias, seed=m, config=TINY_CONFIGS[m])
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_skinny_gemm_default_config_matches_reference(m):
+    check_linear(m, 72, 96, torch.float16, bias=True, seed=m)
+
+
+def test_no_tokens():
+    x = torch.zeros(0, 32, dtype=torch.float16, device=DEVICE)
+    weight = torch.zeros(16, 32, dtype=torch.float16, device=DEVICE)
+    assert linear_triton(x, weight).shape == (0, 16)
+
+
+@pytest.mark.parametrize("sms", [1, 132])
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("n, k", [(896, 896), (1152, 896), (896, 4864), (4864, 896), (6144, 4096)])
+def test_config_covers_the_tokens_and_fills_the_device(sms, m, n, k):
+    cfg = skinny_config(m, n, k, sms)
+    assert m <= cfg.block_m <= MAX_REDUCE_M
+    for size in (cfg.block_m, cfg.block_n, cfg.block_k):
+        assert size & (size - 1) == 0
+    assert 4 <= cfg.block_n <= 16
+    # as many programs as the rule wants, or the smallest tile
+    assert n // cfg.block_n >= 2 * sms or cfg.block_n == 4
+    assert cfg.block_m * cfg.block_n * cfg.block_k <= REDUCE_PRODUCTS  # the accumulators' budget
+
+
+def test_token_counts_of_one_block_share_a_config():
+    """3 and 4 tokens compile one kernel: M is not a constexpr nor specialised."""
+    assert skinny_config(3, 1152, 896, 132) == skinny_config(4, 1152, 896, 132)
+
+
+def test_layers_choose_the_skinny_gemm_for_few_tokens_on_small_weights(monkeypatch):
+    """On the CPU the layers compute F.linear exactly as before; with the Triton path on, the rule takes
+    a half-precision batch of at most 4 tokens on a weight of at most LATENCY_BOUND_WEIGHT_BYTES, and
+    ``SKINNY_GEMM`` off (``RADIXINFER_SKINNY_GEMM=0``) turns it off."""
+    x = torch.randn(3, 32)
+    weight = torch.randn(48, 32)
+    assert torch.equal(layers.linear(x, weight), F.linear(x, weight))
+    monkeypatch.setattr(layers, "use_triton", lambda x: True)
+    half, small = x.half(), weight.half()
+    assert layers.use_skinny_gemm(half, small)
+    assert not layers.use_skinny_gemm(x, weight)  # float32: cuBLAS
+    five = torch.zeros(MAX_REDUCE_M + 1, 32, dtype=torch.float16)
+    assert not layers.use_skinny_gemm(five, small)
+    largest = torch.empty(layers.LATENCY_BOUND_WEIGHT_BYTES // 2 // 1024, 1024, dtype=torch.float16)
+    assert layers.use_skinny_gemm(torch.zeros(1, 1024, dtype=torch.float16), largest)
+    too_large = torch.empty(largest.shape[0] + 1, 1024, dtype=torch.float16)
+    assert not layers.use_skinny_gemm(torch.zeros(1, 1024, dtype=torch.float16), too_large)
+    monkeypatch.setattr(layers, "SKINNY_GEMM", False)
+    assert not layers.use_skinny_gemm(half, small)
+
+
+# --------------------------------------------------------------------------------------------- GPU sizes
+
+# (N, K) per rank that the layers' rule sends to the kernel: qwen2.5-0.5b's qkv, o_proj and down_proj at
+# TP=1, and its qkv, o_proj, gate_up and down_proj at TP=2
+TP1_SHAPES = [(1152, 896), (896, 896), (896, 4864)]
+TP2_SHAPES = [(576, 896), (896, 448), (4864, 896), (896, 2432)]
+
+
+@gpu_test
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("n, k", TP1_SHAPES + TP2_SHAPES)
+def test_skinny_gemm_gpu(dtype, m, n, k):
+    check_linear(m, n, k, dtype, bias=m % 2 == 1, seed=m)
+
+
+@gpu_test
+def test_token_counts_of_one_block_compile_once():
+    """After one call per token block (1, 2, 4), 3 tokens compile nothing (a decode batch first seen
+    mid-run must not stall on a compile), nor does another layer of the same launch shape."""
+    from kernels import skinny_gemm
+
+    def run(m, n, k):
+        x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+        linear_triton(x, torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16))
+
+    for m in (1, 2, 4):
+        run(m, 896, 896)
+    kernel = skinny_gemm._skinny_gemm_kernel
+    before = compiled_variants(kernel)
+    run(3, 896, 896)
+    run(3, 896, 1792)  # another layer: the same launch shape
+    assert compiled_variants(kernel) == before
+
+
+@gpu_test
+def test_layers_linear_gpu():
+    """On CUDA the layers' linear takes the kernel on a small weight (close to F.linear) and cuBLAS on
+    a large one (F.linear exactly)."""
+    gen = torch.Generator(DEVICE).manual_seed(0)
+    x = randn(1, 896, dtype=torch.bfloat16, gen=gen)
+    small = randn(1152, 896, dtype=torch.bfloat16, gen=gen) * 896**-0.5
+    large = randn(9728, 896, dtype=torch.bfloat16, gen=gen) * 896**-0.5  # 17.4 MB
+    assert layers.use_skinny_gemm(x, small) == layers.SKINNY_GEMM
+    assert not layers.use_skinny_gemm(x, large)
+    assert rel_err(layers.linear(x, small), F.linear(x, small)) < TOLERANCE[torch.bfloat16]
+    assert torch.equal(layers.linear(x, large), F.linear(x, large))
