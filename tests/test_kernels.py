@@ -315,6 +315,27 @@ def plan_shared(batch: PagedBatch, min_shared_len: int, dtype) -> SharedPrefixTi
     return SharedPrefixTiles(as_tensor(tile_seqs), as_tensor(tile_lens), as_tensor(kv_starts))
 
 
+def two_shared_prefixes(
+    context_lens: list[int], dtype, seed: int
+) -> tuple[PagedBatch, SharedPrefixTiles]:
+    """A decode batch with qwen's group of 7 (14 heads, 2 KV heads, head_dim 80, block_size 3) where
+    sequences 0-3 share their first 100 blocks and 4-5 their first 9, and its planned tiles."""
+    batch = make_batch(
+        [c - 1 for c in context_lens],
+        [1] * len(context_lens),
+        num_heads=14,
+        num_kv_heads=2,
+        head_dim=80,
+        block_size=3,
+        dtype=dtype,
+        seed=seed,
+    )
+    batch = share_prefixes(batch, [[0, 1, 2, 3], [4, 5]], [100, 9])
+    shared = plan_shared(batch, min_shared_len=8, dtype=dtype)
+    assert shared is not None
+    return batch, shared
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("fuse_merge", [True, False])
@@ -323,20 +344,7 @@ def test_decode_reads_shared_prefixes_once_with_the_same_result(dtype, num_split
     sharing 300 positions (read in chunks of 128, 128 and 44, the fourth chunk empty; a member's own tail is
     its one new position), a pair sharing 27 (one chunk), a loner. Neither shared length is a multiple of the
     kernel's KV tile, so the masked tail of the tile kernel runs."""
-    context_lens = [310, 305, 320, 301, 30, 33, 44]
-    batch = make_batch(
-        [c - 1 for c in context_lens],
-        [1] * 7,
-        num_heads=14,
-        num_kv_heads=2,
-        head_dim=80,
-        block_size=3,
-        dtype=dtype,
-        seed=11,
-    )
-    batch = share_prefixes(batch, [[0, 1, 2, 3], [4, 5]], [100, 9])
-    shared = plan_shared(batch, min_shared_len=8, dtype=dtype)
-    assert shared is not None
+    batch, shared = two_shared_prefixes([310, 305, 320, 301, 30, 33, 44], dtype, seed=11)
     assert shared.kv_starts.tolist() == [300, 300, 300, 300, 27, 27, 0]
     check_decode(batch, dtype, num_splits, shared, fuse_merge)
 
@@ -350,19 +358,7 @@ def test_decode_shared_prefix_merge_ignores_stale_padding(num_splits, fuse_merge
     twice through the same counters, the live rows match the reference, the padded rows are zeros and
     every counter is back to zero."""
     context_lens = [310, 305, 320, 301, 30, 33, 44, 1, 1]
-    batch = make_batch(
-        [c - 1 for c in context_lens],
-        [1] * 9,
-        num_heads=14,
-        num_kv_heads=2,
-        head_dim=80,
-        block_size=3,
-        dtype=torch.float32,
-        seed=13,
-    )
-    batch = share_prefixes(batch, [[0, 1, 2, 3], [4, 5]], [100, 9])
-    plan = plan_shared(batch, min_shared_len=8, dtype=torch.float32)
-    assert plan is not None
+    batch, plan = two_shared_prefixes(context_lens, torch.float32, seed=13)
     kv_starts = plan.kv_starts.clone()
     kv_starts[7:] = 300
     stale = SharedPrefixTiles(
