@@ -325,7 +325,8 @@ def _is_last_to_arrive(counter_ptr, contributors):
     launches and a CUDA graph replays with it as captured.
 
     Memory ordering (the PTX model; CUTLASS's ``GenericBarrier`` is the same pattern): the caller
-    runs ``tl.debug_barrier()`` after its partial stores, so every thread's stores happen before the
+    runs ``tl.debug_barrier()`` after its partial stores (Triton 3.9 adds one of its own before a
+    releasing atomic; this one does not rely on it), so every thread's stores happen before the
     one thread that does this ``acq_rel`` atomic at GPU scope; the release makes them visible to
     whoever acquires the counter later. The last program's acquire (the same atomic), followed by the
     barrier through which Triton hands the scalar result to every thread, orders its loads of the
@@ -527,12 +528,12 @@ def _shared_prefix_kernel(
         tl.debug_barrier()  # every thread's partial stores before the releases below
         num_kv_heads = tl.num_programs(1)
         for i in range(SEQS_PER_TILE):
-            member = tl.load(tile_seqs_ptr + tile * SEQS_PER_TILE + i)
-            if member >= 0:
-                counter = counters_ptr + member * num_kv_heads + kv_head
+            tile_seq = tl.load(tile_seqs_ptr + tile * SEQS_PER_TILE + i)
+            if tile_seq >= 0:
+                counter = counters_ptr + tile_seq * num_kv_heads + kv_head
                 if _is_last_to_arrive(counter, num_slots):  # a member is covered: every slot is its
                     _merge_partials(
-                        part_out_ptr, part_lse_ptr, out_ptr, member, kv_head, num_slots, num_slots,
+                        part_out_ptr, part_lse_ptr, out_ptr, tile_seq, kv_head, num_slots, num_slots,
                         stride_pt, stride_ph, stride_ps, stride_ot, stride_oh, NUM_HEADS,
                         GROUP, HEAD_DIM, BLOCK_D, MERGE_ROWS, MERGE_SLOTS,
                     )  # fmt: skip

@@ -29,6 +29,7 @@ from radixinfer.attention.shared_prefix import SharedPrefixPlanner
 from radixinfer.attention.torch_backend import TorchAttentionBackend
 from radixinfer.attention.triton_backend import TritonAttentionBackend
 from tests import _triton_env  # noqa: I001  (first: without CUDA, Triton must start in interpreter mode)
+from tests._sm90 import compile_outside_the_interpreter
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2}
@@ -374,6 +375,34 @@ def test_decode_shared_prefix_merge_ignores_stale_padding(num_splits, fuse_merge
         ref = batch.ref(batch.q.shape[-1] ** -0.5)
         assert rel_err(out[:7], ref[:7]) < TOLERANCE[torch.float32]
         assert torch.equal(out[7:], torch.zeros_like(out[7:]))
+
+
+DECODE_COMPILE_SCRIPT = """
+import kernels.paged_attention as pa
+
+TYPES = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "out_ptr": "*bf16",
+         "block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "kv_starts_ptr": "*i32",
+         "counters_ptr": "*i32", "tile_seqs_ptr": "*i32", "tile_lens_ptr": "*i32", "qk_scale": "fp32"}
+for group, head_dim in [(4, 128), (7, 64)]:  # llama-3.1-8b, qwen2.5-0.5b
+    heads = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=head_dim, **pa._merge_shape(group, head_dim))
+    attend = dict(BLOCK_SIZE=16, DOT_PRECISION="tf32", **heads)
+    for merge, chunks in [("direct", 0), ("last", 0), ("last", 4), ("launch", 0), ("launch", 4)]:
+        pa_split = dict(BLOCK_G=16, SHARED_CHUNKS=chunks, MERGE=merge, BLOCK_N=64, **attend)
+        compile_for_sm90(pa._decode_split_kernel, 2, TYPES, **pa_split)
+    for merge in ("last", "launch"):
+        compile_for_sm90(pa._shared_prefix_kernel, 4, TYPES, NUM_HEADS=2 * group,
+                         SEQS_PER_TILE=64 // group, BLOCK_M=64, BLOCK_N=64, SHARED_CHUNKS=4,
+                         MIN_CHUNK=128, MERGE=merge, **attend)
+    compile_for_sm90(pa._decode_merge_kernel, 4, TYPES, SHARED_CHUNKS=4, **heads)
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU compiles them in the other tests")
+def test_decode_kernels_compile_for_sm90():
+    """Every decode variant (the merge direct, in the last program, or in a launch of its own; with
+    and without shared-prefix tiles) compiles for an H100 at llama's and qwen's head layouts: the
+    interpreter runs code Triton's compiler refuses (a loop variable whose type changes)."""
+    compile_outside_the_interpreter(DECODE_COMPILE_SCRIPT)
 
 
 # ------------------------------------------------------------------------------------------------ extend
