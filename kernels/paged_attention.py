@@ -252,41 +252,39 @@ def _merge_partials(
     part_out_ptr,  # [num_seqs, num_heads, num_slots, head_dim] f32
     part_lse_ptr,  # [num_seqs, num_heads, num_slots] f32, contiguous
     out_ptr,  # [num_seqs, num_heads, head_dim]
-    seq,
-    kv_head,
+    seqs,  # [ROWS] the sequence of each output row
+    heads,  # [ROWS] its query head
+    rows_ok,  # [ROWS] rows to write
     num_slots,
-    num_merged,  # slots [0, num_merged) hold this sequence's partials (the rest were not written)
+    num_merged,  # slots [0, num_merged) hold the rows' partials (the rest were not written)
     stride_pt,
     stride_ph,
     stride_ps,
     stride_ot,
     stride_oh,
     num_heads,
-    GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    MERGE_ROWS: tl.constexpr,  # next_power_of_2(GROUP)
+    ROWS: tl.constexpr,
     MERGE_SLOTS: tl.constexpr,  # slots read per step
 ):
-    """Writes the output of the GROUP query heads of (seq, kv_head): ``sum_s 2^(lse_s - max) * out_s /
-    sum_s 2^(lse_s - max)`` over the partials, MERGE_SLOTS slots a step with the running maximum
-    rescaled as in the online softmax. A slot with lse = -inf (an empty split or chunk, a padded
-    sequence) weighs 0; no slot seen at all gives zeros. Both loads of a step are issued together
-    (no mask depends on the lse) and go to L2 (``.cg``): the partials were written by other programs
-    of this launch, and L1 is not coherent with them."""
-    offs_r = tl.arange(0, MERGE_ROWS)
+    """Writes output rows ``(seqs[r], heads[r])``: ``sum_s 2^(lse_s - max) * out_s / sum_s 2^(lse_s -
+    max)`` over their partials, MERGE_SLOTS slots a step with the running maximum rescaled as in the
+    online softmax. A slot with lse = -inf (an empty split or chunk, a padded sequence) weighs 0; no
+    slot seen at all gives zeros. Both loads of a step are issued together (no mask depends on the
+    lse) and go to L2 (``.cg``): the partials were written by other programs of this launch, and L1
+    is not coherent with them."""
     offs_s = tl.arange(0, MERGE_SLOTS)
     offs_d = tl.arange(0, BLOCK_D)
-    heads = kv_head * GROUP + offs_r  # [R]
-    row_ok = offs_r < GROUP
-    lse_row = (seq * num_heads + heads) * num_slots  # [R]
-    part_row = seq * stride_pt + heads * stride_ph  # [R]
-    top = tl.full([MERGE_ROWS], float("-inf"), tl.float32)
-    total = tl.zeros([MERGE_ROWS], tl.float32)
-    acc = tl.zeros([MERGE_ROWS, BLOCK_D], tl.float32)
+    seqs = seqs.to(tl.int64)
+    lse_row = (seqs * num_heads + heads) * num_slots  # [R]
+    part_row = seqs * stride_pt + heads * stride_ph  # [R]
+    top = tl.full([ROWS], float("-inf"), tl.float32)
+    total = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
     for first in range(0, num_merged, MERGE_SLOTS):
         slots = first + offs_s  # [S]
-        ok = row_ok[:, None] & (slots[None, :] < num_merged)  # [R, S]
+        ok = rows_ok[:, None] & (slots[None, :] < num_merged)  # [R, S]
         lse = tl.load(
             part_lse_ptr + lse_row[:, None] + slots[None, :],
             mask=ok,
@@ -311,10 +309,27 @@ def _merge_partials(
         top = new_top
     out = acc / tl.where(total > 0, total, 1.0)[:, None]
     tl.store(
-        out_ptr + seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+        out_ptr + seqs[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
         out,
-        mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM),
+        mask=rows_ok[:, None] & (offs_d[None, :] < HEAD_DIM),
     )
+
+
+@triton.jit
+def _merge_group(
+    part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, num_slots, num_merged,
+    stride_pt, stride_ph, stride_ps, stride_ot, stride_oh, num_heads,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    MERGE_ROWS: tl.constexpr, MERGE_SLOTS: tl.constexpr,
+):  # fmt: skip
+    """`_merge_partials` of the GROUP query heads of one (sequence, KV head), as rows padded to
+    MERGE_ROWS (a power of two)."""
+    rows = tl.arange(0, MERGE_ROWS)
+    _merge_partials(
+        part_out_ptr, part_lse_ptr, out_ptr, seq + rows * 0, kv_head * GROUP + rows, rows < GROUP,
+        num_slots, num_merged, stride_pt, stride_ph, stride_ps, stride_ot, stride_oh, num_heads,
+        HEAD_DIM, BLOCK_D, MERGE_ROWS, MERGE_SLOTS,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -425,7 +440,7 @@ def _decode_split_kernel(
             num_merged = num_splits + tl.where(start > 0, SHARED_CHUNKS, 0)
             tl.debug_barrier()  # every thread's partial stores before the release below
             if _is_last_to_arrive(counters_ptr + seq * num_kv_heads + kv_head, num_merged):
-                _merge_partials(
+                _merge_group(
                     part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, num_slots, num_merged,
                     stride_pt, stride_ph, stride_ps, stride_ot, stride_oh, num_kv_heads * GROUP,
                     GROUP, HEAD_DIM, BLOCK_D, MERGE_ROWS, MERGE_SLOTS,
@@ -469,7 +484,7 @@ def _shared_prefix_kernel(
     SHARED_CHUNKS: tl.constexpr,
     MIN_CHUNK: tl.constexpr,
     MERGE: tl.constexpr,  # "last": count in beside the split kernel's programs; "launch": a merge kernel
-    MERGE_ROWS: tl.constexpr,
+    TILE_SEQS: tl.constexpr,  # next_power_of_2(SEQS_PER_TILE)
     MERGE_SLOTS: tl.constexpr,
 ):
     """Program (tile, kv_head, chunk): row ``r`` is query head ``r % GROUP`` of the KV head's group in the
@@ -477,8 +492,9 @@ def _shared_prefix_kernel(
     first sequence's block table (the caller guarantees every sequence of the tile has the same blocks
     there). A prefix is cut into SHARED_CHUNKS chunks of at least MIN_CHUNK positions, so a few tiles still
     fill the GPU; an empty chunk writes lse = -inf. With MERGE "last" each program counts in once for
-    every (member, kv_head) it wrote, and merges the members it was the last contributor of; an idle
-    tile (length 0) exits before counting, as it must: its member ids may be stale."""
+    every (member, kv_head) it wrote, and merges the members it was the last contributor of (see
+    `_is_last_to_arrive` for the memory ordering); an idle tile (length 0) exits before counting, as
+    it must: its member ids may be stale."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     chunk_id = tl.program_id(2)
@@ -525,18 +541,26 @@ def _shared_prefix_kernel(
     )
     tl.store(part_lse_ptr + (seq * NUM_HEADS + heads) * num_slots + slot, lse, mask=valid)
     if MERGE == "last":
+        # The members count in together (one atomic per member, from as many threads), and the rows
+        # of the members this program was the last contributor of merge together, as the tile's rows.
         tl.debug_barrier()  # every thread's partial stores before the releases below
-        num_kv_heads = tl.num_programs(1)
-        for i in range(SEQS_PER_TILE):
-            tile_seq = tl.load(tile_seqs_ptr + tile * SEQS_PER_TILE + i)
-            if tile_seq >= 0:
-                counter = counters_ptr + tile_seq * num_kv_heads + kv_head
-                if _is_last_to_arrive(counter, num_slots):  # a member is covered: every slot is its
-                    _merge_partials(
-                        part_out_ptr, part_lse_ptr, out_ptr, tile_seq, kv_head, num_slots, num_slots,
-                        stride_pt, stride_ph, stride_ps, stride_ot, stride_oh, NUM_HEADS,
-                        GROUP, HEAD_DIM, BLOCK_D, MERGE_ROWS, MERGE_SLOTS,
-                    )  # fmt: skip
+        offs_t = tl.arange(0, TILE_SEQS)
+        members = tl.load(
+            tile_seqs_ptr + tile * SEQS_PER_TILE + offs_t, mask=offs_t < SEQS_PER_TILE, other=-1
+        )  # [T]
+        counters = counters_ptr + tl.maximum(members, 0) * tl.num_programs(1) + kv_head
+        arrived = tl.atomic_add(counters, 1, mask=members >= 0, sem="acq_rel", scope="gpu")
+        last = (members >= 0) & (arrived == num_slots - 1)  # a member is covered: every slot is its
+        tl.store(counters, 0, mask=last)
+        tl.debug_barrier()  # the acquiring threads' view before any thread's loads of the partials
+        if tl.max(last.to(tl.int32), 0) > 0:
+            row_member = (offs_m // GROUP)[:, None] == offs_t[None, :]  # [M, T]
+            row_last = tl.max(tl.where(row_member & last[None, :], 1, 0), 1) > 0  # [M]
+            _merge_partials(
+                part_out_ptr, part_lse_ptr, out_ptr, seq, heads, valid & row_last, num_slots,
+                num_slots, stride_pt, stride_ph, stride_ps, stride_ot, stride_oh, NUM_HEADS,
+                HEAD_DIM, BLOCK_D, BLOCK_M, MERGE_SLOTS,
+            )  # fmt: skip
 
 
 @triton.jit
@@ -566,7 +590,7 @@ def _decode_merge_kernel(
     context_len = tl.load(context_lens_ptr + seq)
     start = _covered_start(kv_starts_ptr, seq, context_len, SHARED_CHUNKS)
     num_merged = num_slots - SHARED_CHUNKS + tl.where(start > 0, SHARED_CHUNKS, 0)
-    _merge_partials(
+    _merge_group(
         part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, num_slots, num_merged,
         stride_pt, stride_ph, stride_ps, stride_ot, stride_oh, tl.num_programs(1) * GROUP,
         GROUP, HEAD_DIM, BLOCK_D, MERGE_ROWS, MERGE_SLOTS,
@@ -651,7 +675,7 @@ MAX_SPLITS = 128  # bounds the workspace: [num_seqs, num_heads, num_splits, head
 # walking a whole 1,024-position prefix alone.
 SHARED_PREFIX_CHUNKS = 4
 MIN_SHARED_CHUNK = 128
-MERGE_TILE_ELEMENTS = 4096  # float32 partial values a merge step holds: 64 per thread at 2 warps
+MERGE_VALUES_PER_THREAD = 64  # float32 partial values a thread holds per merge step
 MIN_MERGE_COUNTERS = 1024  # counters are allocated in powers of two from this many
 
 
@@ -678,12 +702,11 @@ def merge_counters(device: torch.device, num_counters: int) -> torch.Tensor:
     return _counters(device, max(MIN_MERGE_COUNTERS, triton.next_power_of_2(num_counters)))
 
 
-def _merge_shape(group: int, block_d: int) -> dict:
-    """The merge's tile, a function of the head layout only (no new compile per batch size): the
-    query heads of one KV head, padded to a power of two, by as many slots a step as fit
-    MERGE_TILE_ELEMENTS."""
-    rows = triton.next_power_of_2(group)
-    return dict(MERGE_ROWS=rows, MERGE_SLOTS=max(1, MERGE_TILE_ELEMENTS // (rows * block_d)))
+def _merge_slots(rows: int, block_d: int, num_warps: int) -> int:
+    """Slots one merge step reads for ``rows`` output rows: as many as give each thread
+    MERGE_VALUES_PER_THREAD values, at least one. A function of the head layout and the launch
+    shape only, so no batch size compiles a new variant."""
+    return max(1, MERGE_VALUES_PER_THREAD * 32 * num_warps // (rows * block_d))
 
 
 def decode_num_splits(
@@ -832,8 +855,18 @@ def paged_decode_attention_triton(
         )
         lse = torch.empty((num_seqs, num_heads, num_slots), dtype=torch.float32, device=q.device)
         counters = merge_counters(q.device, num_seqs * num_kv_heads)
-    common = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, **_merge_shape(group, block_d))
-    attend = dict(BLOCK_SIZE=block_size, DOT_PRECISION=_dot_precision(q.dtype), MERGE=merge)
+    heads = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d)
+    attend = dict(
+        BLOCK_SIZE=block_size, DOT_PRECISION=_dot_precision(q.dtype), MERGE=merge, **heads
+    )
+    split_config = _decode_config(block_d, q.dtype)
+    merge_rows = triton.next_power_of_2(
+        group
+    )  # a merge of one (sequence, KV head): its query heads
+    group_merge = dict(
+        MERGE_ROWS=merge_rows,
+        MERGE_SLOTS=_merge_slots(merge_rows, block_d, split_config["num_warps"]),
+    )
     cache_strides = (
         k_cache.stride(0),
         k_cache.stride(1),
@@ -859,7 +892,7 @@ def paged_decode_attention_triton(
         q.stride(0), q.stride(1), *cache_strides, *part_strides,
         BLOCK_G=max(16, triton.next_power_of_2(group)),
         SHARED_CHUNKS=shared_chunks,
-        **common, **attend, **_decode_config(block_d, q.dtype),
+        **attend, **group_merge, **split_config,
     )  # fmt: skip
     if shared is not None:
         num_tiles, seqs_per_tile = shared.seqs.shape
@@ -874,14 +907,16 @@ def paged_decode_attention_triton(
                 SEQS_PER_TILE=seqs_per_tile,
                 SHARED_CHUNKS=shared_chunks,
                 MIN_CHUNK=MIN_SHARED_CHUNK,
-                **common, **attend, **config,
+                TILE_SEQS=triton.next_power_of_2(seqs_per_tile),
+                MERGE_SLOTS=_merge_slots(config["BLOCK_M"], block_d, config["num_warps"]),
+                **attend, **config,
             )  # fmt: skip
         if side is not None:
             torch.cuda.current_stream(q.device).wait_stream(side)
     if merge == "launch":
         _decode_merge_kernel[(num_seqs, num_kv_heads)](
             context_lens, kv_starts, out, parts, lse, num_slots, *part_strides,
-            SHARED_CHUNKS=shared_chunks, **common,
+            SHARED_CHUNKS=shared_chunks, num_warps=split_config["num_warps"], **heads, **group_merge,
         )  # fmt: skip
     return out
 

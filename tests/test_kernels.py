@@ -384,16 +384,19 @@ TYPES = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "out_
          "block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "kv_starts_ptr": "*i32",
          "counters_ptr": "*i32", "tile_seqs_ptr": "*i32", "tile_lens_ptr": "*i32", "qk_scale": "fp32"}
 for group, head_dim in [(4, 128), (7, 64)]:  # llama-3.1-8b, qwen2.5-0.5b
-    heads = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=head_dim, **pa._merge_shape(group, head_dim))
+    heads = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=head_dim)
+    rows = 8 if group == 7 else group
+    group_merge = dict(MERGE_ROWS=rows, MERGE_SLOTS=pa._merge_slots(rows, head_dim, 2))
     attend = dict(BLOCK_SIZE=16, DOT_PRECISION="tf32", **heads)
     for merge, chunks in [("direct", 0), ("last", 0), ("last", 4), ("launch", 0), ("launch", 4)]:
-        pa_split = dict(BLOCK_G=16, SHARED_CHUNKS=chunks, MERGE=merge, BLOCK_N=64, **attend)
-        compile_for_sm90(pa._decode_split_kernel, 2, TYPES, **pa_split)
+        compile_for_sm90(pa._decode_split_kernel, 2, TYPES, BLOCK_G=16, SHARED_CHUNKS=chunks,
+                         MERGE=merge, BLOCK_N=64, **attend, **group_merge)
     for merge in ("last", "launch"):
         compile_for_sm90(pa._shared_prefix_kernel, 4, TYPES, NUM_HEADS=2 * group,
-                         SEQS_PER_TILE=64 // group, BLOCK_M=64, BLOCK_N=64, SHARED_CHUNKS=4,
-                         MIN_CHUNK=128, MERGE=merge, **attend)
-    compile_for_sm90(pa._decode_merge_kernel, 4, TYPES, SHARED_CHUNKS=4, **heads)
+                         SEQS_PER_TILE=64 // group, TILE_SEQS=16, BLOCK_M=64,
+                         BLOCK_N=64, SHARED_CHUNKS=4, MIN_CHUNK=128, MERGE=merge,
+                         MERGE_SLOTS=pa._merge_slots(64, head_dim, 4), **attend)
+    compile_for_sm90(pa._decode_merge_kernel, 2, TYPES, SHARED_CHUNKS=4, **heads, **group_merge)
 """
 
 
