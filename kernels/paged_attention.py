@@ -485,6 +485,7 @@ def _shared_prefix_kernel(
     MIN_CHUNK: tl.constexpr,
     MERGE: tl.constexpr,  # "last": count in beside the split kernel's programs; "launch": a merge kernel
     TILE_SEQS: tl.constexpr,  # next_power_of_2(SEQS_PER_TILE)
+    MERGE_ROWS: tl.constexpr,  # rows merged at a time (a power of two dividing BLOCK_M)
     MERGE_SLOTS: tl.constexpr,
 ):
     """Program (tile, kv_head, chunk): row ``r`` is query head ``r % GROUP`` of the KV head's group in the
@@ -541,8 +542,8 @@ def _shared_prefix_kernel(
     )
     tl.store(part_lse_ptr + (seq * NUM_HEADS + heads) * num_slots + slot, lse, mask=valid)
     if MERGE == "last":
-        # The members count in together (one atomic per member, from as many threads), and the rows
-        # of the members this program was the last contributor of merge together, as the tile's rows.
+        # The members count in together (one atomic per member, from as many threads); the rows of
+        # the members this program was the last contributor of merge MERGE_ROWS rows at a time.
         tl.debug_barrier()  # every thread's partial stores before the releases below
         offs_t = tl.arange(0, TILE_SEQS)
         members = tl.load(
@@ -554,13 +555,20 @@ def _shared_prefix_kernel(
         tl.store(counters, 0, mask=last)
         tl.debug_barrier()  # the acquiring threads' view before any thread's loads of the partials
         if tl.max(last.to(tl.int32), 0) > 0:
-            row_member = (offs_m // GROUP)[:, None] == offs_t[None, :]  # [M, T]
-            row_last = tl.max(tl.where(row_member & last[None, :], 1, 0), 1) > 0  # [M]
-            _merge_partials(
-                part_out_ptr, part_lse_ptr, out_ptr, seq, heads, valid & row_last, num_slots,
-                num_slots, stride_pt, stride_ph, stride_ps, stride_ot, stride_oh, NUM_HEADS,
-                HEAD_DIM, BLOCK_D, BLOCK_M, MERGE_SLOTS,
-            )  # fmt: skip
+            for first_row in range(0, BLOCK_M, MERGE_ROWS):
+                rows = first_row + tl.arange(0, MERGE_ROWS)
+                owner = rows // GROUP  # [R] the row's member
+                owned = (owner[:, None] == offs_t[None, :]) & last[None, :]  # [R, T]
+                rows_last = tl.max(owned.to(tl.int32), 1) > 0
+                if tl.max(rows_last.to(tl.int32), 0) > 0:
+                    row_seqs = tl.load(
+                        tile_seqs_ptr + tile * SEQS_PER_TILE + owner, mask=rows_last, other=0
+                    )
+                    _merge_partials(
+                        part_out_ptr, part_lse_ptr, out_ptr, row_seqs, kv_head * GROUP + rows % GROUP,
+                        rows_last, num_slots, num_slots, stride_pt, stride_ph, stride_ps, stride_ot,
+                        stride_oh, NUM_HEADS, HEAD_DIM, BLOCK_D, MERGE_ROWS, MERGE_SLOTS,
+                    )  # fmt: skip
 
 
 @triton.jit
@@ -676,6 +684,7 @@ MAX_SPLITS = 128  # bounds the workspace: [num_seqs, num_heads, num_splits, head
 SHARED_PREFIX_CHUNKS = 4
 MIN_SHARED_CHUNK = 128
 MERGE_VALUES_PER_THREAD = 64  # float32 partial values a thread holds per merge step
+TILE_MERGE_ROWS = 16  # a shared-prefix tile's rows merge this many at a time (all at once spilled)
 MIN_MERGE_COUNTERS = 1024  # counters are allocated in powers of two from this many
 
 
@@ -908,7 +917,8 @@ def paged_decode_attention_triton(
                 SHARED_CHUNKS=shared_chunks,
                 MIN_CHUNK=MIN_SHARED_CHUNK,
                 TILE_SEQS=triton.next_power_of_2(seqs_per_tile),
-                MERGE_SLOTS=_merge_slots(config["BLOCK_M"], block_d, config["num_warps"]),
+                MERGE_ROWS=TILE_MERGE_ROWS,
+                MERGE_SLOTS=_merge_slots(TILE_MERGE_ROWS, block_d, config["num_warps"]),
                 **attend, **config,
             )  # fmt: skip
         if side is not None:

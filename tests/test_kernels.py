@@ -395,7 +395,7 @@ for group, head_dim in [(4, 128), (7, 64)]:  # llama-3.1-8b, qwen2.5-0.5b
         compile_for_sm90(pa._shared_prefix_kernel, 4, TYPES, NUM_HEADS=2 * group,
                          SEQS_PER_TILE=64 // group, TILE_SEQS=16, BLOCK_M=64,
                          BLOCK_N=64, SHARED_CHUNKS=4, MIN_CHUNK=128, MERGE=merge,
-                         MERGE_SLOTS=pa._merge_slots(64, head_dim, 4), **attend)
+                         MERGE_ROWS=16, MERGE_SLOTS=pa._merge_slots(16, head_dim, 4), **attend)
     compile_for_sm90(pa._decode_merge_kernel, 2, TYPES, SHARED_CHUNKS=4, **heads, **group_merge)
 """
 
