@@ -1,12 +1,16 @@
 """Micro-benchmarks of the Triton kernels against their floors and against torch SDPA on contiguous KV.
 
-    python benchmarks/bench_kernels.py [--json PATH]
+    python benchmarks/bench_kernels.py [--json PATH] [--decode-only]
 
 Needs CUDA. All data is random bf16, block_size 16, block tables a random permutation of the pool (as
 fragmented as a long-running server's). Every time is the median (`triton.testing.do_bench`) of a CUDA
 graph replay divided by the calls captured in it, so host launch cost is left out, as in an engine that
 replays graphs; do_bench clears the L2 before each replay and decode rotates over several layers' caches
 (distinct memory), so every kernel reads its inputs from HBM.
+
+Decode runs the kernel as the engine does (the last split program to finish merges the partials) and,
+where there is more than one split, also with the partials merged by a second launch (``two-launch us``,
+``fuse_merge=False``) in the same run. ``--decode-only`` skips the other tables.
 
 Floors: decode and copies are bound by bytes (KV read once, outputs written once) over the HBM bandwidth
 measured here (the better of a copy and a sum); extend is bound by FLOPs (causal QK^T and PV) over the
@@ -139,14 +143,22 @@ def bench_decode(m: Model, num_seqs: int, context_len: int, hbm_tbs: float) -> d
     q = torch.randn(num_seqs, m.num_heads, m.head_dim, device="cuda", dtype=DTYPE)
     context_lens = torch.full((num_seqs,), context_len, device="cuda", dtype=torch.int32)
     scale = m.head_dim**-0.5
-    triton_ms = graph_ms(
-        [
-            lambda i=i: paged_decode_attention_triton(
-                q, k_pool[i], v_pool[i], tables, context_lens, context_len, scale
-            )
-            for i in range(num_layers)
-        ]
-    )
+    splits = decode_num_splits(num_seqs, m.num_kv_heads, context_len, q.device)
+
+    def decode_ms(fuse_merge: bool) -> float:
+        return graph_ms(
+            [
+                lambda i=i: paged_decode_attention_triton(
+                    q, k_pool[i], v_pool[i], tables, context_lens, context_len, scale,
+                    fuse_merge=fuse_merge,
+                )
+                for i in range(num_layers)
+            ]
+        )  # fmt: skip
+
+    triton_ms = decode_ms(fuse_merge=True)
+    # the same partials merged by a second launch, as before the in-kernel merge (one split: no merge)
+    two_launch_ms = decode_ms(fuse_merge=False) if splits > 1 else None
     # the baseline: SDPA over the same amount of KV laid out contiguously
     k, v = (
         torch.randn(
@@ -166,12 +178,13 @@ def bench_decode(m: Model, num_seqs: int, context_len: int, hbm_tbs: float) -> d
     return {
         "model": m.name,
         "batch x context": f"{num_seqs}x{context_len}",
-        "splits": decode_num_splits(num_seqs, m.num_kv_heads, context_len, q.device),
+        "splits": splits,
         "KV MB": kv_bytes / 1e6,
         "floor us": floor_us,
         "triton us": triton_ms * 1e3,
         "triton TB/s": io_bytes / triton_ms / 1e9,
         "of floor": floor_us / (triton_ms * 1e3),
+        "two-launch us": None if two_launch_ms is None else two_launch_ms * 1e3,
         "sdpa us": sdpa_ms * 1e3,
         "sdpa TB/s": io_bytes / sdpa_ms / 1e9,
         "sdpa kernel": sdpa_kind,
@@ -309,6 +322,9 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--json", type=Path, help="also write every number here")
+    parser.add_argument(
+        "--decode-only", action="store_true", help="only the decode attention table"
+    )
     args = parser.parse_args()
     props = torch.cuda.get_device_properties(0)
     ceil = ceilings()
@@ -326,15 +342,20 @@ def main() -> None:
         for b, c in [(1, 32768), (64, 4096), (256, 1024), (1, 1024)]
     ]
     print("\n## decode attention (bf16, block_size 16; per layer)\n" + table(decode), flush=True)
-    extend = [bench_extend(m, 8, 2048, p, ceil["matmul_TFLOPs"]) for m in MODELS for p in (0, 1024)]
-    print("\n## extend attention (bf16, block_size 16)\n" + table(extend), flush=True)
-    moves = [bench_copy_blocks(m, 256, ceil["hbm_TBps"]) for m in MODELS]
-    moves += [bench_store_kv(m, n, ceil["hbm_TBps"]) for m in MODELS for n in (256, 16384)]
-    print("\n## KV copies\n" + table(moves))
-    argmax = [
-        bench_argmax(r, v, ceil["hbm_TBps"]) for r, v in [(512, 151936), (64, 151936), (128, 50257)]
-    ]
-    print("\n## greedy sampling: argmax over the logits\n" + table(argmax))
+    extend, moves, argmax = [], [], []
+    if not args.decode_only:
+        extend = [
+            bench_extend(m, 8, 2048, p, ceil["matmul_TFLOPs"]) for m in MODELS for p in (0, 1024)
+        ]
+        print("\n## extend attention (bf16, block_size 16)\n" + table(extend), flush=True)
+        moves = [bench_copy_blocks(m, 256, ceil["hbm_TBps"]) for m in MODELS]
+        moves += [bench_store_kv(m, n, ceil["hbm_TBps"]) for m in MODELS for n in (256, 16384)]
+        print("\n## KV copies\n" + table(moves))
+        argmax = [
+            bench_argmax(r, v, ceil["hbm_TBps"])
+            for r, v in [(512, 151936), (64, 151936), (128, 50257)]
+        ]
+        print("\n## greedy sampling: argmax over the logits\n" + table(argmax))
     if args.json:
         args.json.write_text(
             json.dumps(
