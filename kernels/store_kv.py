@@ -1,10 +1,20 @@
-"""Store the new tokens' K/V into their paged slots."""
+"""The store step of attention: the new tokens' K/V into their paged slots, with rotary embedding on
+the way for the models that use it.
+
+Given a `Rotary` (the Llama family), q is rotated in place and k is rotated as it is copied into the
+cache (`kernels/rotary.py`), in the same launch that stores K and V: at decode's small batches every
+element-wise launch costs about as much as the work in it, and this one replaces two. ``k`` and ``v``
+themselves are only read: attention reads K and V from the cache, never from the projections. Without
+one (GPT-2: learned positions) it is a plain store.
+"""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from kernels.rotary import Rotary, load_rotated, rotated
 
 
 def store_kv_ref(
@@ -13,7 +23,12 @@ def store_kv_ref(
     k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     v: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens] int64; -1 = skip (already stored / padding)
+    rotary: Rotary | None = None,
 ) -> None:
+    if rotary is not None:
+        q, cos, sin = rotary
+        q.copy_(rotated(q, cos, sin))
+        k = rotated(k, cos, sin)
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)
@@ -22,42 +37,67 @@ def store_kv_ref(
 
 @triton.jit
 def _store_kv_kernel(
+    q_ptr,
     k_ptr,
     v_ptr,
+    cos_ptr,
+    sin_ptr,
     k_cache_ptr,
     v_cache_ptr,
     slot_mapping_ptr,
+    stride_qt,
+    stride_qh,
     stride_kt,
     stride_kh,
     stride_vt,
-    stride_vh,  # k, v: [num_tokens, num_kv_heads, head_dim], last stride 1
+    stride_vh,  # q, k, v: [num_tokens, heads, head_dim], last stride 1
+    stride_ct,  # cos, sin: [num_tokens, head_dim // 2], last stride 1
     stride_cb,
     stride_cs,
     stride_ch,  # both caches: [num_blocks, block_size, num_kv_heads, head_dim]
+    NUM_Q_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    BLOCK_QH: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    ROTARY: tl.constexpr,
 ):
-    """One program per token: all heads of its K and V row into one slot; slot -1 does nothing."""
-    token = tl.program_id(0)
+    """One program per token: with ``ROTARY``, its cos/sin row read once, every q head rotated in
+    place (slot -1 included: padding rows and cached tokens still attend), then all heads of its K
+    and V row into one slot, k rotated; slot -1 stores nothing."""
+    token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    if slot < 0:
-        return
     heads = tl.arange(0, BLOCK_H)[:, None]
+    kv_mask = heads < tl.where(slot >= 0, NUM_KV_HEADS, 0)  # no head of a slot -1 row
+    dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + heads * stride_ch
+    k_row = k_ptr + token * stride_kt + heads * stride_kh
     dims = tl.arange(0, BLOCK_D)[None, :]
-    mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM)
-    dst = (
-        (slot // BLOCK_SIZE) * stride_cb
-        + (slot % BLOCK_SIZE) * stride_cs
-        + heads * stride_ch
-        + dims
-    )
-    k = tl.load(k_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
+    mask = kv_mask & (dims < HEAD_DIM)
+    if ROTARY:
+        HALF: tl.constexpr = HEAD_DIM // 2
+        half = tl.arange(0, BLOCK_HALF)[None, :]
+        cos = tl.load(cos_ptr + token * stride_ct + half, mask=half < HALF).to(tl.float32)
+        sin = tl.load(sin_ptr + token * stride_ct + half, mask=half < HALF).to(tl.float32)
+        q_heads = tl.arange(0, BLOCK_QH)[:, None]
+        q_mask = (q_heads < NUM_Q_HEADS) & (half < HALF)
+        q_first = q_ptr + token * stride_qt + q_heads * stride_qh + half
+        q1, q2 = load_rotated(q_first, cos, sin, q_mask, HALF)
+        tl.store(q_first, q1, mask=q_mask)  # the store rounds to q's dtype
+        tl.store(q_first + HALF, q2, mask=q_mask)
+        k_mask = kv_mask & (half < HALF)
+        k1, k2 = load_rotated(k_row + half, cos, sin, k_mask, HALF)
+        # rounded to the model dtype, as q is, then by the store to the cache's
+        k_dtype = k_ptr.dtype.element_ty
+        tl.store(k_cache_ptr + dst + half, k1.to(k_dtype), mask=k_mask)
+        tl.store(k_cache_ptr + dst + HALF + half, k2.to(k_dtype), mask=k_mask)
+    else:
+        k = tl.load(k_row + dims, mask=mask)
+        tl.store(k_cache_ptr + dst + dims, k, mask=mask)  # the store casts to the cache dtype
     v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
-    tl.store(k_cache_ptr + dst, k, mask=mask)  # the store casts to the cache dtype
-    tl.store(v_cache_ptr + dst, v, mask=mask)
+    tl.store(v_cache_ptr + dst + dims, v, mask=mask)
 
 
 def store_kv_triton(
@@ -66,30 +106,50 @@ def store_kv_triton(
     k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]; any token/head strides, last dim contiguous
     v: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens] int64; -1 = skip
+    rotary: Rotary | None = None,  # its q strided like k; cos/sin: last dim contiguous
 ) -> None:
     """Same function as `store_kv_ref`, in one launch of ``num_tokens`` programs and no host sync, so a
-    CUDA graph can capture it (padding tokens carry slot -1). ``k``/``v`` may be views into a fused qkv."""
+    CUDA graph can capture it (padding tokens carry slot -1). q, ``k`` and ``v`` may be views into one
+    fused qkv projection (they must not overlap). The kernel rotates in float32 and rounds once."""
     num_tokens, num_kv_heads, head_dim = k.shape
+    assert v.shape == k.shape and k.stride(2) == 1 and v.stride(2) == 1
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
+    if rotary is not None:
+        q, cos, sin = rotary
+        assert q.shape[::2] == (num_tokens, head_dim) and q.stride(2) == 1 and head_dim % 2 == 0
+        assert cos.shape == sin.shape == (num_tokens, head_dim // 2)
+        assert cos.stride() == sin.stride() and cos.stride(1) == 1
+    else:  # nothing reads q, cos or sin: k stands in for them
+        q = cos = sin = k
+    num_q_heads = q.shape[1]
     if num_tokens == 0:
         return
-    assert k.stride(2) == 1 and v.stride(2) == 1 and k_cache.stride() == v_cache.stride()
-    assert k_cache.stride(3) == 1
     _store_kv_kernel[(num_tokens,)](
+        q,
         k,
         v,
+        cos,
+        sin,
         k_cache,
         v_cache,
         slot_mapping.contiguous(),
+        q.stride(0),
+        q.stride(1),
         k.stride(0),
         k.stride(1),
         v.stride(0),
         v.stride(1),
+        cos.stride(0),
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        NUM_Q_HEADS=num_q_heads,
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_QH=triton.next_power_of_2(num_q_heads),
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_HALF=triton.next_power_of_2(max(head_dim // 2, 1)),
+        ROTARY=rotary is not None,
     )

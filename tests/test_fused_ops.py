@@ -1,6 +1,7 @@
-"""The fused element-wise kernels (residual add + RMSNorm, rotary, SiLU-and-mul) and the sampler's argmax against
+"""The fused element-wise kernels (residual add + RMSNorm, SiLU-and-mul) and the sampler's argmax against
 their references, and
-a Llama-family forward through the kernels against the same model through the references.
+a Llama-family forward through the kernels against the same model through the references (rotary,
+fused into the KV store, is tested with it in ``tests/test_kernels.py``).
 
 Without CUDA the kernels run in Triton's interpreter at tiny sizes; the ``gpu`` tests repeat them at real
 sizes (512 tokens, hidden 896 to 5120, head_dim 64 and 128). Inputs are strided views, as the models
@@ -9,14 +10,18 @@ pass them (q/k/v of one fused projection, gate|up of another).
 
 from tests import _triton_env  # noqa: I001  (first: without CUDA, Triton must start in interpreter mode)
 
+import dataclasses
+
+import numpy as np
 import pytest
 import torch
 
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from kernels.argmax import argmax_ref, argmax_triton
 from kernels.rms_norm import rms_norm_ref, rms_norm_triton
-from kernels.rotary import rotary_ref, rotary_triton
-from radixinfer.attention import AttentionMetadata, ForwardContext, get_backend
+from radixinfer.attention import AttentionMetadata, ForwardContext
+from radixinfer.attention.torch_backend import TorchAttentionBackend
+from radixinfer.attention.triton_backend import TritonAttentionBackend
 from radixinfer.models import layers, load_model
 from tests.test_kernels import DEVICE, DTYPES, TOLERANCE, gpu_test, poison_allocator, randn, rel_err
 from tests.test_models import ARCHS
@@ -80,50 +85,7 @@ def test_empty_batch():
         0,
         16,
     )
-    rotary_triton(x[:, :4], x[:, 4:6], x[:, 0, :8], x[:, 1, :8])
     assert silu_and_mul_triton(x[:, 0]).shape == (0, 8)
-
-
-# -------------------------------------------------------------------------------------------------- rotary
-
-
-def check_rotary(num_tokens, num_heads, num_kv_heads, head_dim, dtype, seed):
-    """q and k rotated in place inside one fused qkv projection; v and everything else left alone."""
-    gen = torch.Generator(DEVICE).manual_seed(seed)
-    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-    qkv = randn(num_tokens, q_size + 2 * kv_size, dtype=dtype, gen=gen)
-    angles = torch.rand(num_tokens, head_dim // 2, generator=gen, device=DEVICE) * 100
-    cos, sin = (
-        angles.cos().to(dtype),
-        angles.sin().to(dtype),
-    )  # the model dtype, as RotaryEmbedding keeps them
-
-    def views(t):
-        q, k, _ = t.split([q_size, kv_size, kv_size], dim=-1)
-        return q.view(num_tokens, num_heads, head_dim), k.view(num_tokens, num_kv_heads, head_dim)
-
-    ref = qkv.clone()
-    rotary_ref(*views(ref), cos, sin)
-    rotary_triton(*views(qkv), cos, sin)
-    assert torch.equal(qkv[:, q_size + kv_size :], ref[:, q_size + kv_size :])
-    assert (
-        rel_err(qkv, ref) < TOLERANCE[dtype]
-    )  # the kernel rounds once, the reference after every step
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(
-    "heads, head_dim", [((4, 2), 16), ((6, 1), 24)]
-)  # 24: half not a power of 2
-def test_rotary_matches_reference(dtype, heads, head_dim):
-    check_rotary(
-        num_tokens=5,
-        num_heads=heads[0],
-        num_kv_heads=heads[1],
-        head_dim=head_dim,
-        dtype=dtype,
-        seed=head_dim,
-    )
 
 
 # ---------------------------------------------------------------------------------------------- activation
@@ -174,9 +136,11 @@ def test_argmax_matches_reference_first_index_of_ties(dtype, vocab, chunks):
 
 
 def model_logits(model, dtype, use_triton, monkeypatch) -> torch.Tensor:
-    """A ragged prefill of two prompts (5 and 11 tokens, block size 4) with the fused ops' Triton kernels
-    (``use_triton``: in the interpreter without CUDA) or their references; logits of every token."""
+    """A ragged prefill of two prompts (5 and 11 tokens, block size 4) with the fused ops' and the
+    attention backend's Triton kernels (``use_triton``: in the interpreter without CUDA) or their
+    references; logits of every token."""
     monkeypatch.setattr(layers, "use_triton", lambda x: use_triton)
+    backend = TritonAttentionBackend() if use_triton else TorchAttentionBackend()
     gen = torch.Generator().manual_seed(0)
     lens, block_size = [5, 11], 4
     tables = [[0, 1], [2, 3, 4]]
@@ -197,7 +161,12 @@ def model_logits(model, dtype, use_triton, monkeypatch) -> torch.Tensor:
     )
     cache_shape = (model.num_layers, 5, block_size, model.num_kv_heads, model.head_dim)
     k_cache, v_cache = (torch.zeros(cache_shape, dtype=dtype, device=DEVICE) for _ in range(2))
-    ctx = ForwardContext(meta, k_cache, v_cache, get_backend(DEVICE))
+    if use_triton:  # the extend kernel's work list, as the runner plans it
+        planner = backend.planner(block_size, model.num_heads, model.num_kv_heads, dtype)
+        work = np.zeros((2, planner.extend_work_capacity(sum(lens), len(lens))), dtype=np.int32)
+        planner.plan_extend_work(np.array(lens), np.array(lens), work)
+        meta = dataclasses.replace(meta, extend_work=torch.from_numpy(work).to(DEVICE))
+    ctx = ForwardContext(meta, k_cache, v_cache, backend)
     input_ids = torch.randint(256, (sum(lens),), generator=gen).to(DEVICE)
     with torch.inference_mode():
         return model.compute_logits(model(input_ids, torch.tensor(positions, device=DEVICE), ctx))
@@ -237,17 +206,9 @@ def test_rms_norm_gpu(dtype, hidden):
 @gpu_test
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads, head_dim", [((14, 2), 64), ((32, 8), 128), ((16, 8), 128)])
-def test_rotary_and_head_norm_gpu(dtype, heads, head_dim):
+def test_head_rms_norm_gpu(dtype, heads, head_dim):
     poison_allocator()
     check_head_norm(
-        num_tokens=512,
-        num_heads=heads[0],
-        num_kv_heads=heads[1],
-        head_dim=head_dim,
-        dtype=dtype,
-        seed=head_dim,
-    )
-    check_rotary(
         num_tokens=512,
         num_heads=heads[0],
         num_kv_heads=heads[1],

@@ -23,6 +23,7 @@ from kernels.paged_attention import (
     plan_extend_work,
     shared_prefix_seqs_per_tile,
 )
+from kernels.rotary import Rotary
 from kernels.store_kv import store_kv_ref, store_kv_triton
 from radixinfer.attention import AttentionMetadata, ForwardContext
 from radixinfer.attention.shared_prefix import SharedPrefixPlanner
@@ -459,29 +460,80 @@ def test_extend_work_list_covers_every_query_tile_once_longest_span_first():
 # ------------------------------------------------------------------------------------------- store / copy
 
 
-def check_store_kv(num_tokens, num_blocks, block_size, num_kv_heads, head_dim, dtype, seed):
+def check_store_kv(num_tokens, num_blocks, block_size, heads, head_dim, dtype, seed, rotary=True):
+    """The store step against its reference, q/k/v as strided views into one fused projection (the
+    way a model produces them), a quarter of the slots -1. With ``rotary``: q rotated in place (every
+    row, slot -1 included), k rotated into the cache. Either way k and v stay as they were, every
+    slot not written keeps its bits, and slot -1 rows write nothing."""
+    num_heads, num_kv_heads = heads
     gen = torch.Generator(DEVICE).manual_seed(seed)
     cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache, v_cache = (
-        randn(*cache_shape, dtype=dtype, gen=gen),
-        randn(*cache_shape, dtype=dtype, gen=gen),
-    )
-    # k and v as strided views into one fused projection, the way a model produces them
-    kv = randn(num_tokens, 2 * num_kv_heads + 1, head_dim, dtype=dtype, gen=gen)
-    k, v = kv[:, :num_kv_heads], kv[:, num_kv_heads + 1 :]
+    k_cache, v_cache = (randn(*cache_shape, dtype=dtype, gen=gen) for _ in range(2))
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    qkv = randn(num_tokens, q_size + 2 * kv_size + 3, dtype=dtype, gen=gen)[:, 3:]
+
+    # the model dtype, as RotaryEmbedding keeps them; angles of positions far apart
+    angles = torch.rand(num_tokens, head_dim // 2, generator=gen, device=DEVICE) * 100
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
     slots = torch.randperm(num_blocks * block_size, generator=gen, device=DEVICE)[:num_tokens]
     slots[torch.rand(num_tokens, generator=gen, device=DEVICE) < 0.25] = -1
-    k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    store_kv_ref(k_ref, v_ref, k, v, slots)
-    store_kv_triton(k_cache, v_cache, k, v, slots)
-    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+    def store(fn, qkv, k_cache, v_cache):
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(num_tokens, num_heads, head_dim)
+        k, v = (t.view(num_tokens, num_kv_heads, head_dim) for t in (k, v))
+        fn(k_cache, v_cache, k, v, slots, Rotary(q, cos, sin) if rotary else None)
+
+    before = qkv.clone(), k_cache.clone(), v_cache.clone()
+    ref_qkv, ref_k, ref_v = (t.clone() for t in before)
+    store(store_kv_ref, ref_qkv, ref_k, ref_v)
+    store(store_kv_triton, qkv, k_cache, v_cache)
+    assert torch.equal(qkv[:, q_size:], before[0][:, q_size:])  # k, v only read
+    if rotary:  # the kernel rounds once, the reference after every step
+        assert rel_err(qkv[:, :q_size], ref_qkv[:, :q_size]) < TOLERANCE[dtype]
+        assert not torch.equal(qkv[:, :q_size], before[0][:, :q_size])
+    else:
+        assert torch.equal(qkv[:, :q_size], before[0][:, :q_size])
+    stored = slots[slots >= 0]
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool, device=DEVICE)
+    untouched[stored] = False
+    for out, ref, orig, rotated in (
+        (k_cache, ref_k, before[1], rotary),
+        (v_cache, ref_v, before[2], False),
+    ):
+        out, ref, orig = (t.view(-1, num_kv_heads, head_dim) for t in (out, ref, orig))
+        assert torch.equal(out[untouched], orig[untouched])
+        if rotated:
+            assert rel_err(out[stored], ref[stored]) < TOLERANCE[dtype]
+        else:
+            assert torch.equal(out[stored], ref[stored])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_store_kv_matches_reference(dtype):
+@pytest.mark.parametrize("rotary", [True, False], ids=["rotary", "plain"])
+@pytest.mark.parametrize(
+    "heads, head_dim", [((4, 2), 16), ((6, 3), 24), ((3, 3), 80)]
+)  # 24 and 80: head_dim and half not powers of 2; (3, 3): GPT-2's as many KV heads as query heads
+def test_store_kv_matches_reference(dtype, rotary, heads, head_dim):
     check_store_kv(
-        num_tokens=23, num_blocks=11, block_size=3, num_kv_heads=3, head_dim=80, dtype=dtype, seed=1
+        num_tokens=23,
+        num_blocks=11,
+        block_size=3,
+        heads=heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        seed=head_dim,
+        rotary=rotary,
     )
+
+
+def test_store_kv_of_an_empty_batch_launches_nothing():
+    x = torch.empty(0, 8, 16, device=DEVICE)
+    cache = torch.zeros(2, 4, 2, 16, device=DEVICE)
+    slots = torch.empty(0, dtype=torch.int64, device=DEVICE)
+    rotary = Rotary(x[:, :4], x[:, 0, :8], x[:, 1, :8])
+    store_kv_triton(cache, cache.clone(), x[:, 4:6], x[:, 6:], slots, rotary)
+    assert not cache.any()
 
 
 def check_copy_blocks(
@@ -518,9 +570,11 @@ def test_copy_blocks_matches_reference(dtype):
 # ----------------------------------------------------------------------------------------------- backend
 
 
-def test_backend_stores_then_attends_like_the_reference_backend():
+@pytest.mark.parametrize("rotary", [True, False], ids=["rotary", "plain"])
+def test_backend_stores_then_attends_like_the_reference_backend(rotary):
     """Through ForwardContext: a hit whose new tokens are stored (slot set) next to tokens already in the
-    cache (slot -1 reads what is there), for both backends on identical caches."""
+    cache (slot -1 reads what is there), for both backends on identical caches; with ``rotary`` the
+    store step rotates q and k first (the kernel rounds once, the reference after every step)."""
     batch = make_batch(
         [5, 0],
         [6, 9],
@@ -534,6 +588,8 @@ def test_backend_stores_then_attends_like_the_reference_backend():
     gen = torch.Generator(DEVICE).manual_seed(8)
     num_tokens = batch.q.shape[0]
     k, v = (randn(num_tokens, 2, 64, dtype=torch.float32, gen=gen) for _ in range(2))
+    angles = torch.rand(num_tokens, 32, generator=gen, device=DEVICE) * 100
+    cos, sin = (angles.cos(), angles.sin()) if rotary else (None, None)
     block_size = batch.k_cache.shape[1]
     m = batch.meta
     slots = []
@@ -547,9 +603,16 @@ def test_backend_stores_then_attends_like_the_reference_backend():
     for backend in (TorchAttentionBackend(), TritonAttentionBackend()):
         pool_k, pool_v = batch.k_cache.clone()[None], batch.v_cache.clone()[None]  # one layer
         ctx = ForwardContext(meta=meta, k_cache=pool_k, v_cache=pool_v, backend=backend)
-        outs.append((ctx.attention(0, batch.q, k, v, scale=0.125), pool_k, pool_v))
-    (ref, ref_k, ref_v), (out, out_k, out_v) = outs
-    assert torch.equal(out_k, ref_k) and torch.equal(out_v, ref_v)
+        q = batch.q.clone()  # rotated in place
+        out = ctx.attention(0, q, k, v, scale=0.125, cos=cos, sin=sin)
+        outs.append((out, q, pool_k, pool_v))
+    (ref, ref_q, ref_k, ref_v), (out, out_q, out_k, out_v) = outs
+    assert torch.equal(out_v, ref_v)
+    if rotary:
+        assert rel_err(out_q, ref_q) < TOLERANCE[torch.float32]
+        assert rel_err(out_k, ref_k) < TOLERANCE[torch.float32]
+    else:
+        assert torch.equal(out_q, batch.q) and torch.equal(out_k, ref_k)
     assert rel_err(out, ref) < TOLERANCE[torch.float32]
 
 
@@ -650,15 +713,18 @@ def test_decode_shared_prefix_gpu(dtype, heads, head_dim):
 @gpu_test
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_store_and_copy_gpu(dtype):
-    check_store_kv(
-        num_tokens=3000,
-        num_blocks=500,
-        block_size=16,
-        num_kv_heads=8,
-        head_dim=128,
-        dtype=dtype,
-        seed=3,
-    )
+    for heads, head_dim in [((14, 2), 64), ((32, 8), 128), ((16, 8), 128)]:
+        for rotary in (True, False):
+            check_store_kv(
+                num_tokens=3000,
+                num_blocks=500,
+                block_size=16,
+                heads=heads,
+                head_dim=head_dim,
+                dtype=dtype,
+                seed=3,
+                rotary=rotary,
+            )
     check_copy_blocks(
         num_layers=24,
         num_blocks=700,
@@ -674,10 +740,10 @@ def test_store_and_copy_gpu(dtype):
 @gpu_test
 @pytest.mark.parametrize("batch_size", [64, 3])
 def test_decode_step_replays_in_a_cuda_graph(batch_size):
-    """Capture store + attend once, then change lengths, tables and inputs in place and replay: the graph
-    must compute the new step exactly like the reference (no host sync, no length-dependent grid). Batch
-    64 runs one split; batch 3 many, merged by the last program through the counters, which every
-    replay must leave zero for the next."""
+    """Capture rotary + store + attend once, then change lengths, tables and inputs in place and replay:
+    the graph must compute the new step exactly like the reference (no host sync, no length-dependent
+    grid). Batch 64 runs one split; batch 3 many, merged by the last program through the counters,
+    which every replay must leave zero for the next."""
     heads, head_dim, block_size, max_len = (32, 8), 128, 16, 4096
     num_blocks = batch_size * max_len // block_size
     gen = torch.Generator("cuda").manual_seed(9)
@@ -689,6 +755,10 @@ def test_decode_step_replays_in_a_cuda_graph(batch_size):
     q = torch.empty(batch_size, heads[0], head_dim, dtype=torch.bfloat16, device="cuda")
     k, v = (
         torch.empty(batch_size, heads[1], head_dim, dtype=torch.bfloat16, device="cuda")
+        for _ in range(2)
+    )
+    cos, sin = (
+        torch.empty(batch_size, head_dim // 2, dtype=torch.bfloat16, device="cuda")
         for _ in range(2)
     )
     meta = AttentionMetadata(
@@ -720,22 +790,25 @@ def test_decode_step_replays_in_a_cuda_graph(batch_size):
         meta.slot_mapping.copy_(slots)
         for t in (q, k, v):
             t.copy_(torch.randn(t.shape, generator=g))
+        angles = torch.rand(cos.shape, generator=g) * max_len
+        cos.copy_(angles.cos())
+        sin.copy_(angles.sin())
 
     fill_step(0)
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        ctx.attention(0, q, k, v, scale=head_dim**-0.5)  # compile outside capture
+        ctx.attention(0, q, k, v, head_dim**-0.5, cos, sin)  # compile outside capture
         with torch.cuda.graph(graph, stream=stream):
-            out = ctx.attention(0, q, k, v, scale=head_dim**-0.5)
+            out = ctx.attention(0, q, k, v, head_dim**-0.5, cos, sin)
     torch.cuda.current_stream().wait_stream(stream)
     for seed in (1, 2):
         fill_step(seed)
-        k_ref, v_ref = k_pool.clone(), v_pool.clone()
-        store_kv_ref(k_ref[0], v_ref[0], k, v, meta.slot_mapping)
+        q_ref, k_ref, v_ref = q.clone(), k_pool.clone(), v_pool.clone()
+        store_kv_ref(k_ref[0], v_ref[0], k, v, meta.slot_mapping, Rotary(q_ref, cos, sin))
         ref = paged_attention_ref(
-            q,
+            q_ref,
             k_ref[0],
             v_ref[0],
             meta.block_tables,
@@ -747,6 +820,9 @@ def test_decode_step_replays_in_a_cuda_graph(batch_size):
         )
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(k_pool, k_ref) and torch.equal(v_pool, v_ref)
+        # rotated k and q: the kernel rounds once, the reference after every step (an ulp apart)
+        assert torch.allclose(k_pool.float(), k_ref.float(), rtol=2e-2, atol=2e-2)
+        assert torch.allclose(q.float(), q_ref.float(), rtol=2e-2, atol=2e-2)
+        assert torch.equal(v_pool, v_ref)
         assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
         assert not merge_counters(q.device, batch_size * heads[1]).any()

@@ -10,6 +10,7 @@ from typing import Any, ClassVar, Protocol
 import numpy as np
 import torch
 
+from kernels.rotary import Rotary
 from radixinfer.attention.metadata import AttentionMetadata
 
 
@@ -80,7 +81,11 @@ class AttentionBackend(Protocol):
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
-    ) -> None: ...
+        rotary: Rotary | None,
+    ) -> None:
+        """Write K and V into their slots; given a `Rotary`, rotary embedding first: its q rotated
+        in place (every row), k rotated on its way to the cache (``k`` itself only read)."""
+        ...
 
     def attend(
         self,
@@ -94,9 +99,9 @@ class AttentionBackend(Protocol):
 
 class KernelBackend:
     """An `AttentionBackend` made of two functions of `kernels/`: `store` (`store_kv_ref`'s
-    arguments) and `attention` (`paged_attention_ref`'s arguments, read from the metadata, then the
-    keyword arguments `attention_options` gives). Subclasses set `name` and both functions (as
-    static methods), and write `planner`."""
+    arguments: rotary and the store in one call) and `attention` (`paged_attention_ref`'s
+    arguments, read from the metadata, then the keyword arguments `attention_options` gives).
+    Subclasses set `name` and both functions (as static methods), and write `planner`."""
 
     name: ClassVar[str]
     store: Callable[..., None]
@@ -118,8 +123,9 @@ class KernelBackend:
         k: torch.Tensor,
         v: torch.Tensor,
         slot_mapping: torch.Tensor,
+        rotary: Rotary | None,
     ) -> None:
-        self.store(k_cache, v_cache, k, v, slot_mapping)
+        self.store(k_cache, v_cache, k, v, slot_mapping, rotary)
 
     def attend(
         self,
@@ -156,13 +162,23 @@ class ForwardContext:
     backend: AttentionBackend
 
     def attention(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        cos: torch.Tensor | None = None,
+        sin: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Store this layer's new K/V, then attend over the cache. Returns ``[num_tokens, num_heads, head_dim]``.
+        Given ``cos``/``sin`` (``[num_tokens, head_dim // 2]``), q and k are rotated first, in the
+        store's launch (`AttentionBackend.store_kv`); q is rotated in place.
 
         Storing for the whole batch before attending is what lets a request read, in the same forward,
         prefix K/V that another request of the batch is computing (in-batch prefix sharing).
         """
         k_layer, v_layer = self.k_cache[layer], self.v_cache[layer]
-        self.backend.store_kv(k_layer, v_layer, k, v, self.meta.slot_mapping)
+        rotary = Rotary(q, cos, sin) if cos is not None else None
+        self.backend.store_kv(k_layer, v_layer, k, v, self.meta.slot_mapping, rotary)
         return self.backend.attend(q, k_layer, v_layer, self.meta, scale)

@@ -42,21 +42,29 @@ class AttentionLayer(nn.Module):
         self.scale = scale
 
     def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        ctx: ForwardContext,
+        cos: torch.Tensor | None = None,
+        sin: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Store this layer's new K/V and attend over the cache (`ForwardContext.attention`):
         ``q [T, num_heads, head_dim]``, ``k``, ``v [T, num_kv_heads, head_dim]`` ->
-        ``[T, num_heads * head_dim]``, the heads side by side as the output projection reads them."""
-        return ctx.attention(self.layer_idx, q, k, v, self.scale).flatten(1)
+        ``[T, num_heads * head_dim]``, the heads side by side as the output projection reads them.
+        With ``cos``/``sin`` ``[T, head_dim // 2]``, rotary embedding of q (in place) and k comes
+        first, in the same launch as the store."""
+        return ctx.attention(self.layer_idx, q, k, v, self.scale, cos, sin).flatten(1)
 
 
 class PagedCausalLM(nn.Module):
     """A decoder-only LM over a ragged batch (all sequences' new tokens concatenated, no padding).
 
-    Attention layers call ``ctx.attention(layer_idx, q, k, v, scale)``, which stores the new K/V in the paged
-    cache and attends over each sequence's cached prefix plus its new tokens; the model itself never sees
-    block tables. The KV pool the engine allocates is
-    ``[num_layers, num_blocks, block_size, num_kv_heads, head_dim]`` for K and for V.
+    Attention layers call ``ctx.attention(layer_idx, q, k, v, scale[, cos, sin])``, which applies
+    rotary embedding when given cos/sin, stores the new K/V in the paged cache and attends over each
+    sequence's cached prefix plus its new tokens; the model itself never sees block tables. The KV
+    pool the engine allocates is ``[num_layers, num_blocks, block_size, num_kv_heads, head_dim]`` for K and for V.
 
     Subclasses build their modules with the same names as the transformers checkpoint, except where fused
     (``stacked_params``) or renamed in an override of ``map_checkpoint_weight``.

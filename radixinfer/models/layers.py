@@ -5,11 +5,13 @@ are assembled from); the loader calls it for every checkpoint tensor that maps t
 parameters, as a `CheckpointTensor` it reads only the needed part of. Modules without one load with
 `default_weight_loader`. The sharded layers of tensor parallelism: `radixinfer.models.parallel`.
 
-The element-wise steps between the matmuls (residual add + RMSNorm, rotary, SwiGLU's gate) are fused ops from
+The element-wise steps between the matmuls (residual add + RMSNorm, SwiGLU's gate) are fused ops from
 ``kernels/``, chosen per call by `by_device`: their Triton kernels on CUDA, their PyTorch references elsewhere
-(on the CPU the models then compute exactly what transformers' models compute). The linear layers run
-``F.linear`` (cuBLAS) except for half-precision batches of 1-4 tokens on small weights on CUDA, which take the
-skinny GEMM (`use_skinny_gemm`).
+(on the CPU the models then compute exactly what transformers' models compute). Rotary embedding is fused
+into the attention backend's KV store instead (`radixinfer.attention.backend.AttentionBackend.store_kv`),
+which the device chooses the same way. The linear layers run ``F.linear`` (cuBLAS) except for
+half-precision batches of 1-4 tokens on small weights on CUDA, which take the skinny GEMM
+(`use_skinny_gemm`).
 """
 
 from __future__ import annotations

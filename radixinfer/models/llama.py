@@ -31,7 +31,7 @@ from radixinfer.models.parallel import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from radixinfer.models.rotary import RotaryEmbedding, apply_rotary
+from radixinfer.models.rotary import RotaryEmbedding
 
 
 class LlamaAttention(AttentionLayer):
@@ -68,8 +68,8 @@ class LlamaAttention(AttentionLayer):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        apply_rotary(q, k, cos, sin)  # in place
-        return self.o_proj(self.attend(q, k, v, ctx))
+        # rotary on q (in place) and k, fused into the KV store
+        return self.o_proj(self.attend(q, k, v, ctx, cos, sin))
 
 
 class LlamaMLP(nn.Module):

@@ -2,6 +2,10 @@
 
 Supported ``rope_type``: ``default``, ``linear`` and ``llama3``; read from ``rope_parameters``
 (transformers 5) or ``rope_scaling`` + ``rope_theta`` (transformers 4).
+
+This module makes the cos/sin tables; the rotation is applied by each attention layer's KV store
+(``attend(..., cos, sin)``, `kernels/store_kv.py`), which rotates q and k in the launch that stores
+K and V.
 """
 
 from __future__ import annotations
@@ -11,9 +15,6 @@ import math
 import torch
 from torch import nn
 from transformers import PretrainedConfig
-
-from kernels.rotary import rotary_ref, rotary_triton
-from radixinfer.models.layers import by_device
 
 
 def rope_parameters(config: PretrainedConfig) -> dict:
@@ -74,8 +75,3 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:  # [T] -> 2 x [T, head_dim // 2]
         return self.cos[positions], self.sin[positions]
-
-
-# apply_rotary(q [T, H, D], k [T, Hkv, D], cos, sin [T, D // 2]) -> None: rotates q and k in place, the
-# halves ``(x1, x2)`` becoming ``(x1 cos - x2 sin, x2 cos + x1 sin)``, transformers' ``rotate_half`` form.
-apply_rotary = by_device(rotary_triton, rotary_ref)
