@@ -1,6 +1,7 @@
-"""Micro-benchmarks of the Triton kernels against their floors and against torch SDPA on contiguous KV.
+"""Micro-benchmarks of the Triton kernels against their floors, against torch SDPA on contiguous KV,
+and fused launches against the launches they replace.
 
-    python benchmarks/bench_kernels.py [--json PATH] [--decode-only]
+    python benchmarks/bench_kernels.py [--only SECTION ...] [--json PATH]
 
 Needs CUDA. All data is random bf16, block_size 16, block tables a random permutation of the pool (as
 fragmented as a long-running server's). Every time is the median (`triton.testing.do_bench`) of a CUDA
@@ -10,7 +11,7 @@ replays graphs; do_bench clears the L2 before each replay and decode rotates ove
 
 Decode runs the kernel as the engine does (the last split program to finish merges the partials) and,
 where there is more than one split, also with the partials merged by a second launch (``two-launch us``,
-``fuse_merge=False``) in the same run. ``--decode-only`` skips the other tables.
+``fuse_merge=False``) in the same run. ``--only decode`` skips the other tables.
 
 Floors: decode and copies are bound by bytes (KV read once, outputs written once) over the HBM bandwidth
 measured here (the better of a copy and a sum); extend is bound by FLOPs (causal QK^T and PV) over the
@@ -45,6 +46,7 @@ from kernels.paged_attention import (  # noqa: E402
     paged_decode_attention_triton,
     plan_extend_work,
 )
+from kernels.rotary import Rotary  # noqa: E402
 from kernels.store_kv import store_kv_triton  # noqa: E402
 
 DTYPE = torch.bfloat16
@@ -245,6 +247,18 @@ def bench_extend(
     }
 
 
+def moved_row(kernel: str, m: Model, moved: int, hbm_tbs: float, triton_ms: float) -> dict:
+    """The columns every copy-like kernel reports: ``moved`` bytes against the HBM floor."""
+    return {
+        "kernel": kernel,
+        "model": m.name,
+        "MB moved": moved / 1e6,
+        "floor us": moved / hbm_tbs / 1e6,
+        "triton us": triton_ms * 1e3,
+        "TB/s": moved / triton_ms / 1e9,
+    }
+
+
 def bench_copy_blocks(m: Model, num_copies: int, hbm_tbs: float) -> dict:
     num_blocks = 4 * num_copies
     shape = (m.num_layers, num_blocks, BLOCK_SIZE, m.num_kv_heads, m.head_dim)
@@ -259,15 +273,8 @@ def bench_copy_blocks(m: Model, num_copies: int, hbm_tbs: float) -> dict:
     )  # read + write, K and V
     triton_ms = graph_ms([lambda: copy_blocks_triton(k_pool, v_pool, src, dst)])
     ref_ms = graph_ms([lambda: copy_blocks_ref(k_pool, v_pool, src, dst)])
-    return {
-        "kernel": f"copy_blocks {num_copies} blocks",
-        "model": m.name,
-        "MB moved": moved / 1e6,
-        "floor us": moved / hbm_tbs / 1e6,
-        "triton us": triton_ms * 1e3,
-        "TB/s": moved / triton_ms / 1e9,
-        "torch ref us": ref_ms * 1e3,
-    }
+    row = moved_row(f"copy_blocks {num_copies} blocks", m, moved, hbm_tbs, triton_ms)
+    return row | {"torch ref us": ref_ms * 1e3}
 
 
 def bench_store_kv(m: Model, num_tokens: int, hbm_tbs: float) -> dict:
@@ -280,15 +287,46 @@ def bench_store_kv(m: Model, num_tokens: int, hbm_tbs: float) -> dict:
     slots = torch.randperm(num_blocks * BLOCK_SIZE, device="cuda")[:num_tokens]
     moved = 2 * 2 * k.numel() * DTYPE.itemsize + slots.numel() * 8
     triton_ms = graph_ms([lambda: store_kv_triton(k_pool[0], v_pool[0], k, v, slots)])
-    return {
-        "kernel": f"store_kv {num_tokens} tokens",
-        "model": m.name,
-        "MB moved": moved / 1e6,
-        "floor us": moved / hbm_tbs / 1e6,
-        "triton us": triton_ms * 1e3,
-        "TB/s": moved / triton_ms / 1e9,
-        "torch ref us": None,  # store_kv_ref syncs (boolean indexing): no graph to time it in
-    }
+    row = moved_row(f"store_kv {num_tokens} tokens", m, moved, hbm_tbs, triton_ms)
+    # store_kv_ref syncs (boolean indexing): no graph to time it in
+    return row | {"torch ref us": None}
+
+
+def bench_rotary_store_kv(m: Model, num_tokens: int, hbm_tbs: float) -> dict:
+    """A decode step's rotary + KV store over every layer: the fused launch per layer
+    (`store_kv_triton` given a `Rotary`) against the two it replaces, rotary of q and k in place, then
+    the plain store. The rotary launch is the same kernel given q and k as one tensor of
+    ``num_heads + num_kv_heads`` heads (adjacent in the qkv projection, as in the models) and only
+    slot -1, so it moves what the former rotary kernel moved (plus the slot ids, 8 bytes a token).
+    Each layer has its own qkv and cache; the quarter-turn angles (cos, sin in {0, +-1}) keep
+    repeated in-place rotations exact."""
+    num_blocks = 4 * math.ceil(num_tokens / BLOCK_SIZE)
+    k_pool, v_pool, _ = paged_pool(m.num_layers, 1, num_blocks * BLOCK_SIZE, m)
+    heads = m.num_heads + 2 * m.num_kv_heads
+    qkv = torch.randn(m.num_layers, num_tokens, heads, m.head_dim, device="cuda", dtype=DTYPE)
+    q, k, v = qkv.split([m.num_heads, m.num_kv_heads, m.num_kv_heads], dim=2)
+    qk = qkv[:, :, : m.num_heads + m.num_kv_heads]
+    turns = torch.randint(4, (num_tokens, m.head_dim // 2), device="cuda") * (math.pi / 2)
+    cos, sin = turns.cos().round().to(DTYPE), turns.sin().round().to(DTYPE)
+    slots = torch.randperm(num_blocks * BLOCK_SIZE, device="cuda")[:num_tokens]
+    no_slots = torch.full_like(slots, -1)
+
+    def fused(i):
+        store_kv_triton(k_pool[i], v_pool[i], k[i], v[i], slots, Rotary(q[i], cos, sin))
+
+    def separate(i):
+        store_kv_triton(k_pool[i], v_pool[i], k[i], v[i], no_slots, Rotary(qk[i], cos, sin))
+        store_kv_triton(k_pool[i], v_pool[i], k[i], v[i], slots)
+
+    layers = range(m.num_layers)
+    fused_ms = graph_ms([lambda i=i: fused(i) for i in layers])
+    separate_ms = graph_ms([lambda i=i: separate(i) for i in layers])
+    # q read and written, k and v read and written once (into the cache), cos/sin and the slot ids read
+    moved = (
+        2 * q[0].numel() + 2 * k[0].numel() + 2 * v[0].numel() + 2 * cos.numel()
+    ) * DTYPE.itemsize + slots.numel() * 8
+    row = moved_row(f"rotary + store_kv {num_tokens} tokens", m, moved, hbm_tbs, fused_ms)
+    return row | {"2 launches us": separate_ms * 1e3, "fused speed-up": separate_ms / fused_ms}
 
 
 def bench_argmax(rows: int, vocab: int, hbm_tbs: float) -> dict:
@@ -317,13 +355,52 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# section name -> (title, the rows it measures given the ceilings)
+SECTIONS: dict[str, tuple[str, Callable[[dict], list[dict]]]] = {
+    "decode": (
+        "decode attention (bf16, block_size 16; per layer)",
+        lambda ceil: [
+            bench_decode(m, b, c, ceil["hbm_TBps"])
+            for m in MODELS
+            for b, c in [(1, 32768), (64, 4096), (256, 1024), (1, 1024)]
+        ],
+    ),
+    "extend": (
+        "extend attention (bf16, block_size 16)",
+        lambda ceil: [
+            bench_extend(m, 8, 2048, p, ceil["matmul_TFLOPs"]) for m in MODELS for p in (0, 1024)
+        ],
+    ),
+    "moves": (
+        "KV copies",
+        lambda ceil: (
+            [bench_copy_blocks(m, 256, ceil["hbm_TBps"]) for m in MODELS]
+            + [bench_store_kv(m, n, ceil["hbm_TBps"]) for m in MODELS for n in (256, 16384)]
+        ),
+    ),
+    "rotary_store_kv": (
+        "rotary fused into the KV store, per layer (decode: one token a sequence)",
+        lambda ceil: [
+            bench_rotary_store_kv(m, n, ceil["hbm_TBps"]) for m in MODELS for n in (1, 64, 512)
+        ],
+    ),
+    "argmax": (
+        "greedy sampling: argmax over the logits",
+        lambda ceil: [
+            bench_argmax(r, v, ceil["hbm_TBps"])
+            for r, v in [(512, 151936), (64, 151936), (128, 50257)]
+        ],
+    ),
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--json", type=Path, help="also write every number here")
     parser.add_argument(
-        "--decode-only", action="store_true", help="only the decode attention table"
+        "--only", nargs="+", choices=list(SECTIONS), help="run these sections (default: all)"
     )
     args = parser.parse_args()
     props = torch.cuda.get_device_properties(0)
@@ -335,41 +412,13 @@ def main() -> None:
         f"bf16 matmul {ceil['matmul_TFLOPs']:.0f} TFLOP/s",
         flush=True,
     )
-
-    decode = [
-        bench_decode(m, b, c, ceil["hbm_TBps"])
-        for m in MODELS
-        for b, c in [(1, 32768), (64, 4096), (256, 1024), (1, 1024)]
-    ]
-    print("\n## decode attention (bf16, block_size 16; per layer)\n" + table(decode), flush=True)
-    extend, moves, argmax = [], [], []
-    if not args.decode_only:
-        extend = [
-            bench_extend(m, 8, 2048, p, ceil["matmul_TFLOPs"]) for m in MODELS for p in (0, 1024)
-        ]
-        print("\n## extend attention (bf16, block_size 16)\n" + table(extend), flush=True)
-        moves = [bench_copy_blocks(m, 256, ceil["hbm_TBps"]) for m in MODELS]
-        moves += [bench_store_kv(m, n, ceil["hbm_TBps"]) for m in MODELS for n in (256, 16384)]
-        print("\n## KV copies\n" + table(moves))
-        argmax = [
-            bench_argmax(r, v, ceil["hbm_TBps"])
-            for r, v in [(512, 151936), (64, 151936), (128, 50257)]
-        ]
-        print("\n## greedy sampling: argmax over the logits\n" + table(argmax))
+    results: dict = {"device": props.name, "ceilings": ceil}
+    for name in args.only or SECTIONS:
+        title, measure = SECTIONS[name]
+        results[name] = measure(ceil)
+        print(f"\n## {title}\n" + table(results[name]), flush=True)
     if args.json:
-        args.json.write_text(
-            json.dumps(
-                {
-                    "device": props.name,
-                    "ceilings": ceil,
-                    "decode": decode,
-                    "extend": extend,
-                    "moves": moves,
-                    "argmax": argmax,
-                },
-                indent=1,
-            )
-        )
+        args.json.write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":
