@@ -9,10 +9,6 @@ graph replay divided by the calls captured in it, so host launch cost is left ou
 replays graphs; do_bench clears the L2 before each replay and decode rotates over several layers' caches
 (distinct memory), so every kernel reads its inputs from HBM.
 
-Decode runs the kernel as the engine does (the last split program to finish merges the partials) and,
-where there is more than one split, also with the partials merged by a second launch (``two-launch us``,
-``fuse_merge=False``) in the same run. ``--only decode`` skips the other tables.
-
 Floors: decode and copies are bound by bytes (KV read once, outputs written once) over the HBM bandwidth
 measured here (the better of a copy and a sum); extend is bound by FLOPs (causal QK^T and PV) over the
 measured bf16 matmul rate, and is compared with SDPA's flash kernel on the same problem laid out
@@ -145,22 +141,14 @@ def bench_decode(m: Model, num_seqs: int, context_len: int, hbm_tbs: float) -> d
     q = torch.randn(num_seqs, m.num_heads, m.head_dim, device="cuda", dtype=DTYPE)
     context_lens = torch.full((num_seqs,), context_len, device="cuda", dtype=torch.int32)
     scale = m.head_dim**-0.5
-    splits = decode_num_splits(num_seqs, m.num_kv_heads, context_len, q.device)
-
-    def decode_ms(fuse_merge: bool) -> float:
-        return graph_ms(
-            [
-                lambda i=i: paged_decode_attention_triton(
-                    q, k_pool[i], v_pool[i], tables, context_lens, context_len, scale,
-                    fuse_merge=fuse_merge,
-                )
-                for i in range(num_layers)
-            ]
-        )  # fmt: skip
-
-    triton_ms = decode_ms(fuse_merge=True)
-    # the same partials merged by a second launch, as before the in-kernel merge (one split: no merge)
-    two_launch_ms = decode_ms(fuse_merge=False) if splits > 1 else None
+    triton_ms = graph_ms(
+        [
+            lambda i=i: paged_decode_attention_triton(
+                q, k_pool[i], v_pool[i], tables, context_lens, context_len, scale
+            )
+            for i in range(num_layers)
+        ]
+    )
     # the baseline: SDPA over the same amount of KV laid out contiguously
     k, v = (
         torch.randn(
@@ -180,13 +168,12 @@ def bench_decode(m: Model, num_seqs: int, context_len: int, hbm_tbs: float) -> d
     return {
         "model": m.name,
         "batch x context": f"{num_seqs}x{context_len}",
-        "splits": splits,
+        "splits": decode_num_splits(num_seqs, m.num_kv_heads, context_len, q.device),
         "KV MB": kv_bytes / 1e6,
         "floor us": floor_us,
         "triton us": triton_ms * 1e3,
         "triton TB/s": io_bytes / triton_ms / 1e9,
         "of floor": floor_us / (triton_ms * 1e3),
-        "two-launch us": None if two_launch_ms is None else two_launch_ms * 1e3,
         "sdpa us": sdpa_ms * 1e3,
         "sdpa TB/s": io_bytes / sdpa_ms / 1e9,
         "sdpa kernel": sdpa_kind,

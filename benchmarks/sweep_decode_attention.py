@@ -8,8 +8,7 @@ them), 24 layers of distinct KV. For each (BLOCK_N, num_warps, num_stages) of th
 24 `paged_decode_attention_triton` calls in one CUDA graph and prints the median replay time, once with the
 shared-prefix tiles the engine's planner lays out and once reading every sequence's whole context (what the
 same step costs with the prefix cache off). The launch shape is swapped by overriding `_decode_config`, the
-kernel's one source of it. The default shape is timed once more with the partials merged by a second
-launch (``fuse_merge=False``) instead of by the last program to finish.
+kernel's one source of it.
 """
 
 from __future__ import annotations
@@ -75,7 +74,7 @@ def main() -> None:
     q = torch.randn(n, HEADS, HEAD_DIM, device="cuda", dtype=dtype)
     out = torch.empty_like(q)
 
-    def replay_us(tiles: pa.SharedPrefixTiles | None, fuse_merge: bool = True) -> float:
+    def replay_us(tiles: pa.SharedPrefixTiles | None) -> float:
         def step() -> None:
             for layer in range(LAYERS):
                 pa.paged_decode_attention_triton(
@@ -88,7 +87,6 @@ def main() -> None:
                     HEAD_DIM**-0.5,
                     out=out,
                     shared=tiles,
-                    fuse_merge=fuse_merge,
                 )
 
         stream = torch.cuda.Stream()
@@ -126,11 +124,6 @@ def main() -> None:
     print(
         f"default {default(HEAD_DIM, dtype)}: shared prefix {replay_us(shared):6.0f}  "
         f"whole contexts {replay_us(None):6.0f}"
-    )
-    print(
-        f"default, partials merged by a second launch: shared prefix "
-        f"{replay_us(shared, fuse_merge=False):6.0f}  whole contexts "
-        f"{replay_us(None, fuse_merge=False):6.0f}"
     )
 
 

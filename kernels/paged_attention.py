@@ -10,27 +10,18 @@ work):
 
 - **decode** (every ``query_len == 1``): program (seq, kv_head, split) runs the ``num_heads // num_kv_heads``
   query heads of one KV head together as the rows of one tile, so each K/V tile is loaded once per group.
-  Each sequence's context is cut into ``num_splits`` equal ranges (flash-decoding). The grid depends only on
-  host ints, never on ``context_lens``::
+  Each sequence's context is cut into ``num_splits`` equal ranges (flash-decoding); a second launch merges
+  the partial results by log-sum-exp. The grid depends only on host ints, never on ``context_lens``::
 
       positions  0 ........ chunk ........ 2*chunk ...... context_len
       split      |    0     |      1       |      2       |  3.. empty (lse = -inf)
                  chunk = ceil(context_len / num_splits) rounded up to BLOCK_N, per sequence, on device
 
-  With one split the program writes the output. With more, each writes a partial result (f32) and its
-  log-sum-exp, then adds 1 to its (seq, kv_head) counter; the program that brings the counter to the number
-  of contributors merges the partials by log-sum-exp and sets the counter back to 0 ("last block reduces":
-  no second launch, which was 2.4 of 8.4 µs per layer at llama-3.1-8b's batch 1 on an H200)::
-
-      finishes   split 2   split 0   split 3   split 1
-      counter    0 -> 1    1 -> 2    2 -> 3    3 -> 4 = contributors: split 1 merges slots 0..3, counter = 0
-
 - **shared-prefix decode** (cascade): when groups of sequences share the physical blocks of a prefix (the
   prefix cache makes them so), a third kernel attends every query row of a *tile* of up to
   ``seqs_per_tile`` such sequences to the shared positions ``[0, shared_len)`` at once, so each K/V tile of
   the prefix is loaded once per tile of sequences instead of once per sequence; the split kernel then covers
-  only ``[kv_start, context_len)`` of each sequence; the tile kernel's programs count in on their member
-  sequences' counters too, so the last of the splits and chunks merges both by log-sum-exp::
+  only ``[kv_start, context_len)`` of each sequence, and the merge combines both by log-sum-exp::
 
       positions  0 ........................ shared_len ....... context_len
       seq a      |   tile kernel (rows of a, b, c ... together)  | split kernel, a alone  |
@@ -235,126 +226,6 @@ def _partial_result(acc, row_max, row_sum):
 
 
 @triton.jit
-def _covered_start(kv_starts_ptr, seq, context_len, SHARED_CHUNKS: tl.constexpr):
-    """The first position the split kernel covers for ``seq``: the shared prefix's length when a tile
-    covers the sequence, else 0. Only a start in ``(0, context_len)`` means a tile: the engine's step
-    buffers rewrite ``kv_starts`` for the live rows only, so a padded row (context_len 0) may hold a
-    stale start, and must neither skip positions nor wait for tile partials that never come."""
-    start = 0
-    if SHARED_CHUNKS:
-        start = tl.load(kv_starts_ptr + seq)
-        start = tl.where(start < context_len, start, 0)
-    return start
-
-
-@triton.jit
-def _merge_partials(
-    part_out_ptr,  # [num_seqs, num_heads, num_slots, head_dim] f32
-    part_lse_ptr,  # [num_seqs, num_heads, num_slots] f32, contiguous
-    out_ptr,  # [num_seqs, num_heads, head_dim]
-    seqs,  # [ROWS] the sequence of each output row
-    heads,  # [ROWS] its query head
-    rows_ok,  # [ROWS] rows to write
-    num_slots,
-    num_merged,  # slots [0, num_merged) hold the rows' partials (the rest were not written)
-    stride_pt,
-    stride_ph,
-    stride_ps,
-    stride_ot,
-    stride_oh,
-    num_heads,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    ROWS: tl.constexpr,
-    MERGE_SLOTS: tl.constexpr,  # slots read per step
-):
-    """Writes output rows ``(seqs[r], heads[r])``: ``sum_s 2^(lse_s - max) * out_s / sum_s 2^(lse_s -
-    max)`` over their partials, MERGE_SLOTS slots a step with the running maximum rescaled as in the
-    online softmax. A slot with lse = -inf (an empty split or chunk, a padded sequence) weighs 0; no
-    slot seen at all gives zeros. Both loads of a step are issued together (no mask depends on the
-    lse) and go to L2 (``.cg``): the partials were written by other programs of this launch, and L1
-    is not coherent with them."""
-    offs_s = tl.arange(0, MERGE_SLOTS)
-    offs_d = tl.arange(0, BLOCK_D)
-    seqs = seqs.to(tl.int64)
-    lse_row = (seqs * num_heads + heads) * num_slots  # [R]
-    part_row = seqs * stride_pt + heads * stride_ph  # [R]
-    top = tl.full([ROWS], float("-inf"), tl.float32)
-    total = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
-    for first in range(0, num_merged, MERGE_SLOTS):
-        slots = first + offs_s  # [S]
-        ok = rows_ok[:, None] & (slots[None, :] < num_merged)  # [R, S]
-        lse = tl.load(
-            part_lse_ptr + lse_row[:, None] + slots[None, :],
-            mask=ok,
-            other=float("-inf"),
-            cache_modifier=".cg",
-        )  # [R, S]
-        parts = tl.load(
-            part_out_ptr
-            + part_row[:, None, None]
-            + slots[None, :, None] * stride_ps
-            + offs_d[None, None, :],
-            mask=ok[:, :, None] & (offs_d < HEAD_DIM)[None, None, :],
-            other=0.0,
-            cache_modifier=".cg",
-        )  # [R, S, D]
-        new_top = tl.maximum(top, tl.max(lse, 1))
-        base = tl.where(new_top == float("-inf"), 0.0, new_top)  # [R]; finite
-        weight = tl.exp2(lse - base[:, None])  # [R, S]; 0 for an empty slot
-        alpha = tl.exp2(top - base)  # [R]; 0 while nothing was seen
-        acc = acc * alpha[:, None] + tl.sum(parts * weight[:, :, None], 1)
-        total = total * alpha + tl.sum(weight, 1)
-        top = new_top
-    out = acc / tl.where(total > 0, total, 1.0)[:, None]
-    tl.store(
-        out_ptr + seqs[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-        out,
-        mask=rows_ok[:, None] & (offs_d[None, :] < HEAD_DIM),
-    )
-
-
-@triton.jit
-def _merge_group(
-    part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, num_slots, num_merged,
-    stride_pt, stride_ph, stride_ps, stride_ot, stride_oh, num_heads,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    MERGE_ROWS: tl.constexpr, MERGE_SLOTS: tl.constexpr,
-):  # fmt: skip
-    """`_merge_partials` of the GROUP query heads of one (sequence, KV head), as rows padded to
-    MERGE_ROWS (a power of two)."""
-    rows = tl.arange(0, MERGE_ROWS)
-    _merge_partials(
-        part_out_ptr, part_lse_ptr, out_ptr, seq + rows * 0, kv_head * GROUP + rows, rows < GROUP,
-        num_slots, num_merged, stride_pt, stride_ph, stride_ps, stride_ot, stride_oh, num_heads,
-        HEAD_DIM, BLOCK_D, MERGE_ROWS, MERGE_SLOTS,
-    )  # fmt: skip
-
-
-@triton.jit
-def _is_last_to_arrive(counter_ptr, contributors):
-    """Counts this program in for one (sequence, KV head) and says whether it was the last of its
-    ``contributors``; the last one sets the counter back to 0 (nobody else touches it again this
-    launch, and the next launch starts after this one ends), so the buffer is all zeros between
-    launches and a CUDA graph replays with it as captured.
-
-    Memory ordering (the PTX model; CUTLASS's ``GenericBarrier`` is the same pattern): the caller
-    runs ``tl.debug_barrier()`` after its partial stores (Triton 3.9 adds one of its own before a
-    releasing atomic; this one does not rely on it), so every thread's stores happen before the
-    one thread that does this ``acq_rel`` atomic at GPU scope; the release makes them visible to
-    whoever acquires the counter later. The last program's acquire (the same atomic), followed by the
-    barrier through which Triton hands the scalar result to every thread, orders its loads of the
-    partials after every other program's release. Triton's interpreter runs programs one at a time,
-    so the CPU tests check the counting, not the ordering."""
-    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-    last = arrived == contributors - 1
-    if last:
-        tl.store(counter_ptr, 0)
-    return last
-
-
-@triton.jit
 def _decode_split_kernel(
     q_ptr,
     k_cache_ptr,
@@ -362,10 +233,8 @@ def _decode_split_kernel(
     block_tables_ptr,
     context_lens_ptr,
     kv_starts_ptr,  # [num_seqs] int32: first position this kernel covers (read only with SHARED_CHUNKS)
-    out_ptr,  # [num_seqs, num_heads, head_dim]
-    part_out_ptr,  # [num_seqs, num_heads, num_slots, head_dim] f32 workspace (unused when MERGE "direct")
-    part_lse_ptr,  # [num_seqs, num_heads, num_slots] f32, contiguous (likewise)
-    counters_ptr,  # [>= num_seqs * num_kv_heads] int32, zeros (read only when MERGE "last")
+    part_out_ptr,  # [num_seqs, num_heads, num_slots, head_dim]; f32 workspace, or the output if 1 split
+    part_lse_ptr,  # [num_seqs, num_heads, num_slots] f32, contiguous
     qk_scale,
     num_splits,
     stride_qt,
@@ -377,8 +246,6 @@ def _decode_split_kernel(
     stride_pt,
     stride_ph,
     stride_ps,
-    stride_ot,
-    stride_oh,
     GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -387,21 +254,19 @@ def _decode_split_kernel(
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SHARED_CHUNKS: tl.constexpr,  # 0: no shared-prefix tiles; else the tile kernel's chunks per prefix
-    MERGE: tl.constexpr,  # "direct" (one slot), "last" (the last to arrive merges), "launch" (a merge kernel)
-    MERGE_ROWS: tl.constexpr,
-    MERGE_SLOTS: tl.constexpr,
 ):
     """Program (seq, kv_head, split): partial ``split`` of ``[kv_start, context_len)``. With shared-prefix
-    tiles the partials have SHARED_CHUNKS slots more (after the splits), the tile kernel's; a sequence
-    no tile covers merges its splits' slots only. MERGE "direct" (one split, no tiles) writes the
-    partial as the output; "last" counts in and the last contributor of (seq, kv_head) merges."""
+    tiles the partials have SHARED_CHUNKS slots more (after the splits), the tile kernel's; split 0 of a
+    sequence that no tile covers (kv_start 0) marks those slots empty (lse = -inf)."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    num_kv_heads = tl.num_programs(1)
     context_len = tl.load(context_lens_ptr + seq)
-    start = _covered_start(kv_starts_ptr, seq, context_len, SHARED_CHUNKS)
-    num_slots = num_splits + SHARED_CHUNKS
+    start = 0
+    num_slots = num_splits
+    if SHARED_CHUNKS:
+        start = tl.load(kv_starts_ptr + seq)
+        num_slots = num_splits + SHARED_CHUNKS
     chunk = tl.cdiv(tl.cdiv(context_len - start, num_splits), BLOCK_N) * BLOCK_N
     lo = start + split * chunk
     hi = tl.minimum(lo + chunk, context_len)
@@ -425,26 +290,19 @@ def _decode_split_kernel(
     )  # fmt: skip
 
     out, lse = _partial_result(acc, row_max, row_sum)
-    if MERGE == "direct":
-        tl.store(
-            out_ptr + seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-            out,
-            mask=q_mask,
-        )
-    else:
-        part = seq * stride_pt + heads[:, None] * stride_ph + split * stride_ps + offs_d[None, :]
-        tl.store(part_out_ptr + part, out, mask=q_mask)
-        lse_row = (seq * num_kv_heads * GROUP + heads) * num_slots  # [G]
-        tl.store(part_lse_ptr + lse_row + split, lse, mask=offs_g < GROUP)
-        if MERGE == "last":
-            num_merged = num_splits + tl.where(start > 0, SHARED_CHUNKS, 0)
-            tl.debug_barrier()  # every thread's partial stores before the release below
-            if _is_last_to_arrive(counters_ptr + seq * num_kv_heads + kv_head, num_merged):
-                _merge_group(
-                    part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, num_slots, num_merged,
-                    stride_pt, stride_ph, stride_ps, stride_ot, stride_oh, num_kv_heads * GROUP,
-                    GROUP, HEAD_DIM, BLOCK_D, MERGE_ROWS, MERGE_SLOTS,
-                )  # fmt: skip
+    part = seq * stride_pt + heads[:, None] * stride_ph + split * stride_ps + offs_d[None, :]
+    tl.store(part_out_ptr + part, out, mask=q_mask)
+    lse_row = (seq * tl.num_programs(1) * GROUP + heads) * num_slots  # [G]
+    tl.store(part_lse_ptr + lse_row + split, lse, mask=offs_g < GROUP)
+    if SHARED_CHUNKS:
+        if (split == 0) & (start == 0):
+            empty = tl.full([BLOCK_G, SHARED_CHUNKS], float("-inf"), tl.float32)
+            chunks = num_splits + tl.arange(0, SHARED_CHUNKS)
+            tl.store(
+                part_lse_ptr + lse_row[:, None] + chunks[None, :],
+                empty,
+                mask=(offs_g < GROUP)[:, None],
+            )
 
 
 @triton.jit
@@ -455,10 +313,8 @@ def _shared_prefix_kernel(
     block_tables_ptr,
     tile_seqs_ptr,  # [num_tiles, SEQS_PER_TILE] int32: the sequences of each tile, -1 = none
     tile_lens_ptr,  # [num_tiles] int32: positions [0, len) every sequence of the tile shares; 0 = idle tile
-    out_ptr,  # [num_seqs, num_heads, head_dim]
     part_out_ptr,  # [num_seqs, num_heads, num_slots, head_dim] f32: writes the last SHARED_CHUNKS slots
     part_lse_ptr,  # [num_seqs, num_heads, num_slots] f32, contiguous
-    counters_ptr,  # [>= num_seqs * num_kv_heads] int32, zeros (read only when MERGE "last")
     qk_scale,
     num_slots,
     stride_qt,
@@ -470,8 +326,6 @@ def _shared_prefix_kernel(
     stride_pt,
     stride_ph,
     stride_ps,
-    stride_ot,
-    stride_oh,
     GROUP: tl.constexpr,
     NUM_HEADS: tl.constexpr,
     SEQS_PER_TILE: tl.constexpr,
@@ -483,19 +337,12 @@ def _shared_prefix_kernel(
     DOT_PRECISION: tl.constexpr,
     SHARED_CHUNKS: tl.constexpr,
     MIN_CHUNK: tl.constexpr,
-    MERGE: tl.constexpr,  # "last": count in beside the split kernel's programs; "launch": a merge kernel
-    TILE_SEQS: tl.constexpr,  # next_power_of_2(SEQS_PER_TILE)
-    MERGE_ROWS: tl.constexpr,  # rows merged at a time (a power of two dividing BLOCK_M)
-    MERGE_SLOTS: tl.constexpr,
 ):
     """Program (tile, kv_head, chunk): row ``r`` is query head ``r % GROUP`` of the KV head's group in the
     tile's sequence ``r // GROUP``; all rows see all of the chunk's part of ``[0, len)``, read through the
     first sequence's block table (the caller guarantees every sequence of the tile has the same blocks
     there). A prefix is cut into SHARED_CHUNKS chunks of at least MIN_CHUNK positions, so a few tiles still
-    fill the GPU; an empty chunk writes lse = -inf. With MERGE "last" each program counts in once for
-    every (member, kv_head) it wrote, and merges the members it was the last contributor of (see
-    `_is_last_to_arrive` for the memory ordering); an idle tile (length 0) exits before counting, as
-    it must: its member ids may be stale."""
+    fill the GPU; an empty chunk writes lse = -inf."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     chunk_id = tl.program_id(2)
@@ -541,68 +388,54 @@ def _shared_prefix_kernel(
         mask=row_mask,
     )
     tl.store(part_lse_ptr + (seq * NUM_HEADS + heads) * num_slots + slot, lse, mask=valid)
-    if MERGE == "last":
-        # The members count in together (one atomic per member, from as many threads); the rows of
-        # the members this program was the last contributor of merge MERGE_ROWS rows at a time.
-        tl.debug_barrier()  # every thread's partial stores before the releases below
-        offs_t = tl.arange(0, TILE_SEQS)
-        members = tl.load(
-            tile_seqs_ptr + tile * SEQS_PER_TILE + offs_t, mask=offs_t < SEQS_PER_TILE, other=-1
-        )  # [T]
-        counters = counters_ptr + tl.maximum(members, 0) * tl.num_programs(1) + kv_head
-        arrived = tl.atomic_add(counters, 1, mask=members >= 0, sem="acq_rel", scope="gpu")
-        last = (members >= 0) & (arrived == num_slots - 1)  # a member is covered: every slot is its
-        tl.store(counters, 0, mask=last)
-        tl.debug_barrier()  # the acquiring threads' view before any thread's loads of the partials
-        if tl.max(last.to(tl.int32), 0) > 0:
-            for first_row in range(0, BLOCK_M, MERGE_ROWS):
-                rows = first_row + tl.arange(0, MERGE_ROWS)
-                owner = rows // GROUP  # [R] the row's member
-                owned = (owner[:, None] == offs_t[None, :]) & last[None, :]  # [R, T]
-                rows_last = tl.max(owned.to(tl.int32), 1) > 0
-                if tl.max(rows_last.to(tl.int32), 0) > 0:
-                    row_seqs = tl.load(
-                        tile_seqs_ptr + tile * SEQS_PER_TILE + owner, mask=rows_last, other=0
-                    )
-                    _merge_partials(
-                        part_out_ptr, part_lse_ptr, out_ptr, row_seqs, kv_head * GROUP + rows % GROUP,
-                        rows_last, num_slots, num_slots, stride_pt, stride_ph, stride_ps, stride_ot,
-                        stride_oh, NUM_HEADS, HEAD_DIM, BLOCK_D, MERGE_ROWS, MERGE_SLOTS,
-                    )  # fmt: skip
 
 
 @triton.jit
 def _decode_merge_kernel(
-    context_lens_ptr,
-    kv_starts_ptr,  # read only with SHARED_CHUNKS
-    out_ptr,
-    part_out_ptr,
-    part_lse_ptr,
+    part_out_ptr,  # [num_seqs, num_heads, num_slots, head_dim] f32, contiguous
+    part_lse_ptr,  # [num_seqs, num_heads, num_slots] f32, contiguous
+    out_ptr,  # [num_seqs, num_heads, head_dim]
     num_slots,
-    stride_pt,
-    stride_ph,
-    stride_ps,
     stride_ot,
     stride_oh,
-    GROUP: tl.constexpr,
+    NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    SHARED_CHUNKS: tl.constexpr,
-    MERGE_ROWS: tl.constexpr,
-    MERGE_SLOTS: tl.constexpr,
 ):
-    """Program (seq, kv_head): the merge of MERGE "launch", a second launch after the split and tile
-    kernels (the two-launch flash-decoding, kept to measure the in-kernel merge against)."""
+    """Program (seq, head block): for each of BLOCK_H heads, out = sum_s 2^(lse_s - max) * out_s /
+    sum_s 2^(lse_s - max) over the ``num_slots`` partials (the splits, and the shared-prefix chunks when there
+    are some). A slot with lse = -inf is empty and its partial is not read (the shared-prefix slots of an
+    uncovered sequence are never written). Heads go together because one (seq, head) is only a few hundred
+    bytes: a program each made the merge cost more than the attention it merges."""
     seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    context_len = tl.load(context_lens_ptr + seq)
-    start = _covered_start(kv_starts_ptr, seq, context_len, SHARED_CHUNKS)
-    num_merged = num_slots - SHARED_CHUNKS + tl.where(start > 0, SHARED_CHUNKS, 0)
-    _merge_group(
-        part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, num_slots, num_merged,
-        stride_pt, stride_ph, stride_ps, stride_ot, stride_oh, tl.num_programs(1) * GROUP,
-        GROUP, HEAD_DIM, BLOCK_D, MERGE_ROWS, MERGE_SLOTS,
-    )  # fmt: skip
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]  # [H, 1]
+    slots = tl.arange(0, BLOCK_S)[None, :]  # [1, S]
+    dims = tl.arange(0, BLOCK_D)[None, None, :]  # [1, 1, D]
+    rows = seq * NUM_HEADS + heads  # [H, 1]
+    lse_mask = (heads < NUM_HEADS) & (slots < num_slots)
+    lse = tl.load(
+        part_lse_ptr + rows * num_slots + slots, mask=lse_mask, other=float("-inf")
+    )  # [H, S]
+    top = tl.max(lse, 1)  # [H]
+    weight = tl.exp2(
+        lse - tl.where(top == float("-inf"), 0.0, top)[:, None]
+    )  # [H, S]; all 0 for context_len 0
+    part_mask = (lse_mask & (lse > float("-inf")))[:, :, None] & (dims < HEAD_DIM)
+    parts = tl.load(
+        part_out_ptr + ((rows * num_slots + slots) * HEAD_DIM)[:, :, None] + dims,
+        mask=part_mask,
+        other=0.0,
+    )  # [H, S, D]
+    total = tl.sum(weight, 1)  # [H]
+    out = tl.sum(parts * weight[:, :, None], 1) / tl.where(total > 0, total, 1.0)[:, None]  # [H, D]
+    out_dims = tl.arange(0, BLOCK_D)[None, :]
+    tl.store(
+        out_ptr + seq * stride_ot + heads * stride_oh + out_dims,
+        out,
+        mask=(heads < NUM_HEADS) & (out_dims < HEAD_DIM),
+    )
 
 
 @triton.jit
@@ -683,39 +516,14 @@ MAX_SPLITS = 128  # bounds the workspace: [num_seqs, num_heads, num_splits, head
 # walking a whole 1,024-position prefix alone.
 SHARED_PREFIX_CHUNKS = 4
 MIN_SHARED_CHUNK = 128
-MERGE_VALUES_PER_THREAD = 64  # float32 partial values a thread holds per merge step
-TILE_MERGE_ROWS = 16  # a shared-prefix tile's rows merge this many at a time (all at once spilled)
-MIN_MERGE_COUNTERS = 1024  # counters are allocated in powers of two from this many
+MERGE_TILE_ELEMENTS = (
+    8192  # float32 partial values one merge program holds: 64 per thread at 4 warps
+)
 
 
 @functools.cache
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
-
-
-@functools.cache
-def _counters(device: torch.device, size: int) -> torch.Tensor:
-    return torch.zeros(size, dtype=torch.int32, device=device)
-
-
-def merge_counters(device: torch.device, num_counters: int) -> torch.Tensor:
-    """The arrival counters of the in-kernel merge for ``num_counters`` (sequence, KV head) pairs:
-    int32 zeros, one buffer per device and size class (``num_counters`` rounded up to a power of two,
-    at least MIN_MERGE_COUNTERS), allocated on first use and kept for the process, so a captured
-    graph's pointer stays valid. Every launch leaves them zero again. Decode launches on one device
-    share them, so they must not overlap in time (one stream, or streams joined between launches, as
-    the engine's are); allocate outside a graph capture (the engine's warm-up pass does)."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:  # one key per device, as q.device has
-        device = torch.device("cuda", torch.cuda.current_device())
-    return _counters(device, max(MIN_MERGE_COUNTERS, triton.next_power_of_2(num_counters)))
-
-
-def _merge_slots(rows: int, block_d: int, num_warps: int) -> int:
-    """Slots one merge step reads for ``rows`` output rows: as many as give each thread
-    MERGE_VALUES_PER_THREAD values, at least one. A function of the head layout and the launch
-    shape only, so no batch size compiles a new variant."""
-    return max(1, MERGE_VALUES_PER_THREAD * 32 * num_warps // (rows * block_d))
 
 
 def decode_num_splits(
@@ -830,16 +638,10 @@ def paged_decode_attention_triton(
     out: torch.Tensor | None = None,  # [num_seqs, num_heads, head_dim]; allocated when None
     shared: SharedPrefixTiles
     | None = None,  # read each tile's shared prefix once for all its sequences
-    fuse_merge: bool = True,  # False: merge the partials in a second launch (to measure against)
 ) -> torch.Tensor:
     """Flash-decoding over the paged cache. No host sync and a grid fixed by (num_seqs, num_kv_heads,
     num_splits) and the number of shared-prefix tiles, so it is CUDA-graph capturable; results do not
-    depend on num_splits, ``shared`` or ``fuse_merge`` beyond rounding.
-
-    One launch when nothing is shared (two with shared-prefix tiles, side by side): with one split the
-    split kernel writes ``out`` itself; with more, each program writes its partial to an f32
-    workspace and counts in on the (sequence, KV head)'s counter (`merge_counters`), and the last of
-    its contributors (the splits, and the tile chunks when a tile covers the sequence) merges them."""
+    depend on num_splits or on ``shared`` beyond rounding."""
     _check_layouts(q, k_cache, v_cache, block_tables)
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -852,82 +654,107 @@ def paged_decode_attention_triton(
     qk_scale = scale * math.log2(math.e)
     shared_chunks = SHARED_PREFIX_CHUNKS if shared is not None else 0
     num_slots = num_splits + shared_chunks
-    merge = "direct" if num_slots == 1 else "last" if fuse_merge else "launch"
-    context_lens = context_lens.contiguous()
-    kv_starts = context_lens if shared is None else shared.kv_starts  # read only with tiles
 
-    if merge == "direct":  # the one partial is the answer: no workspace, no counter
-        parts = lse = counters = out
-    else:
-        parts = torch.empty(
+    # One partial is already the answer: write it straight to `out` and skip the merge.
+    parts = (
+        out.unsqueeze(2)
+        if num_slots == 1
+        else torch.empty(
             (num_seqs, num_heads, num_slots, head_dim), dtype=torch.float32, device=q.device
         )
-        lse = torch.empty((num_seqs, num_heads, num_slots), dtype=torch.float32, device=q.device)
-        counters = merge_counters(q.device, num_seqs * num_kv_heads)
-    heads = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d)
-    attend = dict(
-        BLOCK_SIZE=block_size, DOT_PRECISION=_dot_precision(q.dtype), MERGE=merge, **heads
     )
-    split_config = _decode_config(block_d, q.dtype)
-    merge_rows = triton.next_power_of_2(
-        group
-    )  # a merge of one (sequence, KV head): its query heads
-    group_merge = dict(
-        MERGE_ROWS=merge_rows,
-        MERGE_SLOTS=_merge_slots(merge_rows, block_d, split_config["num_warps"]),
-    )
-    cache_strides = (
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        block_tables.stride(0),
-    )
-    part_strides = (
-        parts.stride(0),
-        parts.stride(1),
-        parts.stride(-2),
-        out.stride(0),
-        out.stride(1),
-    )
+    lse = torch.empty((num_seqs, num_heads, num_slots), dtype=torch.float32, device=q.device)
     # The tile kernel and the split kernel write disjoint slots: on CUDA they run side by side (the tile
-    # kernel on a second stream, joined before returning; a captured graph keeps the two branches), so the
+    # kernel on a second stream, joined before the merge; a captured graph keeps the two branches), so the
     # few hundred short programs of each fill the SMs together instead of each kernel's tail idling them.
     side = _side_stream(q.device) if shared is not None and q.is_cuda else None
     if side is not None:
         side.wait_stream(torch.cuda.current_stream(q.device))
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, kv_starts,
-        out, parts, lse, counters, qk_scale, num_splits,
-        q.stride(0), q.stride(1), *cache_strides, *part_strides,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens.contiguous(),
+        context_lens if shared is None else shared.kv_starts,
+        parts,
+        lse,
+        qk_scale,
+        num_splits,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        parts.stride(0),
+        parts.stride(1),
+        parts.stride(2),
+        GROUP=group,
         BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        DOT_PRECISION=_dot_precision(q.dtype),
         SHARED_CHUNKS=shared_chunks,
-        **attend, **group_merge, **split_config,
-    )  # fmt: skip
+        **_decode_config(block_d, q.dtype),
+    )
     if shared is not None:
         num_tiles, seqs_per_tile = shared.seqs.shape
         config = _shared_prefix_config(q.dtype)
         assert shared.seqs.is_contiguous() and 0 < seqs_per_tile * group <= config["BLOCK_M"]
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             _shared_prefix_kernel[(num_tiles, num_kv_heads, shared_chunks)](
-                q, k_cache, v_cache, block_tables, shared.seqs, shared.lens,
-                out, parts, lse, counters, qk_scale, num_slots,
-                q.stride(0), q.stride(1), *cache_strides, *part_strides,
+                q,
+                k_cache,
+                v_cache,
+                block_tables,
+                shared.seqs,
+                shared.lens,
+                parts,
+                lse,
+                qk_scale,
+                num_slots,
+                q.stride(0),
+                q.stride(1),
+                k_cache.stride(0),
+                k_cache.stride(1),
+                k_cache.stride(2),
+                block_tables.stride(0),
+                parts.stride(0),
+                parts.stride(1),
+                parts.stride(2),
+                GROUP=group,
                 NUM_HEADS=num_heads,
                 SEQS_PER_TILE=seqs_per_tile,
+                BLOCK_SIZE=block_size,
+                HEAD_DIM=head_dim,
+                BLOCK_D=block_d,
+                DOT_PRECISION=_dot_precision(q.dtype),
                 SHARED_CHUNKS=shared_chunks,
                 MIN_CHUNK=MIN_SHARED_CHUNK,
-                TILE_SEQS=triton.next_power_of_2(seqs_per_tile),
-                MERGE_ROWS=TILE_MERGE_ROWS,
-                MERGE_SLOTS=_merge_slots(TILE_MERGE_ROWS, block_d, config["num_warps"]),
-                **attend, **config,
-            )  # fmt: skip
+                **config,
+            )
         if side is not None:
             torch.cuda.current_stream(q.device).wait_stream(side)
-    if merge == "launch":
-        _decode_merge_kernel[(num_seqs, num_kv_heads)](
-            context_lens, kv_starts, out, parts, lse, num_slots, *part_strides,
-            SHARED_CHUNKS=shared_chunks, num_warps=split_config["num_warps"], **heads, **group_merge,
-        )  # fmt: skip
+    if num_slots > 1:
+        block_s = triton.next_power_of_2(num_slots)
+        block_h = min(
+            triton.next_power_of_2(num_heads), max(1, MERGE_TILE_ELEMENTS // (block_s * block_d))
+        )
+        _decode_merge_kernel[(num_seqs, triton.cdiv(num_heads, block_h))](
+            parts,
+            lse,
+            out,
+            num_slots,
+            out.stride(0),
+            out.stride(1),
+            NUM_HEADS=num_heads,
+            HEAD_DIM=head_dim,
+            BLOCK_H=block_h,
+            BLOCK_S=block_s,
+            BLOCK_D=block_d,
+        )
     return out
 
 

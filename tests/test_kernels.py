@@ -16,7 +16,6 @@ from kernels.block_copy import copy_blocks_ref, copy_blocks_triton
 from kernels.paged_attention import (
     SharedPrefixTiles,
     extend_block_m,
-    merge_counters,
     paged_attention_ref,
     paged_attention_triton,
     paged_decode_attention_triton,
@@ -30,7 +29,6 @@ from radixinfer.attention.shared_prefix import SharedPrefixPlanner
 from radixinfer.attention.torch_backend import TorchAttentionBackend
 from radixinfer.attention.triton_backend import TritonAttentionBackend
 from tests import _triton_env  # noqa: I001  (first: without CUDA, Triton must start in interpreter mode)
-from tests._sm90 import compile_outside_the_interpreter
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2}
@@ -136,20 +134,12 @@ def check_attention(batch: PagedBatch, dtype, num_splits=None):
     assert err < TOLERANCE[dtype], err
 
 
-def with_new_queries(batch: PagedBatch, seed: int) -> PagedBatch:
-    gen = torch.Generator(DEVICE).manual_seed(seed)
-    return batch._replace(q=randn(*batch.q.shape, dtype=batch.q.dtype, gen=gen))
-
-
-def run_decode(
-    batch: PagedBatch,
-    num_splits: int | None,
-    shared: SharedPrefixTiles | None = None,
-    fuse_merge: bool = True,
-    context_lens: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The decode launcher on a NaN-poisoned output (``context_lens``: instead of the batch's), after
-    which the merge counters it may have used must be all zero again."""
+def check_decode(
+    batch: PagedBatch, dtype, num_splits: int | None, shared: SharedPrefixTiles | None = None
+):
+    """The decode launcher (``num_splits`` None: its own choice), reading ``shared``'s tiles when
+    given, against the reference."""
+    scale = batch.q.shape[-1] ** -0.5
     m = batch.meta
     assert m.is_decode
     out = nan_like(batch.q)
@@ -158,30 +148,14 @@ def run_decode(
         batch.k_cache,
         batch.v_cache,
         m.block_tables,
-        m.context_lens if context_lens is None else context_lens,
+        m.context_lens,
         m.max_context_len,
-        batch.q.shape[-1] ** -0.5,
+        scale,
         num_splits=num_splits,
         out=out,
         shared=shared,
-        fuse_merge=fuse_merge,
     )
-    counters = merge_counters(batch.q.device, m.num_seqs * batch.k_cache.shape[2])
-    assert not counters.any(), "a decode launch left a merge counter nonzero"
-    return out
-
-
-def check_decode(
-    batch: PagedBatch,
-    dtype,
-    num_splits: int | None,
-    shared: SharedPrefixTiles | None = None,
-    fuse_merge: bool = True,
-):
-    """The decode launcher (``num_splits`` None: its own choice), reading ``shared``'s tiles when
-    given, against the reference."""
-    out = run_decode(batch, num_splits, shared, fuse_merge)
-    err = rel_err(out, batch.ref(batch.q.shape[-1] ** -0.5))
+    err = rel_err(out, batch.ref(scale))
     assert err < TOLERANCE[dtype], err
 
 
@@ -257,37 +231,6 @@ def test_decode_padding_rows_give_zeros():
         assert torch.equal(out[1], torch.zeros_like(out[1])) and not out[0].isnan().any()
 
 
-@pytest.mark.parametrize("fuse_merge", [True, False])
-@pytest.mark.parametrize(
-    "context_lens, num_splits",
-    [([37], 1), ([37], 4), ([70, 0, 16, 1, 0], 1), ([70, 0, 16, 1, 0], 3)],
-)
-def test_decode_merges_once_and_leaves_its_counters_zero(context_lens, num_splits, fuse_merge):
-    """Batch 1 and a batch with padded rows (context_len 0); one split (the output written directly)
-    and several (the last program to finish merges, or a second launch does). Two calls with new
-    queries through the same counters both match the reference and give zeros for padded rows: a
-    counter the first call left nonzero would keep the second call's merge from running (its rows
-    would stay NaN), and `run_decode` checks every counter is zero after each call."""
-    batch = make_batch(
-        [max(c, 1) - 1 for c in context_lens],  # padded rows get context 1 here, 0 below
-        [1] * len(context_lens),
-        num_heads=14,
-        num_kv_heads=2,
-        head_dim=80,
-        block_size=3,
-        dtype=torch.float32,
-        seed=len(context_lens) + num_splits,
-    )
-    lens = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
-    live = lens > 0
-    for seed in (1, 2):
-        batch = with_new_queries(batch, seed)
-        out = run_decode(batch, num_splits, fuse_merge=fuse_merge, context_lens=lens)
-        ref = batch.ref(batch.q.shape[-1] ** -0.5)
-        assert rel_err(out[live], ref[live]) < TOLERANCE[torch.float32]
-        assert torch.equal(out[~live], torch.zeros_like(out[~live]))
-
-
 def share_prefixes(
     batch: PagedBatch, groups: list[list[int]], shared_blocks: list[int]
 ) -> PagedBatch:
@@ -317,96 +260,29 @@ def plan_shared(batch: PagedBatch, min_shared_len: int, dtype) -> SharedPrefixTi
     return SharedPrefixTiles(as_tensor(tile_seqs), as_tensor(tile_lens), as_tensor(kv_starts))
 
 
-def two_shared_prefixes(
-    context_lens: list[int], dtype, seed: int
-) -> tuple[PagedBatch, SharedPrefixTiles]:
-    """A decode batch with qwen's group of 7 (14 heads, 2 KV heads, head_dim 80, block_size 3) where
-    sequences 0-3 share their first 100 blocks and 4-5 their first 9, and its planned tiles."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_reads_shared_prefixes_once_with_the_same_result(dtype, num_splits):
+    """Seven sequences with qwen's group of 7 (fp32 tiles hold 4 sequences, fp16 tiles 9): a group of four
+    sharing 300 positions (read in chunks of 128, 128 and 44, the fourth chunk empty; a member's own tail is
+    its one new position), a pair sharing 27 (one chunk), a loner. Neither shared length is a multiple of the
+    kernel's KV tile, so the masked tail of the tile kernel runs."""
+    context_lens = [310, 305, 320, 301, 30, 33, 44]
     batch = make_batch(
         [c - 1 for c in context_lens],
-        [1] * len(context_lens),
+        [1] * 7,
         num_heads=14,
         num_kv_heads=2,
         head_dim=80,
         block_size=3,
         dtype=dtype,
-        seed=seed,
+        seed=11,
     )
     batch = share_prefixes(batch, [[0, 1, 2, 3], [4, 5]], [100, 9])
     shared = plan_shared(batch, min_shared_len=8, dtype=dtype)
     assert shared is not None
-    return batch, shared
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("fuse_merge", [True, False])
-def test_decode_reads_shared_prefixes_once_with_the_same_result(dtype, num_splits, fuse_merge):
-    """Seven sequences with qwen's group of 7 (fp32 tiles hold 4 sequences, fp16 tiles 9): a group of four
-    sharing 300 positions (read in chunks of 128, 128 and 44, the fourth chunk empty; a member's own tail is
-    its one new position), a pair sharing 27 (one chunk), a loner. Neither shared length is a multiple of the
-    kernel's KV tile, so the masked tail of the tile kernel runs."""
-    batch, shared = two_shared_prefixes([310, 305, 320, 301, 30, 33, 44], dtype, seed=11)
     assert shared.kv_starts.tolist() == [300, 300, 300, 300, 27, 27, 0]
-    check_decode(batch, dtype, num_splits, shared, fuse_merge)
-
-
-@pytest.mark.parametrize("fuse_merge", [True, False])
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_decode_shared_prefix_merge_ignores_stale_padding(num_splits, fuse_merge):
-    """As a captured graph sees a step smaller than its bucket: two padded rows (context_len 0) keep
-    the kv_starts of an earlier step's plan (the step buffers rewrite the live rows only), and an idle
-    tile (length 0) keeps earlier members, here live ones. Neither may count in on a merge counter:
-    twice through the same counters, the live rows match the reference, the padded rows are zeros and
-    every counter is back to zero."""
-    context_lens = [310, 305, 320, 301, 30, 33, 44, 1, 1]
-    batch, plan = two_shared_prefixes(context_lens, torch.float32, seed=13)
-    kv_starts = plan.kv_starts.clone()
-    kv_starts[7:] = 300
-    stale = SharedPrefixTiles(
-        seqs=torch.cat([plan.seqs, plan.seqs[:1]]).contiguous(),
-        lens=torch.cat([plan.lens, torch.zeros_like(plan.lens[:1])]),
-        kv_starts=kv_starts,
-    )
-    lens = batch.meta.context_lens.clone()
-    lens[7:] = 0
-    for seed in (1, 2):
-        batch = with_new_queries(batch, seed)
-        out = run_decode(batch, num_splits, stale, fuse_merge, context_lens=lens)
-        ref = batch.ref(batch.q.shape[-1] ** -0.5)
-        assert rel_err(out[:7], ref[:7]) < TOLERANCE[torch.float32]
-        assert torch.equal(out[7:], torch.zeros_like(out[7:]))
-
-
-DECODE_COMPILE_SCRIPT = """
-import kernels.paged_attention as pa
-
-TYPES = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "out_ptr": "*bf16",
-         "block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "kv_starts_ptr": "*i32",
-         "counters_ptr": "*i32", "tile_seqs_ptr": "*i32", "tile_lens_ptr": "*i32", "qk_scale": "fp32"}
-for group, head_dim in [(4, 128), (7, 64)]:  # llama-3.1-8b, qwen2.5-0.5b
-    heads = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=head_dim)
-    rows = 8 if group == 7 else group
-    group_merge = dict(MERGE_ROWS=rows, MERGE_SLOTS=pa._merge_slots(rows, head_dim, 2))
-    attend = dict(BLOCK_SIZE=16, DOT_PRECISION="tf32", **heads)
-    for merge, chunks in [("direct", 0), ("last", 0), ("last", 4), ("launch", 0), ("launch", 4)]:
-        compile_for_sm90(pa._decode_split_kernel, 2, TYPES, BLOCK_G=16, SHARED_CHUNKS=chunks,
-                         MERGE=merge, BLOCK_N=64, **attend, **group_merge)
-    for merge in ("last", "launch"):
-        compile_for_sm90(pa._shared_prefix_kernel, 4, TYPES, NUM_HEADS=2 * group,
-                         SEQS_PER_TILE=64 // group, TILE_SEQS=16, BLOCK_M=64,
-                         BLOCK_N=64, SHARED_CHUNKS=4, MIN_CHUNK=128, MERGE=merge,
-                         MERGE_ROWS=16, MERGE_SLOTS=pa._merge_slots(16, head_dim, 4), **attend)
-    compile_for_sm90(pa._decode_merge_kernel, 2, TYPES, SHARED_CHUNKS=4, **heads, **group_merge)
-"""
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU compiles them in the other tests")
-def test_decode_kernels_compile_for_sm90():
-    """Every decode variant (the merge direct, in the last program, or in a launch of its own; with
-    and without shared-prefix tiles) compiles for an H100 at llama's and qwen's head layouts: the
-    interpreter runs code Triton's compiler refuses (a loop variable whose type changes)."""
-    compile_outside_the_interpreter(DECODE_COMPILE_SCRIPT)
+    check_decode(batch, dtype, num_splits, shared)
 
 
 # ------------------------------------------------------------------------------------------------ extend
@@ -738,13 +614,10 @@ def test_store_and_copy_gpu(dtype):
 
 
 @gpu_test
-@pytest.mark.parametrize("batch_size", [64, 3])
-def test_decode_step_replays_in_a_cuda_graph(batch_size):
-    """Capture rotary + store + attend once, then change lengths, tables and inputs in place and replay:
-    the graph must compute the new step exactly like the reference (no host sync, no length-dependent
-    grid). Batch 64 runs one split; batch 3 many, merged by the last program through the counters,
-    which every replay must leave zero for the next."""
-    heads, head_dim, block_size, max_len = (32, 8), 128, 16, 4096
+def test_decode_step_replays_in_a_cuda_graph():
+    """Capture rotary + store + attend once, then change lengths, tables and inputs in place and replay: the
+    graph must compute the new step exactly like the reference (no host sync, no length-dependent grid)."""
+    batch_size, heads, head_dim, block_size, max_len = 64, (32, 8), 128, 16, 4096
     num_blocks = batch_size * max_len // block_size
     gen = torch.Generator("cuda").manual_seed(9)
     shape = (1, num_blocks, block_size, heads[1], head_dim)
@@ -825,4 +698,3 @@ def test_decode_step_replays_in_a_cuda_graph(batch_size):
         assert torch.allclose(q.float(), q_ref.float(), rtol=2e-2, atol=2e-2)
         assert torch.equal(v_pool, v_ref)
         assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
-        assert not merge_counters(q.device, batch_size * heads[1]).any()

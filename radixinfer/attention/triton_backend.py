@@ -5,9 +5,7 @@ captured batch size keep fixed: ``num_tokens == num_seqs``, the block-table widt
 (it picks the decode split count; capture with the largest context the graph will serve — correctness
 never depends on it, only the split count does). Pad unused rows with slot -1 and context_len 0 (they
 store nothing and attend to nothing). The decode workspace (``[num_seqs, num_heads, num_splits, head_dim]``
-f32 when more than one split) is allocated per call, from the graph's pool when capturing; the merge's
-arrival counters are one persistent buffer per device and size class, allocated by the first call (run
-one outside the capture, as the warm-up does) and left zeroed by every launch.
+f32 when more than one split) is allocated per call, from the graph's pool when capturing.
 
 CUDA-graph capture (prefill): the extend grid is the work list's capacity, so a captured token bucket keeps
 fixed the token count, the sequence count (padding sequences have query length 0 and context length 0),
