@@ -100,6 +100,12 @@ def _watch(engine: BaseProcess, servers: list[BaseProcess]) -> BaseProcess | Non
         for process in ended:  # its sentinel closes a moment before its exit code is there
             process.join()
         failed = next((p for p in ended if p.exitcode != 0), ended[0])
+        if failed is not engine and failed.exitcode != 0:
+            # An engine that fails tells its API servers before it exits, so one of them can end
+            # first; the engine's exit, when it follows, names the cause.
+            engine.join(timeout=_SAY_WHY_SECONDS)
+            if engine.exitcode not in (None, 0):
+                failed = engine
         # An engine that failed ends its API servers, which say why: give them a moment to.
         multiprocessing.connection.wait([p.sentinel for p in servers], timeout=_SAY_WHY_SECONDS)
     except (KeyboardInterrupt, _Stop):
