@@ -7,7 +7,7 @@ rotates q in place and k into the cache in the launch that stores K and V). Here
 `Rotary`, what the store step is given to rotate.
 
 Eagerly ``rotate_half`` costs about seven element-wise kernels per tensor (chunk, four products, a sum, a
-difference, a cat) and a copy. The kernel computes in float32 and rounds once; the reference rounds after
+difference, a cat) and a copy. The store kernel rotates in float32 and rounds once; the reference rounds after
 every product and sum, as the eager model in a 16-bit dtype does, so the two agree to that rounding.
 
 Why not the eager roundings: Triton narrows a rounded float32 product to a 16-bit multiply, which the backend
