@@ -82,17 +82,17 @@ def test_token_counts_of_one_block_share_a_config():
 
 def test_layers_choose_the_skinny_gemm_for_few_tokens_on_small_weights(monkeypatch):
     """On the CPU the layers compute F.linear exactly as before; with the Triton path on, the rule takes
-    a half-precision batch of at most 4 tokens on a weight of at most LATENCY_BOUND_WEIGHT_BYTES, and
-    ``SKINNY_GEMM`` off (``RADIXINFER_SKINNY_GEMM=0``) turns it off."""
-    x = torch.randn(3, 32)
+    a half-precision batch of at most SKINNY_MAX_TOKENS (2) tokens on a weight of at most
+    LATENCY_BOUND_WEIGHT_BYTES, and ``SKINNY_GEMM`` off (``RADIXINFER_SKINNY_GEMM=0``) turns it off."""
+    x = torch.randn(layers.SKINNY_MAX_TOKENS, 32)
     weight = torch.randn(48, 32)
     assert torch.equal(layers.linear(x, weight), F.linear(x, weight))
     monkeypatch.setattr(layers, "use_triton", lambda x: True)
     half, small = x.half(), weight.half()
     assert layers.use_skinny_gemm(half, small)
     assert not layers.use_skinny_gemm(x, weight)  # float32: cuBLAS
-    five = torch.zeros(MAX_REDUCE_M + 1, 32, dtype=torch.float16)
-    assert not layers.use_skinny_gemm(five, small)
+    three = torch.zeros(layers.SKINNY_MAX_TOKENS + 1, 32, dtype=torch.float16)
+    assert not layers.use_skinny_gemm(three, small)
     largest = torch.empty(layers.LATENCY_BOUND_WEIGHT_BYTES // 2 // 1024, 1024, dtype=torch.float16)
     assert layers.use_skinny_gemm(torch.zeros(1, 1024, dtype=torch.float16), largest)
     too_large = torch.empty(largest.shape[0] + 1, 1024, dtype=torch.float16)

@@ -10,7 +10,7 @@ The element-wise steps between the matmuls (residual add + RMSNorm, SwiGLU's gat
 (on the CPU the models then compute exactly what transformers' models compute). Rotary embedding is fused
 into the attention backend's KV store instead (`radixinfer.attention.backend.AttentionBackend.store_kv`),
 which the device chooses the same way. The linear layers run ``F.linear`` (cuBLAS) except for
-half-precision batches of 1-4 tokens on small weights on CUDA, which take the skinny GEMM
+half-precision batches of 1-2 tokens on small weights on CUDA, which take the skinny GEMM
 (`use_skinny_gemm`).
 """
 
@@ -26,7 +26,7 @@ from torch import nn
 
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from kernels.rms_norm import rms_norm_ref, rms_norm_triton
-from kernels.skinny_gemm import MAX_REDUCE_M, linear_triton
+from kernels.skinny_gemm import linear_triton
 
 Op = TypeVar("Op", bound=Callable)
 
@@ -59,6 +59,11 @@ SKINNY_GEMM = os.environ.get("RADIXINFER_SKINNY_GEMM", "1") != "0"
 # 8.06; llama-3.1-8b's gate_up 69.1 vs 63.0, down_proj 43.3 vs 37.7) except llama-3.1-8b's qkv at TP=2
 # (25 MB: 10.6 vs 12.8).
 LATENCY_BOUND_WEIGHT_BYTES = 10 * 2**20
+# The most tokens the skinny GEMM takes (the kernel takes up to `kernels.skinny_gemm.MAX_REDUCE_M`, 4). On an
+# H200 (bench_skinny_gemm.py, 4 warps) a decode step's linear layers of qwen2.5-0.5b take 491 us with it against
+# cuBLAS's 608 at one token and 537 against 605 at two, but 677 against 606 at four (its down_proj 11.7 vs 8.29
+# us, qkv 4.36 vs 4.33): three tokens run the same four-row kernel.
+SKINNY_MAX_TOKENS = 2
 
 
 def use_skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -66,7 +71,7 @@ def use_skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
     - fused ops on Triton (CUDA) and the switch on (`SKINNY_GEMM`);
     - a float16/bfloat16 ``x``, 2-D with unit stride along ``in``;
-    - at most `MAX_REDUCE_M` (4) tokens;
+    - at most `SKINNY_MAX_TOKENS` (2) tokens;
     - a weight of at most `LATENCY_BOUND_WEIGHT_BYTES`.
 
     Everything else runs ``F.linear`` (cuBLAS), and so does everything on the CPU, bit for bit as before."""
@@ -81,9 +86,9 @@ def use_skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def skinny_gemm_suits(num_tokens: int, weight_bytes: int) -> bool:
-    """`use_skinny_gemm`'s shape test: at most `MAX_REDUCE_M` tokens, at most `LATENCY_BOUND_WEIGHT_BYTES`
+    """`use_skinny_gemm`'s shape test: at most `SKINNY_MAX_TOKENS` tokens, at most `LATENCY_BOUND_WEIGHT_BYTES`
     of weight (``benchmarks/bench_skinny_gemm.py`` applies it to shapes without tensors)."""
-    return num_tokens <= MAX_REDUCE_M and weight_bytes <= LATENCY_BOUND_WEIGHT_BYTES
+    return num_tokens <= SKINNY_MAX_TOKENS and weight_bytes <= LATENCY_BOUND_WEIGHT_BYTES
 
 
 def linear(
