@@ -146,9 +146,9 @@ def test_multi_turn_history_many_times_the_pool_matches_no_cache_with_host_hits(
     assert stats["host_total_blocks"] == HOST_BLOCKS
     written_through = stats["written_through_tokens"] - before["written_through_tokens"]
     if write_through_hits is None:
-        assert written_through == onto_copies == 0
-    else:  # histories loaded back kept their host blocks, and evictions took those copies
-        assert onto_copies > 0
+        assert written_through == 0
+    # histories loaded back kept their host blocks, and their next evictions took those copies
+    assert onto_copies > 0
     tiered.engine.cache.check_integrity([])  # both pools: every block held by the tree, once
     tiered.reset_prefix_cache()
     after_reset = tiered.cache_stats()

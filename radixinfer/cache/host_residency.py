@@ -8,12 +8,16 @@ A node lives in one of two tiers: GPU-resident (its ``blocks`` are GPU block ids
 of a GPU-frontier node, a load takes the top of a host-resident path. The copies a move implies are
 queued on the `HostTier`; nothing is copied here.
 
-Write-through (``write_through_hits`` k, off when None): a GPU-resident node matched by more than k
-admissions gets a host copy of its blocks while it stays on the GPU (``copies``, when the host pool
-has the blocks free), so its later eviction is a change of tier with no copy. The copy mirrors the
-node's blocks one for one: a split divides it as it divides the blocks, an eviction that drops the
-node (rather than writing it back) drops it, and the host tier's eviction takes copies before
-host-resident nodes (their data is still on the GPU).
+Host copies (``copies``): a GPU-resident node may keep a host copy of its blocks, so that its later
+eviction is a change of tier with no copy across the bus. A node loaded back from the host keeps the
+host blocks it was loaded from as its copy: chat histories and agent traces come back turn after
+turn, and writing the same KV out again at each eviction was most of the bus traffic (llama-3.1-8b,
+128 conversations of 8 turns over a pool a sixth of their histories: 2.5 M tokens written back for
+0.6 M distinct ones). With write-through (``write_through_hits`` k, off when None), a GPU-resident
+node matched by more than k admissions gets a copy too, when the host pool has the blocks free. A
+copy mirrors the node's blocks one for one: a split divides it as it divides the blocks, an
+eviction that drops the node (rather than writing it back) drops it, and the host tier's eviction
+takes copies before host-resident nodes (their data is still on the GPU).
 """
 
 from __future__ import annotations
@@ -55,9 +59,8 @@ class HostResidency:
     def load(self, node: Node, gpu_blocks: list[int]) -> None:
         """Make the host-resident ``node`` (whose parent is GPU-resident) GPU-resident in
         ``gpu_blocks`` (fresh: one reference each, as many as it lists). The host-to-GPU copies are
-        queued on the host tier; the node's host blocks are dropped (a split's shared boundary block
-        stays with the host-resident child holding it too), or kept as its copy with
-        write-through on (they hold its KV: a later eviction moves nothing)."""
+        queued on the host tier; the node's host blocks stay as its copy (they hold its KV: a later
+        eviction moves nothing, and the host tier's eviction takes them first)."""
         assert node.host and not node.parent.host, f"load of {node}, not the top of a host path"
         pool = self.tree.pool
         bs, fill = pool.block_size, pool.fill
@@ -66,10 +69,7 @@ class HostResidency:
         host_blocks = node.blocks
         self.host.queue(False, host_blocks, gpu_blocks)
         self._retier(node, gpu_blocks, host=False)
-        if self.write_through_hits is None:
-            self.host.pool.decref(host_blocks)
-        else:
-            self.copies[node] = host_blocks
+        self.copies[node] = host_blocks
         counters = self.host.counters
         counters.loaded_blocks += len(gpu_blocks)
         counters.loaded_tokens += node.end - node.start
