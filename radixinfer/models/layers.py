@@ -51,13 +51,13 @@ silu_and_mul = by_device(silu_and_mul_triton, silu_and_mul_ref)
 # The skinny GEMM (kernels/skinny_gemm.py) is on unless ``RADIXINFER_SKINNY_GEMM=0`` (read once, at import, by
 # every process of the engine): an A/B of the same code against cuBLAS everywhere.
 SKINNY_GEMM = os.environ.get("RADIXINFER_SKINNY_GEMM", "1") != "0"
-# The largest weight the skinny GEMM takes. At 1-4 tokens it beats cuBLAS only where a launch is latency-bound
+# The largest weight the skinny GEMM takes. At 1-2 tokens it beats cuBLAS only where a launch is latency-bound
 # (a small weight), not where streaming the weight dominates. Measured on an H200 at one token
-# (benchmarks/bench_skinny_gemm.py), it wins up to 8.7 MB (qwen2.5-0.5b's qkv, 2.06 MB: 2.86 us vs cuBLAS
-# 4.32; o_proj, 1.61 MB: 2.85 vs 4.72; down_proj, 8.72 MB: 6.27 vs 8.19) except qwen2.5-0.5b's gate_up at
-# TP=2 (8.72 MB, 4864 x 896: 6.78 vs 5.56), and loses from 17.4 MB up (qwen2.5-0.5b's gate_up: 10.2 vs
-# 8.06; llama-3.1-8b's gate_up 69.1 vs 63.0, down_proj 43.3 vs 37.7) except llama-3.1-8b's qkv at TP=2
-# (25 MB: 10.6 vs 12.8).
+# (benchmarks/bench_skinny_gemm.py, 4 warps), it wins up to 8.7 MB (qwen2.5-0.5b's qkv, 2.06 MB: 2.69 us vs
+# cuBLAS 4.17; o_proj, 1.61 MB: 2.83 vs 4.74; down_proj, 8.72 MB: 6.76 vs 8.28) except qwen2.5-0.5b's gate_up at
+# TP=2 (8.72 MB, 4864 x 896: 6.34 vs 5.59), and loses from 17.4 MB up (qwen2.5-0.5b's gate_up: 10.1 vs 8.16;
+# llama-3.1-8b's gate_up 71.0 vs 63.2, down_proj 49.2 vs 37.7) except llama-3.1-8b's qkv at TP=2 (25 MB: 11.2
+# vs 12.8).
 LATENCY_BOUND_WEIGHT_BYTES = 10 * 2**20
 # The most tokens the skinny GEMM takes (the kernel takes up to `kernels.skinny_gemm.MAX_REDUCE_M`, 4). On an
 # H200 (bench_skinny_gemm.py, 4 warps) a decode step's linear layers of qwen2.5-0.5b take 491 us with it against
