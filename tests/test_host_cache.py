@@ -332,3 +332,22 @@ def test_the_server_metrics_carry_the_tier_counters():
     }
     assert {k: float(values[k]) for k in expected} == pytest.approx(expected)
     assert stats["gpu_hit_tokens"] > 0 and stats["loaded_bytes"] > 0
+
+
+def test_a_prefix_is_loaded_only_for_a_request_admitted_in_that_step():
+    """12 conversations of 5 turns at once over a 48-block pool: many admissions find their history
+    host-resident and memory short. A load is made only when the admission's reservation (its
+    chunk, and what it leaves free) fits beside it, so every loaded position is a host hit: none is
+    loaded for a request that then finds no room, gives the blocks back and loads them again at its
+    next attempt (2163 positions were loaded for 1230 host hits that way). The answers are the
+    engine's without a prefix cache."""
+    want, _ = _chat_under_way(_llm(False, 0, num_blocks=48), 12, 5, seed=1)
+    llm = _llm(True, HOST_BLOCKS, num_blocks=48)
+    llm.reset_prefix_cache()
+    before = llm.cache_stats()
+    answers, preempted = _chat_under_way(llm, 12, 5, seed=1)
+    moved = _moved(before, llm.cache_stats())
+    assert answers == want and preempted == 0
+    assert moved["host_hit_tokens"] > 0
+    assert moved["loaded_tokens"] == moved["host_hit_tokens"]
+    llm.engine.cache.check_integrity([])

@@ -75,17 +75,19 @@ class HostResidency:
         counters.loaded_tokens += node.end - node.start
 
     def load_match(
-        self, match: MatchResult, query_len: int, make_room: Callable[[int], bool]
+        self, match: MatchResult, query_len: int, make_room: Callable[[int, int], bool]
     ) -> MatchResult:
         """Load the host-resident part of ``match`` (of a query of ``query_len`` tokens) into GPU
-        blocks, node by node from the top, while ``make_room(n)`` can make ``n`` GPU blocks free.
-        The path is locked meanwhile, so making room evicts neither it nor the host nodes still to
-        load. Returns the match as far as it is GPU-resident now, with the host-resident rest (if
+        blocks, node by node from the top, while ``make_room(n, end)`` can make ``n`` GPU blocks
+        free beside those the caller takes next when the match ends at position ``end``. The path
+        is locked meanwhile, so making room evicts neither it nor the host nodes still to load.
+        Returns the match as far as it is GPU-resident now, with the host-resident rest (if
         loading stopped short) as its host part.
 
         Room for the whole part is asked for first, so its write-backs are queued before all of
         its loads (the copies then form one batch of each direction, `HostTier.take_transfers`);
-        only when that fails is room made node by node."""
+        only when that fails is room made node by node. Making room never takes blocks back, so
+        once a node is loaded the caller's blocks for the match ending there stay to be had."""
         tree = self.tree
         end = tree.split_at(match.host_node, match.host_length)
         tree.lock(end)
@@ -94,10 +96,10 @@ class HostResidency:
             chain.append(node)
             node = node.parent
         loaded = None
-        whole = make_room(sum(len(node.blocks) for node in chain))
+        whole = make_room(sum(len(node.blocks) for node in chain), end.end)
         for node in reversed(chain):
             count = len(node.blocks)
-            if not whole and not make_room(count):
+            if not whole and not make_room(count, node.end):
                 break  # the rest is computed again
             self.load(node, tree.pool.allocate(count))
             loaded = node

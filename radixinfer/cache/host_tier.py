@@ -49,7 +49,9 @@ class HostCounters:
     offloaded_blocks: int = 0
     offloaded_tokens: int = 0  # positions of nodes written back to the host
     loaded_blocks: int = 0
-    loaded_tokens: int = 0  # positions of nodes loaded back to the GPU
+    # positions of nodes loaded back to the GPU, each for a request admitted in that step (its
+    # reservation was made room for first): `EngineCounters.host_hit_tokens` but for what it lists
+    loaded_tokens: int = 0
     host_evicted_blocks: int = 0  # host blocks freed by the host tier's own eviction
     # write-through: positions copied to the host while still on the GPU (`HostResidency`), and
     # positions whose eviction took such a copy instead of a copy of its own

@@ -30,7 +30,7 @@ copies.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,7 +106,12 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ admission
     def admit(
-        self, tokens: Sequence[int] | TokenArray, salt: Hashable = None, *, use_cache: bool = True
+        self,
+        tokens: Sequence[int] | TokenArray,
+        salt: Hashable = None,
+        *,
+        use_cache: bool = True,
+        then_takes: Callable[[int], int] | None = None,
     ) -> SeqKV:
         """Match ``tokens`` and lock what the match reads; the sequence starts with the matched blocks (no
         block of its own yet, so admission itself never fails). The caller then `reserve`s the
@@ -118,10 +123,13 @@ class KVCacheManager:
         fallback for a request whose locked hit keeps it from fitting a pool it would fit alone.
 
         With a host tier, a match that goes on through host-resident nodes loads them into fresh GPU
-        blocks, top down, as far as GPU blocks can be made free (`ensure_free`); the match ends
-        where loading stopped, and the sequence computes the rest (``num_loaded``: tokens
-        loaded). A host-resident part shorter than a block is computed, not loaded
-        (`_loads`)."""
+        blocks, top down, as far as GPU blocks can be made free (`ensure_free`) for them and for
+        the ``then_takes(length)`` blocks the caller reserves right after, when the match ends at
+        ``length`` (None: none); the match ends where loading stopped, and the sequence computes
+        the rest (``num_loaded``: tokens loaded). With the caller's whole reservation counted, a
+        load is never made for a request that then finds no room and gives its loaded blocks
+        back (evictable again, so loaded again at its next attempt). A host-resident part
+        shorter than a block is computed, not loaded (`_loads`)."""
         if not (self.enable_prefix_cache and use_cache):
             return SeqKV(salt, [], 0, 0, None, None)
         tokens = as_token_array(tokens)
@@ -129,7 +137,10 @@ class KVCacheManager:
         num_loaded = 0
         if match.host_node is not None and self._loads(match):
             gpu_length = match.length
-            match = self.tree.tiers.load_match(match, len(tokens), self.ensure_free)
+            takes = then_takes or (lambda length: 0)
+            match = self.tree.tiers.load_match(
+                match, len(tokens), lambda n, length: self.ensure_free(n + takes(length))
+            )
             num_loaded = match.length - gpu_length
         elif match.host_node is None and match.length and match.length < match.node.end:
             match = MatchResult(

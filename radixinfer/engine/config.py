@@ -44,7 +44,12 @@ class EngineCounters:
 
     prompt_tokens: int = 0  # prompt tokens of admitted requests (counted once per request)
     cached_tokens: int = 0  # of those, read from the prefix cache (`Request.num_cached_tokens`)
-    host_hit_tokens: int = 0  # of those, loaded back from the host tier first
+    # Of those, loaded back from the host tier first. Equals the host tier's ``loaded_tokens``
+    # (`HostCounters`: a load is made only for a request admitted in that step) but for loads no
+    # hit counts: a preempted request is admitted (and may load) again, and its hits count at one
+    # admission only; one aborted or preempted while it waits for its loads counts none; and a
+    # prompt loaded whole computes its last position again (for fresh logits), not a hit.
+    host_hit_tokens: int = 0
     computed_prompt_tokens: int = 0  # of those, run through prefill forwards
     recomputed_tokens: int = 0  # rows computed again after a preemption (prompt and generated)
     prefill_forwards: int = 0

@@ -9,6 +9,7 @@ runs what it plans.
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 from collections import deque
 
@@ -198,7 +199,8 @@ class Scheduler:
         if fresh:
             # prompt logprobs need the logits of every prompt position: no cached positions
             use_cache = req.prompt_logprobs is None or not req.needs_prompt_logprobs()
-            seq = cache.admit(tokens, req.salt, use_cache=use_cache)
+            takes = functools.partial(self._blocks_reserved_after, req, num_tokens, growth)
+            seq = cache.admit(tokens, req.salt, use_cache=use_cache, then_takes=takes)
             end = min(n, seq.num_kv + max(num_tokens, 1))
             if may_defer and cache.needs_copy_of_unwritten(seq, end):
                 cache.release(seq)
@@ -245,6 +247,23 @@ class Scheduler:
         if fresh:
             self._enter(req)
         return Planned.ADMITTED
+
+    def _blocks_reserved_after(
+        self, req: Request, num_tokens: int, growth: int, length: int
+    ) -> int:
+        """The GPU blocks a fresh admission of ``req`` for ``num_tokens`` positions reserves once
+        its match ends at ``length`` (`_reserve_chunk`: the chunk's blocks, and those it leaves
+        free): what `KVCacheManager.admit` makes room for beside each host-resident node it loads,
+        so a prefix is loaded only for a request admitted in the same step. A match that ends
+        inside a block ends in a loaded block filled up to it, which the chunk writes on in place."""
+        if length >= req.num_tokens:
+            return 0  # the whole prompt is read: nothing is reserved
+        bs = self.cache.block_size
+        end = min(req.num_tokens, length + max(num_tokens, 1))
+        blocks = -(-end // bs) - -(-length // bs)
+        if self.active:
+            blocks += growth + self._blocks_to_finish(req, end)
+        return blocks
 
     def _reserve_chunk(
         self, req: Request, num_tokens: int, may_retry: bool, growth: int | None = None
