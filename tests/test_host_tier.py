@@ -209,3 +209,23 @@ def test_bad_write_through_settings_are_value_errors_naming_them():
             KVCacheManager(num_blocks=4, block_size=2, host_blocks=4, host_write_through_hits=bad)
     with pytest.raises(ValueError, match="host_write_through_hits"):
         KVCacheManager(num_blocks=4, block_size=2, host_write_through_hits=1)  # no host tier
+
+
+def test_a_loaded_prefix_keeps_its_host_blocks_and_its_next_eviction_moves_nothing():
+    mgr = KVCacheManager(num_blocks=4, block_size=2, host_blocks=8)
+    _publish(mgr, A)
+    assert mgr.tree.evict(4) == 4  # all of A goes to the host
+    assert _moved(mgr) == [("offload", 4)]
+    mgr.release(mgr.admit(A))
+    assert _moved(mgr) == [("load", 4)]
+    counters = mgr.host.counters
+    assert mgr.host.pool.num_free == 4  # the host blocks A came from are still held, as its copy
+    mgr.check_integrity([])
+    assert mgr.tree.evict(4) == 4
+    assert _moved(mgr) == []  # evicted onto the copy: nothing written back again
+    assert (counters.offloaded_tokens, counters.evicted_to_copy_tokens) == (8, 8)
+    seq = mgr.admit(A)
+    assert (seq.num_cached, seq.num_loaded) == (8, 8)
+    assert _moved(mgr) == [("load", 4)]
+    mgr.release(seq)
+    mgr.check_integrity([])
