@@ -87,7 +87,9 @@ class StreamDelta:
     ``index`` is the completion (sample) the tokens belong to, for a request of ``n`` > 1; a
     completion's last delta has its ``finish_reason`` (and ``stop_reason``) set, and ``finished`` is
     set on the request's last delta only, once every completion has ended. ``logprobs``: one
-    `PositionLogprobs` per token when the request asked, else None.
+    `PositionLogprobs` per token when the request asked, else None. ``num_cached_tokens``: the
+    request's prompt tokens read from the prefix cache; None where they are not known (a benchmark
+    backend whose server did not report them, or that has no prefix cache).
     """
 
     request_id: str
@@ -95,7 +97,7 @@ class StreamDelta:
     text: str
     finished: bool
     finish_reason: str | None
-    num_cached_tokens: int
+    num_cached_tokens: int | None
     timestamp: float
     index: int = 0
     logprobs: list[PositionLogprobs] | None = None

@@ -111,6 +111,24 @@ def test_summary_percentiles_throughput_and_cache_counters():
     assert latency_ms([]) == {"mean": None, "p50": None, "p95": None, "p99": None}
 
 
+def test_without_engine_counters_the_hit_rate_comes_from_what_each_request_reported():
+    """A server's requests report their cached prompt tokens on their last delta (the usage's
+    ``cached_tokens``): the run's hit rate adds them up, and is None when any request did not."""
+
+    def served(prompt_len: int, cached: int | None) -> RequestRecord:
+        r = RequestRecord(0.0, prompt_len)
+        r.add(StreamDelta("r", [1], "", False, None, None, 0.5))
+        r.add(StreamDelta("r", [2], "", True, "length", cached, 0.6))
+        return r
+
+    s = summarize([served(100, 60), served(50, 0)], 1.0, cache=None)
+    assert (s["cached_tokens"], s["computed_prompt_tokens"]) == (60, 90)
+    assert s["hit_rate"] == pytest.approx(0.4)
+    assert s["preemptions"] is None and s["load_gb_per_s"] is None
+    unreported = summarize([served(100, 60), served(50, None)], 1.0, cache=None)
+    assert unreported["cached_tokens"] is None and unreported["hit_rate"] is None
+
+
 def test_speedups_are_above_one_when_the_first_run_is_better():
     first = {
         "output_throughput": 200.0,

@@ -5,7 +5,9 @@ CLI with its metrics, and the flags that go together."""
 from __future__ import annotations
 
 import json
+import re
 
+import httpx
 import pytest
 
 from radixinfer import LLM
@@ -83,9 +85,18 @@ def test_client_processes_stream_what_one_process_does(server):
     assert 0 < wall == max(r.token_times[-1] for r in split) - min(r.submit_time for r in split)
 
 
+def _hit_tokens(server) -> float:
+    """The server's prefix-cache hit tokens so far (``/metrics``)."""
+    text = httpx.get(f"{server.url}/metrics").text
+    return float(re.search(r"^radixinfer_prefix_cache_hit_tokens_total (\S+)$", text, re.M)[1])
+
+
 @pytest.mark.parametrize("client_processes", [1, 3])
 def test_a_shared_prefix_run_through_the_cli(server, tmp_path, client_processes):
+    """Its metrics, the hit rate among them: each request's cached prompt tokens as its usage
+    reported them, adding up to what the server counted."""
     out = tmp_path / "result.json"
+    hits_before = _hit_tokens(server)
     flags = [
         "bench",
         "--backend",
@@ -118,7 +129,10 @@ def test_a_shared_prefix_run_through_the_cli(server, tmp_path, client_processes)
     assert run["backend"] == "openai" and run["info"]["served_model"] == "tiny"
     assert metrics["requests"] == 8 and metrics["completion_tokens"] == 8 * 4
     assert metrics["ttft_ms"]["p50"] > 0 and metrics["tpot_ms"]["p50"] > 0
-    assert metrics["cached_tokens"] is None  # the server's counters are its own
+    assert metrics["cached_tokens"] == _hit_tokens(server) - hits_before > 0
+    assert metrics["hit_rate"] == metrics["cached_tokens"] / metrics["prompt_tokens"]
+    assert metrics["computed_prompt_tokens"] == metrics["prompt_tokens"] - metrics["cached_tokens"]
+    assert metrics["preemptions"] is None  # the server's own
 
 
 @pytest.mark.parametrize(

@@ -162,7 +162,7 @@ class _ContinuousDriver:
             last = finished and i == len(tokens) - 1
             events.append(
                 StreamDelta(
-                    request_id, [tokens[i]], "", last, reason if last else None, 0, times[i]
+                    request_id, [tokens[i]], "", last, reason if last else None, None, times[i]
                 )
             )
         self._seen[request_id] = len(tokens)
@@ -170,7 +170,7 @@ class _ContinuousDriver:
             self._forget(request_id)
             if start == len(tokens):  # the final output brought no new token
                 now = times[-1] if times else time.perf_counter()
-                events.append(StreamDelta(request_id, [], "", True, reason, 0, now))
+                events.append(StreamDelta(request_id, [], "", True, reason, None, now))
         if events:
             sink.put(events)
 
@@ -214,12 +214,12 @@ class _StreamerToSink(BaseStreamer):
             return
         token = int(value.reshape(-1)[0])
         self._tokens.append(token)
-        self._sink.put([StreamDelta(self._request_id, [token], "", False, None, 0, now)])
+        self._sink.put([StreamDelta(self._request_id, [token], "", False, None, None, now)])
 
     def end(self) -> None:
         reason = _finish_reason(self._tokens, self._eos)
         self._sink.put(
-            [StreamDelta(self._request_id, [], "", True, reason, 0, time.perf_counter())]
+            [StreamDelta(self._request_id, [], "", True, reason, None, time.perf_counter())]
         )
 
 

@@ -30,13 +30,16 @@ PERCENTILES = (50, 95, 99)
 
 @dataclass
 class RequestRecord:
-    """What one request (one turn) did: when it was submitted and when each of its tokens arrived."""
+    """What one request (one turn) did: when it was submitted and when each of its tokens arrived,
+    and the prompt tokens its last delta says were read from the prefix cache (``cached_tokens``;
+    None when the backend does not know)."""
 
     submit_time: float
     prompt_len: int
     token_ids: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
     finish_reason: str | None = None
+    cached_tokens: int | None = None
 
     def add(self, delta: StreamDelta) -> None:
         """Called on the consumer thread for every delta, which shares the GIL with the engine loop: a delta
@@ -49,6 +52,7 @@ class RequestRecord:
             self.token_times += [delta.timestamp] * len(ids)
         if delta.finished:
             self.finish_reason = delta.finish_reason
+            self.cached_tokens = delta.num_cached_tokens
 
     def add_token(self, token: int, timestamp: float) -> None:
         """One token that does not finish the request (a `TokenBatch` row)."""
@@ -85,25 +89,28 @@ def latency_ms(seconds: Iterable[float]) -> dict[str, float | None]:
     }
 
 
+# The ``cache_stats()`` counters a run's metrics are taken from (their deltas over the run).
+CACHE_COUNTERS = (
+    "prompt_tokens",
+    "cached_tokens",
+    "computed_prompt_tokens",
+    "cow_copies",
+    "evicted_blocks",
+    "preemptions",
+    "host_hit_tokens",
+    "loaded_tokens",
+    "offloaded_tokens",
+    "written_through_tokens",
+    "loaded_bytes",
+    "load_seconds",
+)
+
+
 def cache_delta(before: dict | None, after: dict | None) -> dict | None:
     """Counters accumulated between two ``cache_stats()`` snapshots (None when the backend has none)."""
     if before is None or after is None:
         return None
-    keys = (
-        "prompt_tokens",
-        "cached_tokens",
-        "computed_prompt_tokens",
-        "cow_copies",
-        "evicted_blocks",
-        "preemptions",
-        "host_hit_tokens",
-        "loaded_tokens",
-        "offloaded_tokens",
-        "written_through_tokens",
-        "loaded_bytes",
-        "load_seconds",
-    )
-    return {k: after[k] - before[k] for k in keys}
+    return {k: after[k] - before[k] for k in CACHE_COUNTERS}
 
 
 def add_cache_deltas(deltas: Sequence[dict | None]) -> dict | None:
@@ -112,15 +119,34 @@ def add_cache_deltas(deltas: Sequence[dict | None]) -> dict | None:
     return {k: sum(d[k] for d in deltas) for k in deltas[0]}
 
 
+def _reported_cache(records: Sequence[RequestRecord], prompt_tokens: int) -> dict | None:
+    """`CACHE_COUNTERS` from the records' own ``cached_tokens`` (None unless every record has them):
+    the prompt tokens, cached and computed; the engine's other counters (preemptions, the host
+    tier's) are None."""
+    if not records or any(r.cached_tokens is None for r in records):
+        return None
+    cached = sum(r.cached_tokens for r in records)
+    counters = dict.fromkeys(CACHE_COUNTERS)
+    counters.update(
+        prompt_tokens=prompt_tokens,
+        cached_tokens=cached,
+        computed_prompt_tokens=prompt_tokens - cached,
+    )
+    return counters
+
+
 def summarize(records: Sequence[RequestRecord], wall_s: float, cache: dict | None) -> dict:
     """The reported metrics of one or more measured runs (records pooled, wall times summed).
 
-    ``cache`` holds the engine's counter deltas over those runs; without it (a backend with no prefix-cache
-    counters) cached / computed tokens and the hit rate are None.
+    ``cache`` holds the engine's counter deltas over those runs. Without it (a server's counters are
+    its own), cached and computed tokens and the hit rate come from the records' ``cached_tokens``
+    when every record has them (a server that reports them in its usage), else they are None.
     """
     prompt_tokens = sum(r.prompt_len for r in records)
     completion_tokens = sum(len(r.token_ids) for r in records)
     timed = [r for r in records if r.token_times]
+    if cache is None:
+        cache = _reported_cache(records, prompt_tokens)
     cached = cache["cached_tokens"] if cache else None
     return {
         "requests": len(records),

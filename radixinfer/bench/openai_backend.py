@@ -6,8 +6,10 @@ and throughput include the server's HTTP path and the network, as a user sees th
 their token ids when the server returns them (``return_token_ids``, which radixinfer and vLLM
 honour); otherwise a chunk's ids are its text encoded with the model's tokenizer (exact for one
 token a chunk, an estimate for a chunk that merges several). The server's own prefix cache counters
-are not reported (``cache_stats`` is None); ``--cold-cache`` empties it through ``POST
-/reset_prefix_cache``.
+are not read (``cache_stats`` is None): each request's cached prompt tokens come from its usage's
+``prompt_tokens_details.cached_tokens`` (radixinfer always sends it; vLLM and SGLang behind a flag),
+and the run's hit rate from those when every request reported them; ``--cold-cache`` empties the
+server's cache through ``POST /reset_prefix_cache``.
 
 Requests run as coroutines of one client event loop on its own thread, each on a connection of its
 own read by `radixinfer.bench.sse_client` (a lean SSE reader: the bench must read faster than the
@@ -179,12 +181,12 @@ class OpenAIBackend:
         self, request_id: str, chunk: dict, now: float, ending: StreamDelta | None
     ) -> StreamDelta | None:
         """The delta of one chunk (None: it has no tokens); a usage chunk sets ``ending``'s cached
-        tokens."""
+        tokens (None when the server leaves them out)."""
         if "error" in chunk:
             raise RuntimeError(f"the server failed the request: {chunk['error']}")
         if (usage := chunk.get("usage")) and ending is not None:
             details = usage.get("prompt_tokens_details") or {}
-            ending.num_cached_tokens = details.get("cached_tokens") or 0
+            ending.num_cached_tokens = details.get("cached_tokens")
         delta = None
         for choice in chunk.get("choices", ()):
             text = choice.get("text") or ""
@@ -193,5 +195,5 @@ class OpenAIBackend:
                 ids = self.tokenizer.encode(text) if text else []
             reason = choice.get("finish_reason")
             if ids or reason is not None:
-                delta = StreamDelta(request_id, ids, text, reason is not None, reason, 0, now)
+                delta = StreamDelta(request_id, ids, text, reason is not None, reason, None, now)
         return delta
