@@ -153,9 +153,10 @@ def main(argv: list[str] | None = None) -> dict:
         host.run(load, k, v, next(tickets))
         host.finished_ticket(wait=True)
 
-    plain_src = torch.empty(host.blocks.shape, dtype=dtype, pin_memory=device.type == "cuda")
-    plain_dst = torch.empty(host.blocks.shape, dtype=dtype, device=device)
-    nbytes = host.blocks.numel() * host.blocks.element_size()
+    shape = (host.num_blocks, *host.block_shape)
+    plain_src = torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
+    plain_dst = torch.empty(shape, dtype=dtype, device=device)
+    nbytes = host.num_blocks * host.block_bytes
 
     measured = {
         "load_end_to_end": load_to_end,

@@ -4,7 +4,11 @@ transfers (`KVCacheManager.take_transfers`) between it and the GPU's K and V ten
 Layout. The GPU tensors are ``[num_layers, num_blocks, block_size, num_kv_heads, head_dim]`` each
 (one block id indexes every layer), so one block is ``2 * num_layers`` separate pieces there. The
 host pool is block-major, ``[num_host_blocks, 2, num_layers, block_size, num_kv_heads, head_dim]``:
-a run of consecutive host blocks is one contiguous range, and one copy moves it across the bus. A
+a run of consecutive host blocks is one contiguous range, and one copy moves it across the bus. It
+is held in a few *segments* of consecutive blocks (`segment_blocks`): torch's pinned-memory
+allocator rounds every allocation up to a power of two of bytes, so one 72 GiB tensor would pin
+128 GiB; each segment fills its power of two but for less than a block, and a run that crosses
+from one segment into the next is copied in two pieces. A
 batch of blocks is gathered on the GPU into a staging tensor of the host layout (one
 ``index_select`` per K and V) and copied out one run at a time, or copied in one run at a time and
 scattered (one ``index_copy_`` per K and V), never one copy per block per layer.
@@ -31,7 +35,9 @@ and counted once complete: ``loaded_bytes`` over ``load_seconds``.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import math
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -55,6 +61,20 @@ def host_blocks_for(host_cache_gb: float, bytes_per_block: int) -> int:
     return int(host_cache_gb * (1 << 30)) // bytes_per_block
 
 
+def segment_blocks(num_blocks: int, block_bytes: int) -> list[int]:
+    """How many blocks each segment of a host pool of ``num_blocks`` blocks of ``block_bytes``
+    holds, largest first: as many as fit the largest power of two of bytes not above what is left
+    (at least one), so that the pinned allocator's rounding up to a power of two adds less than a
+    block to each, and there are at most about ``log2(num_blocks)`` of them."""
+    sizes, left = [], num_blocks
+    while left:
+        power = 1 << ((left * block_bytes).bit_length() - 1)
+        count = max(1, min(left, power // block_bytes))
+        sizes.append(count)
+        left -= count
+    return sizes
+
+
 def _runs(ids: np.ndarray) -> list[tuple[int, int, int]]:
     """``(index, first id, length)`` of each run of consecutive ids in ``ids`` (ascending)."""
     starts = np.flatnonzero(np.diff(ids, prepend=ids[0] - 2) != 1)
@@ -63,8 +83,8 @@ def _runs(ids: np.ndarray) -> list[tuple[int, int, int]]:
 
 
 class HostKVPool:
-    """``num_blocks`` host KV blocks shaped like the blocks of ``k`` (and ``v``), and the copies
-    between them and ``k`` / ``v`` (`run`). Pinned when ``k`` is on CUDA."""
+    """``num_blocks`` host KV blocks shaped like the blocks of ``k`` (and ``v``), in `segments`, and
+    the copies between them and ``k`` / ``v`` (`run`). Pinned when ``k`` is on CUDA."""
 
     def __init__(self, num_blocks: int, k: torch.Tensor) -> None:
         if num_blocks < 1:
@@ -72,13 +92,15 @@ class HostKVPool:
         num_layers, _, block_size, num_kv_heads, head_dim = k.shape
         self.device = k.device
         cuda = self.device.type == "cuda"
-        # [num_blocks, K or V, num_layers, block_size, num_kv_heads, head_dim]
-        self.blocks = torch.zeros(
-            (num_blocks, 2, num_layers, block_size, num_kv_heads, head_dim),
-            dtype=k.dtype,
-            pin_memory=cuda,
-        )
-        self.block_bytes = self.blocks[0].numel() * self.blocks.element_size()
+        self.block_shape = (2, num_layers, block_size, num_kv_heads, head_dim)
+        self.block_bytes = math.prod(self.block_shape) * k.element_size()
+        # each [its blocks, K or V, num_layers, block_size, num_kv_heads, head_dim]
+        self.segments = [
+            torch.zeros((count, *self.block_shape), dtype=k.dtype, pin_memory=cuda)
+            for count in segment_blocks(num_blocks, self.block_bytes)
+        ]
+        # the first block of each segment, and the end of the last
+        self._segment_starts = np.cumsum([0] + [len(s) for s in self.segments]).tolist()
         self.max_staged_blocks = min(num_blocks, max(1, MAX_STAGED_BYTES // self.block_bytes))
         self._stream = torch.cuda.Stream(self.device) if cuda else None
         # Takes whose loads may be in flight, oldest first: (ticket, done event, load batch timings
@@ -94,7 +116,21 @@ class HostKVPool:
 
     @property
     def num_blocks(self) -> int:
-        return self.blocks.shape[0]
+        return self._segment_starts[-1]
+
+    def _host_parts(self, first: int, length: int) -> list[tuple[int, torch.Tensor]]:
+        """The host blocks ``first`` to ``first + length`` (a run) as ``(offset in the run, view of
+        a segment)`` pieces: one, unless the run crosses into the next segment."""
+        starts = self._segment_starts
+        parts, index = [], bisect.bisect_right(starts, first) - 1
+        offset = 0
+        while offset < length:
+            begin = first + offset - starts[index]
+            piece = self.segments[index][begin : begin + length - offset]
+            parts.append((offset, piece))
+            offset += len(piece)
+            index += 1
+        return parts
 
     @torch.inference_mode()
     def run(
@@ -181,7 +217,7 @@ class HostKVPool:
 
     def _staging(self, count: int, k: torch.Tensor) -> torch.Tensor:
         """A staging tensor of ``count`` blocks in the host layout, on the device."""
-        return torch.empty((count, *self.blocks.shape[1:]), dtype=k.dtype, device=self.device)
+        return torch.empty((count, *self.block_shape), dtype=k.dtype, device=self.device)
 
     def _offload(
         self, gpu_index: torch.Tensor, host_ids: np.ndarray, k: torch.Tensor, v: torch.Tensor
@@ -203,9 +239,9 @@ class HostKVPool:
             side.wait_stream(current)
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             for index, first, length in _runs(host_ids):
-                self.blocks[first : first + length].copy_(
-                    staged[index : index + length], non_blocking=True
-                )
+                for offset, host in self._host_parts(first, length):
+                    start = index + offset
+                    host.copy_(staged[start : start + len(host)], non_blocking=True)
             if side is not None:
                 self._out_copied = torch.cuda.Event()
                 self._out_copied.record()
@@ -215,8 +251,8 @@ class HostKVPool:
     ) -> None:
         staged = self._staging(len(host_ids), k)
         for index, first, length in _runs(host_ids):
-            staged[index : index + length].copy_(
-                self.blocks[first : first + length], non_blocking=True
-            )
+            for offset, host in self._host_parts(first, length):
+                start = index + offset
+                staged[start : start + len(host)].copy_(host, non_blocking=True)
         k.index_copy_(1, gpu_index, staged[:, 0].transpose(0, 1))
         v.index_copy_(1, gpu_index, staged[:, 1].transpose(0, 1))
