@@ -201,7 +201,7 @@ class Scheduler:
             use_cache = req.prompt_logprobs is None or not req.needs_prompt_logprobs()
             takes = functools.partial(self._blocks_reserved_after, req, num_tokens, growth)
             seq = cache.admit(tokens, req.salt, use_cache=use_cache, then_takes=takes)
-            end = min(n, seq.num_kv + max(num_tokens, 1))
+            end = _chunk_end(req, seq.num_kv, num_tokens)
             if may_defer and cache.needs_copy_of_unwritten(seq, end):
                 cache.release(seq)
                 return Planned.DEFERRED
@@ -259,11 +259,16 @@ class Scheduler:
         if length >= req.num_tokens:
             return 0  # the whole prompt is read: nothing is reserved
         bs = self.cache.block_size
-        end = min(req.num_tokens, length + max(num_tokens, 1))
-        blocks = -(-end // bs) - -(-length // bs)
-        if self.active:
-            blocks += growth + self._blocks_to_finish(req, end)
-        return blocks
+        end = _chunk_end(req, length, num_tokens)
+        return -(-end // bs) - -(-length // bs) + self._kept_free(req, end, growth)
+
+    def _kept_free(self, req: Request, end: int, growth: int | None) -> int:
+        """The free blocks an admission's reservation of ``req`` up to position ``end`` leaves: the
+        ``growth`` blocks the requests holding KV still take to finish, and those ``req`` takes
+        after ``end`` (None, or nothing else holding KV: none, as it then runs alone)."""
+        if growth is None or not self.active:
+            return 0
+        return growth + self._blocks_to_finish(req, end)
 
     def _reserve_chunk(
         self, req: Request, num_tokens: int, may_retry: bool, growth: int | None = None
@@ -279,11 +284,8 @@ class Scheduler:
         checked that), and computes from the start up to the end planned for the hit."""
         cache, seq = self.cache, req.seq
         start = seq.num_kv
-        end = min(req.num_tokens, start + max(num_tokens, 1))
-        keep_free = 0
-        if growth is not None and self.active:
-            keep_free = growth + self._blocks_to_finish(req, end)
-        plan = cache.reserve([seq], [end], keep_free)
+        end = _chunk_end(req, start, num_tokens)
+        plan = cache.reserve([seq], [end], self._kept_free(req, end, growth))
         if plan is None and may_retry:
             cache.release(seq)
             req.seq = seq = cache.admit(req.token_array(), req.salt, use_cache=False)
@@ -417,6 +419,11 @@ class Scheduler:
     def drop_finished(self) -> None:
         """Drop finished requests from ``active`` in one pass (a whole batch may finish at once)."""
         self.active = [r for r in self.active if r.status is not Status.FINISHED]
+
+
+def _chunk_end(req: Request, start: int, num_tokens: int) -> int:
+    """Where a prompt chunk of up to ``num_tokens`` positions (at least one) from ``start`` ends."""
+    return min(req.num_tokens, start + max(num_tokens, 1))
 
 
 def _seqs(req: Request) -> int:
