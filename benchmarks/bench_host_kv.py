@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> dict:
     shape = (config.num_hidden_layers, args.pool_blocks, args.block_size, num_kv_heads, head_dim)
     k = torch.zeros(shape, dtype=dtype, device=device)
     v = torch.zeros(shape, dtype=dtype, device=device)
-    host = HostKVPool(args.blocks, k)
+    host = HostKVPool(args.blocks, k, args.blocks)  # every write-back gathered at once
     rng = random.Random(0)
     gpu_ids = rng.sample(range(args.pool_blocks), args.blocks)
     step = args.run_length

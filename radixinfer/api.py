@@ -139,7 +139,8 @@ class LLM:
         host_kv = None
         if host_cache_gb:
             blocks = host_blocks_for(host_cache_gb, self.memory_plan.bytes_per_block)
-            host_kv = HostKVPool(blocks, runner.kv.k)
+            staged = self.memory_plan.host_staging_bytes // self.memory_plan.bytes_per_block
+            host_kv = HostKVPool(blocks, runner.kv.k, staged)
             logger.info("host KV tier: %d blocks (%.2f GiB)", host_kv.num_blocks, host_cache_gb)
         host_blocks = host_kv.num_blocks if host_kv is not None else 0
         cache = KVCacheManager(

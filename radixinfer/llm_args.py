@@ -149,5 +149,6 @@ def engine_options(
         chunked_prefill=chunked_prefill,
         max_model_len=max_model_len,
         gpu_memory_utilization=check_utilization(gpu_memory_utilization),
+        host_cache_gb=host_cache_gb,
     )
     return config, spec, torch_device

@@ -310,6 +310,62 @@ def test_a_request_hit_on_the_host_starts_in_the_round_of_its_load_and_aborting_
     assert (stats["free_blocks"], stats["host_free_blocks"]) == (NUM_BLOCKS, HOST_BLOCKS)
 
 
+class _LoadsInFlight:
+    """Makes the engine's host pool report each load complete one query late, as a GPU's loads
+    are still crossing the bus when the step that queued them asks (on a CPU they complete at
+    once), and counts the device waits for them (`HostKVPool.join`)."""
+
+    def __init__(self, host_kv) -> None:
+        self.joins = 0
+        self._reported = host_kv.finished_ticket()
+        finished, join = host_kv.finished_ticket, host_kv.join
+
+        def finished_late(wait: bool = False) -> int:
+            done = finished(wait)
+            shown, self._reported = (done if wait else self._reported), done
+            return shown
+
+        def counted_join() -> None:
+            self.joins += 1
+            join()
+
+        host_kv.finished_ticket, host_kv.join = finished_late, counted_join
+
+
+def test_a_step_with_other_work_does_not_wait_for_loads_still_in_flight():
+    """The device waits for loads only when it has nothing else to run: beside a fresh prompt, a
+    request whose load is still in flight is computed in a later step; alone, in the step of its
+    load."""
+    want = _llm(False, 0).generate([P + [7, 8], list(range(200, 230)), P + [9]], ONE)
+    llm = _llm(True, HOST_BLOCKS)
+    llm.reset_prefix_cache()
+    llm.generate([P], ONE)
+    llm.generate([Q], ONE)  # P is host-resident now
+    engine = llm.engine
+    loads = _LoadsInFlight(engine.host_kv)
+    loading = engine.add_request(P + [7, 8], ONE)
+    fresh = engine.add_request(list(range(200, 230)), ONE)
+    engine.step()
+    assert engine.requests[fresh].prompt_done == 30
+    assert engine.requests[loading].prompt_done == 0 and loads.joins == 0  # still loading
+    engine.step()  # its load reported complete: it joins while the fresh prompt decodes
+    assert engine.requests[loading].prompt_done == 42 and loads.joins == 0
+    while engine.has_unfinished():
+        engine.step()
+    got = [engine.pop_finished(r).output_ids for r in (loading, fresh)]
+    llm.generate([Q], ONE)  # P back on the host
+    alone = engine.add_request(P + [9], ONE)
+    joins = loads.joins
+    engine.step()
+    assert engine.requests[alone].prompt_done == 41 and loads.joins == joins + 1
+    while engine.has_unfinished():
+        engine.step()
+    got.append(engine.pop_finished(alone).output_ids)
+    assert got == [w.token_ids for w in want]
+    assert llm.cache_stats()["host_hit_tokens"] > 0
+    engine.cache.check_integrity([])
+
+
 def test_the_server_metrics_carry_the_tier_counters():
     from radixinfer.server.metrics import ServerMetrics
 

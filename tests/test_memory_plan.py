@@ -68,6 +68,16 @@ def test_the_pool_gets_what_the_budget_leaves_in_whole_blocks():
     assert p.as_dict()["kv_tokens"] == p.kv_tokens
 
 
+def test_the_host_tiers_staging_comes_out_of_the_kv_pool_and_shows_in_the_plan():
+    without, with_tier = plan(), plan(host_staging_bytes=768 * BLOCK)
+    assert with_tier.num_blocks == without.num_blocks - 768
+    assert with_tier.host_staging_bytes == 768 * BLOCK
+    assert "host staging 1.50 GiB" in with_tier.summary()
+    assert "host staging" not in without.summary()
+    with pytest.raises(ValueError, match="host tier's staging"):
+        plan(num_blocks=without.num_blocks, host_staging_bytes=BLOCK)
+
+
 def test_the_budget_is_a_share_of_the_whole_gpu_not_of_what_is_free():
     half = plan(
         gpu_memory_utilization=0.45, free_bytes_at_start=50 * GiB

@@ -122,6 +122,7 @@ MEMORY_ROWS = (
     ("activations GiB", "activation_bytes", True),
     ("CUDA graphs GiB", "cuda_graph_bytes", True),
     ("other GiB", "other_bytes", True),
+    ("host staging GiB", "host_staging_bytes", True),
     ("KV cache GiB", "kv_bytes", True),
     ("KV blocks", "num_blocks", False),
     ("KV tokens", "kv_tokens", False),

@@ -182,13 +182,20 @@ class LLMEngine:
 
     def _prefill_round(self) -> bool:
         """Run the scheduler's prefill round: its first pass, then a second one for its deferred
-        requests and those the first held for loads from the host tier (`_join_loads`). Returns
-        whether anything was prefilled."""
+        requests and for those held for loads from the host tier whose loads have completed. The
+        device waits for the loads (`_join_loads`) only when it has nothing else to run this step
+        (the first pass computed nothing and no request decodes): otherwise the loads cross the
+        bus beside this step's forwards, and the requests whose loads are still in flight join a
+        later round (waiting for them in every round idles the device while the bus works).
+        Returns whether anything was prefilled."""
         scheduler = self.scheduler
         plan = scheduler.plan_prefill()
         self._run_prefill_pass(plan.first)  # the loads of the requests held for them start here
         if scheduler.held_for_loads:
-            self._join_loads()
+            if self._device_busy(plan.first):
+                self._finish_loads()  # those already loaded join (on a CPU, every one)
+            else:
+                self._join_loads()
         if not (plan.deferred or scheduler.held_for_loads):
             return bool(plan.first.items)
         second = scheduler.plan_deferred(plan.deferred)
@@ -305,6 +312,13 @@ class LLMEngine:
             self.host_kv.run(batches, kv.k, kv.v, self.cache.host.tickets_taken)
         if copies:  # (most steps copy nothing)
             self.runner.copy_blocks(copies)
+
+    def _device_busy(self, first: PrefillPass) -> bool:
+        """Whether this step runs a forward besides the loads: ``first`` computes, or a request
+        decodes."""
+        scheduler = self.scheduler
+        computes = any(it.computes for it in first.items)
+        return computes or len(scheduler.active) > len(scheduler.prefilling)
 
     def _join_loads(self) -> None:
         """Have the device run whatever comes next after every load queued so far (on a GPU the

@@ -17,17 +17,22 @@ Streams. On CUDA the host pool is pinned. An offload's gather into its staging t
 current stream, in order with the forwards: the blocks it frees may be written by the very next
 forward, which then needs no wait. Its copy across the bus, and every load, run on a side stream
 that waits for the work queued before it (a load may write a block a gather just read, or one a
-finished request held); the current stream waits for nothing there but the copies out of the one
-write-back staging tensor before it gathers into it again, and the loads that requests held for
-them are about to read (`join`, below) (`MAX_STAGED_BYTES` of device memory at
-most; a take that writes back less goes on at once), so the step's forwards run while the bus copies
-do. Only the requests that read a loaded block wait, in the cache, until
-`finished_ticket` reports their take's loads completed (an event on the side stream; the cache then
-lets them join), or until the engine has the current stream wait for the loads after a prefill
-pass's forward (`join`: the requests held for them join the round's second pass); an offload that
-reads a block still loading (`TransferBatch.reads_loading`) has the current stream wait for the
-side stream first. The host side returns as soon as the copies are
-queued; index tensors go up from pinned memory, so nothing here waits for the device.
+finished request held). The current stream waits there for nothing but:
+
+- the copies out of the one write-back staging tensor before it gathers into it again. The staging
+  holds as many blocks as one engine step can evict (`write_back_blocks`; the memory plan reserves
+  it), so a step's write-backs gather at once and their copies drain over the bus while the next
+  forwards run. With a staging area of 64 MiB, the copies of a llama-3.1-8b prefill round's
+  evictions (1 GiB) held its forwards ~20 ms a round: 5% of the throughput when nothing is reused;
+- the loads, when the engine has nothing else to run (`join`, below).
+
+So the step's forwards run while the bus copies do. Only the requests that read a loaded block
+wait, in the cache, until `finished_ticket` reports their take's loads completed (an event on the
+side stream; the cache then lets them join a later pass), or until the engine, with nothing else to
+run, has the current stream wait for the loads (`join`); an offload that reads a block still
+loading (`TransferBatch.reads_loading`) has the current stream wait for the side stream first. The
+host side returns as soon as the copies are queued; index tensors go up from pinned memory, so
+nothing here waits for the device.
 
 Load bandwidth: each load batch is timed on the side stream with CUDA events (wall time on a CPU)
 and counted once complete: ``loaded_bytes`` over ``load_seconds``.
@@ -51,14 +56,31 @@ from radixinfer.engine.pipeline import device_index
 # `HostKVPool.load_stats` without a host tier.
 NO_LOADS = {"loaded_bytes": 0, "load_seconds": 0.0, "load_gb_per_s": 0.0}
 
-# Staging tensors on the GPU hold at most this much (a long batch is moved in pieces).
-MAX_STAGED_BYTES = 64 << 20
+# A load is staged on the GPU this much at a time (a long batch is moved in pieces).
+LOAD_STAGED_BYTES = 64 << 20
 
 
 def host_blocks_for(host_cache_gb: float, bytes_per_block: int) -> int:
     """How many KV blocks of ``bytes_per_block`` fit in ``host_cache_gb`` GiB (``host_cache_gb``
     must be >= 0)."""
     return int(host_cache_gb * (1 << 30)) // bytes_per_block
+
+
+def write_back_blocks(
+    host_blocks: int,
+    block_size: int,
+    round_tokens: int,
+    round_requests: int,
+    max_batch_size: int,
+) -> int:
+    """How many blocks the write-back staging holds: as many as one engine step can evict, so that
+    its write-backs never wait for the bus. A step allocates at most a prefill round's
+    ``round_tokens`` positions in blocks, a block more for each of its ``round_requests`` (a
+    partial one), and a block for each of ``max_batch_size`` decoding sequences; no more than the
+    host pool's ``host_blocks`` (a step that evicts more still runs, its gathers waiting for the
+    bus)."""
+    per_step = -(-round_tokens // block_size) + round_requests + max_batch_size
+    return max(1, min(host_blocks, per_step))
 
 
 def segment_blocks(num_blocks: int, block_bytes: int) -> list[int]:
@@ -84,9 +106,11 @@ def _runs(ids: np.ndarray) -> list[tuple[int, int, int]]:
 
 class HostKVPool:
     """``num_blocks`` host KV blocks shaped like the blocks of ``k`` (and ``v``), in `segments`, and
-    the copies between them and ``k`` / ``v`` (`run`). Pinned when ``k`` is on CUDA."""
+    the copies between them and ``k`` / ``v`` (`run`). Pinned when ``k`` is on CUDA. The
+    write-back staging holds ``staged_blocks`` blocks on ``k``'s device (`write_back_blocks`),
+    allocated here so that the memory plan's reservation is what it takes."""
 
-    def __init__(self, num_blocks: int, k: torch.Tensor) -> None:
+    def __init__(self, num_blocks: int, k: torch.Tensor, staged_blocks: int) -> None:
         if num_blocks < 1:
             raise ValueError(f"host_cache_gb holds no KV block (num_blocks {num_blocks})")
         num_layers, _, block_size, num_kv_heads, head_dim = k.shape
@@ -101,7 +125,7 @@ class HostKVPool:
         ]
         # the first block of each segment, and the end of the last
         self._segment_starts = np.cumsum([0] + [len(s) for s in self.segments]).tolist()
-        self.max_staged_blocks = min(num_blocks, max(1, MAX_STAGED_BYTES // self.block_bytes))
+        self.load_staged_blocks = min(num_blocks, max(1, LOAD_STAGED_BYTES // self.block_bytes))
         self._stream = torch.cuda.Stream(self.device) if cuda else None
         # Takes whose loads may be in flight, oldest first: (ticket, done event, load batch timings
         # as (start event, end event, bytes)).
@@ -109,9 +133,8 @@ class HostKVPool:
         self._finished = 0  # every take up to this ticket has its loads completed
         self.loaded_bytes = 0
         self.load_seconds = 0.0
-        # The write-backs' staging tensor (made at the first one) and, on CUDA, the event after
-        # the last copies out of it.
-        self._out: torch.Tensor | None = None
+        # The write-backs' staging tensor and, on CUDA, the event after the last copies out of it.
+        self._out = self._staging(max(1, min(staged_blocks, num_blocks)), k)
         self._out_copied: torch.cuda.Event | None = None
 
     @property
@@ -206,7 +229,7 @@ class HostKVPool:
         host = np.array(host_ids, dtype=np.int64)
         order = np.argsort(host, kind="stable")  # host ids ascending: the longest runs
         host, gpu = host[order], np.array(gpu_ids, dtype=np.int64)[order]
-        step = self.max_staged_blocks
+        step = len(self._out) if batch.offload else self.load_staged_blocks
         for start in range(0, len(host), step):
             host_part = host[start : start + step]
             gpu_index = device_index(gpu[start : start + step].tolist(), self.device)
@@ -224,10 +247,8 @@ class HostKVPool:
     ) -> None:
         """Gather the blocks into the write-back staging tensor on the current stream, then copy
         them out on the side stream (on a CPU, at once). One staging tensor serves every
-        write-back, so they hold at most `MAX_STAGED_BYTES` of device memory: a gather waits
-        for the copies out of the one before (long done, unless one take writes back more)."""
-        if self._out is None:
-            self._out = self._staging(self.max_staged_blocks, k)
+        write-back: a gather waits for the copies out of the one before (long done, unless a step
+        evicts more than the staging holds)."""
         side = self._stream
         current = None if side is None else torch.cuda.current_stream(self.device)
         if current is not None and self._out_copied is not None:

@@ -15,6 +15,8 @@ KV pool is measured before the pool exists; the pool takes the rest of the budge
         │                engine's sampler in its most expensive mode (the filters' scratch,
         │                the logprobs' log-softmax), the penalties' token-count rows, eager
         │                passes and their attention workspaces
+        ├── host staging with a host tier (``host_cache_gb``): its write-back staging, as many
+        │                blocks as one step can evict (`radixinfer.engine.host_kv`)
         └── KV cache     the rest: num_blocks = rest // bytes_per_block
 
 How the figures are taken (`ModelRunner.profile_memory`, before the pool is allocated): the runner
@@ -147,6 +149,7 @@ class MemoryPlan:
     bytes_per_block: int
     num_blocks: int
     max_model_len: int
+    host_staging_bytes: int = 0  # the host tier's write-back staging (0 without a tier)
 
     @property
     def kv_bytes(self) -> int:
@@ -167,6 +170,7 @@ class MemoryPlan:
             ("activations", self.activation_bytes),
             ("CUDA graphs", self.cuda_graph_bytes),
             ("other", self.other_bytes),
+            ("host staging", self.host_staging_bytes or None),
         ):
             if value is not None:
                 parts.append(f"{name} {_gib(value)}")
@@ -200,6 +204,7 @@ def plan_gpu_memory(
     block_size: int,
     max_model_len: int,
     num_blocks: int | None = None,
+    host_staging_bytes: int = 0,
 ) -> MemoryPlan:
     """Split ``gpu_memory_utilization`` of ``total_bytes`` between what was measured and the KV
     pool.
@@ -221,7 +226,13 @@ def plan_gpu_memory(
             f"at most {fits:.3f}"
         )
     other = other_bytes + max(0, profiled.activation_reserved_bytes - profiled.activation_bytes)
-    non_kv = weights_bytes + other + profiled.cuda_graph_bytes + profiled.activation_bytes
+    non_kv = (
+        weights_bytes
+        + other
+        + profiled.cuda_graph_bytes
+        + profiled.activation_bytes
+        + host_staging_bytes
+    )
     kv_room = budget - non_kv
     plan = MemoryPlan(
         device=device,
@@ -236,11 +247,14 @@ def plan_gpu_memory(
         bytes_per_block=bytes_per_block,
         num_blocks=max(0, kv_room) // bytes_per_block,
         max_model_len=max_model_len,
+        host_staging_bytes=host_staging_bytes,
     )
     measured = (
         f"weights {_gib(weights_bytes)}, activations {_gib(profiled.activation_bytes)}, "
         f"CUDA graphs {_gib(profiled.cuda_graph_bytes)} and other {_gib(other)}"
     )
+    if host_staging_bytes:
+        measured += f", with the host tier's staging {_gib(host_staging_bytes)}"
     if plan.num_blocks < 1:
         raise ValueError(
             f"{measured} take {_gib(non_kv)}, leaving no room for a KV block in the budget of "
@@ -277,8 +291,10 @@ def plan_cpu_memory(
     block_size: int,
     max_model_len: int,
     num_blocks: int | None,
+    host_staging_bytes: int = 0,
 ) -> MemoryPlan:
-    """The CPU's plan: ``num_blocks``, or as many blocks as `CPU_KV_BYTES` holds (at least one)."""
+    """The CPU's plan: ``num_blocks``, or as many blocks as `CPU_KV_BYTES` holds (at least one);
+    the host tier's staging beside it."""
     blocks = num_blocks if num_blocks is not None else max(1, CPU_KV_BYTES // bytes_per_block)
     return MemoryPlan(
         device="cpu",
@@ -293,4 +309,5 @@ def plan_cpu_memory(
         bytes_per_block=bytes_per_block,
         num_blocks=blocks,
         max_model_len=max_model_len,
+        host_staging_bytes=host_staging_bytes,
     )

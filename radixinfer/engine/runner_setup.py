@@ -17,6 +17,7 @@ from transformers import PretrainedConfig
 
 from radixinfer.attention import get_backend
 from radixinfer.distributed.group import TensorParallel
+from radixinfer.engine.host_kv import host_blocks_for, write_back_blocks
 from radixinfer.engine.kv_store import KVStore
 from radixinfer.engine.memory import (
     DeviceMemory,
@@ -37,7 +38,8 @@ class RunnerSpec:
 
     ``prefill_max_tokens`` / ``prefill_max_requests``: a prefill round's budget and requests (the
     admission settings); ``chunked_prefill`` False lets one prompt of the whole context run as one
-    pass. ``num_blocks`` None: as many as the memory plan allows."""
+    pass. ``num_blocks`` None: as many as the memory plan allows. ``host_cache_gb`` > 0: the plan
+    also holds the host tier's write-back staging (`radixinfer.engine.host_kv`)."""
 
     model: str | os.PathLike | PretrainedConfig
     dtype: str | torch.dtype
@@ -50,6 +52,7 @@ class RunnerSpec:
     chunked_prefill: bool
     max_model_len: int | None
     gpu_memory_utilization: float
+    host_cache_gb: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -120,11 +123,18 @@ def _plan_memory(
 ) -> MemoryPlan:
     """On CUDA, split the budget around what profiling measured (`plan_gpu_memory`); elsewhere the
     CPU's plan. ``start``: the device's reading before the model was loaded (None on a CPU)."""
+    staged_blocks = 0
+    if spec.host_cache_gb:
+        staged_blocks = write_back_blocks(
+            host_blocks_for(spec.host_cache_gb, bytes_per_block), runner.block_size,
+            spec.prefill_max_tokens, spec.prefill_max_requests, spec.max_batch_size,
+        )  # fmt: skip
     common = {
         "bytes_per_block": bytes_per_block,
         "block_size": runner.block_size,
         "max_model_len": runner.max_context_len,
         "num_blocks": spec.num_blocks,
+        "host_staging_bytes": staged_blocks * bytes_per_block,
     }
     if start is None:
         return plan_cpu_memory(weights_bytes=weights_bytes, **common)
