@@ -15,29 +15,21 @@ the engine times it, by the pool's own events around its copies on the side stre
 also from queueing to completion, the host's work included (``load_end_to_end``).
 
 The whole proof of the host tier on a GPU is this and `radixinfer bench` runs, each pair of runs
-under 3 minutes on an H200 (random bf16 weights). llama-3.1-8b is where the tier should win: its KV is
+under 5 minutes on an H200 (random bf16 weights). llama-3.1-8b is where the tier should win: its KV is
 ~131 KB a token (2 MiB a block of 16), and computing a history again costs ~10x its load over the
 bus; qwen2.5-0.5b computes a history again in milliseconds.
 
-    # multi-turn chat, 64 conversations x 8 turns (512-token first message and turns, 64-token
-    # answers), every conversation under way at once (no seat limit: --max-num-seqs 64): the pool
-    # (3,072 blocks of 16 = 49k tokens) holds ~10-20 running turns, and each conversation's next
-    # turn queues behind the other conversations' turns, which evict its history from the GPU; the
-    # histories end at 64 x 4,608 = 295k tokens (6x the pool, 36 GiB of KV: the host tier holds all
-    # of it). Off, every turn computes its history again (5.4x the prompt tokens of on).
-    # Host tier on vs off: hit rate, TTFT p50/p99 (every turn's), throughput, load_gb_per_s
+    # multi-turn chat, 128 conversations x 8 turns (512-token first message and turns, 64-token
+    # answers), all started at once, each user thinking an exponential 1.1 s on average between an
+    # answer and the next turn: the pool (6,144 blocks of 16 = 98k tokens) holds a fraction of the
+    # running turns, and while a user thinks the other conversations' turns evict the history from
+    # the GPU; the histories end at 128 x 4,608 = 590k tokens (6x the pool, 72 GiB of KV: the host
+    # tier holds all of it). Off, every turn computes its history again (4.8x the prompt tokens of
+    # on). Host tier on vs off: hit rate, TTFT p50/p99 (every turn's), throughput, load_gb_per_s
     radixinfer bench --model llama-3.1-8b --dtype bfloat16 --dataset multi-turn \
-        --num-conversations 64 --turns 8 --input-len 512 --turn-len 512 --max-new-tokens 64 \
-        --ignore-eos --max-num-seqs 64 --max-batch-size 64 --num-blocks 3072 --host-cache-gb 40 \
-        --compare-host-cache --json host_multi_turn_llama.json
-    # the same chats as users have them: conversations start 4 a second and each user thinks an
-    # exponential 3 s on average before the next turn, so while one thinks the others' turns evict
-    # its history from the GPU; TTFT is then the turn's own work (a load and 512 tokens, or the whole
-    # history computed again), not a wait for a seat
-    radixinfer bench --model llama-3.1-8b --dtype bfloat16 --dataset multi-turn \
-        --num-conversations 64 --turns 8 --input-len 512 --turn-len 512 --max-new-tokens 64 \
-        --ignore-eos --max-num-seqs 64 --max-batch-size 64 --num-blocks 3072 --host-cache-gb 40 \
-        --request-rate 4 --think-time 3 --compare-host-cache --json host_chat_think_llama.json
+        --num-conversations 128 --turns 8 --input-len 512 --turn-len 512 --max-new-tokens 64 \
+        --ignore-eos --max-num-seqs 128 --max-batch-size 128 --num-blocks 6144 --think-time 1.1 \
+        --host-cache-gb 72 --compare-host-cache --json host_multi_turn_llama.json
     # the copies alone: load bandwidth vs a plain pinned copy_ of the same bytes (1 GiB moved)
     python benchmarks/bench_host_kv.py --model llama-3.1-8b --json host_copies_llama.json
     # the cost when nothing is reused: random prompts, a pool of about the running batch's KV, so
@@ -50,8 +42,8 @@ bus; qwen2.5-0.5b computes a history again in milliseconds.
         --input-len 1024 --max-new-tokens 128 --ignore-eos --num-blocks 4000 --host-cache-gb 4 \
         --compare-host-cache --repeat-runs 2 --json host_no_reuse_qwen.json
 
-The same multi-turn shape on qwen2.5-0.5b (`--model qwen2.5-0.5b`, `--host-cache-gb 8`; its KV is
-12 KB a token) shows what the tier is worth where recomputing is cheap.
+The same multi-turn chats on qwen2.5-0.5b (`--model qwen2.5-0.5b`, `--host-cache-gb 8`; its KV is
+12 KB a token) show what the tier is worth where recomputing is cheap.
 """
 
 from __future__ import annotations
