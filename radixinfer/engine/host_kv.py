@@ -24,7 +24,7 @@ finished request held). The current stream waits there for nothing but:
   it), so a step's write-backs gather at once and their copies drain over the bus while the next
   forwards run. A 64 MiB staging area held each llama-3.1-8b prefill round's forward behind
   the bus copies of the round's evictions (1 GiB, ~22 ms at 48 GB/s): with nothing reused, the
-  tier cost 5% of the throughput, against 1.3% now;
+  tier cost 5% of the throughput, against 1.2% now;
 - the loads, when the engine has nothing else to run (`join`, below).
 
 So the step's forwards run while the bus copies do. Only the requests that read a loaded block
@@ -75,11 +75,11 @@ def write_back_blocks(
     max_batch_size: int,
 ) -> int:
     """How many blocks the write-back staging holds: as many as one engine step can evict, so that
-    its write-backs never wait for the bus. A step allocates at most a prefill round's
-    ``round_tokens`` positions in blocks, a block more for each of its ``round_requests`` (a
-    partial one), and a block for each of ``max_batch_size`` decoding sequences; no more than the
-    host pool's ``host_blocks`` (a step that evicts more still runs, its gathers waiting for the
-    bus)."""
+    a step's write-backs gather at once, their copies draining while the next forwards run. A step
+    allocates at most a prefill round's ``round_tokens`` positions in blocks, a block more for each
+    of its ``round_requests`` (a partial one), and a block for each of ``max_batch_size`` decoding
+    sequences; no more than the host pool's ``host_blocks`` (a step that evicts more still runs,
+    its gathers waiting for the bus)."""
     per_step = -(-round_tokens // block_size) + round_requests + max_batch_size
     return max(1, min(host_blocks, per_step))
 
