@@ -46,7 +46,7 @@ import contextlib
 import math
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -142,19 +142,20 @@ class HostKVPool:
     def num_blocks(self) -> int:
         return self._segment_starts[-1]
 
-    def _host_parts(self, first: int, length: int) -> list[tuple[int, torch.Tensor]]:
-        """The host blocks ``first`` to ``first + length`` (a run) as ``(offset in the run, view of
-        a segment)`` pieces: one, unless the run crosses into the next segment."""
+    def _pieces(self, host_ids: np.ndarray) -> Iterator[tuple[slice, torch.Tensor]]:
+        """What one copy each moves of the host blocks ``host_ids`` (ascending): ``(rows of the
+        staging tensor, a view of a segment)`` per run of consecutive ids, a run that crosses into
+        the next segment in two pieces."""
         starts = self._segment_starts
-        parts, index = [], bisect.bisect_right(starts, first) - 1
-        offset = 0
-        while offset < length:
-            begin = first + offset - starts[index]
-            piece = self.segments[index][begin : begin + length - offset]
-            parts.append((offset, piece))
-            offset += len(piece)
-            index += 1
-        return parts
+        for index, first, length in _runs(host_ids):
+            segment = bisect.bisect_right(starts, first) - 1
+            offset = 0
+            while offset < length:
+                begin = first + offset - starts[segment]
+                piece = self.segments[segment][begin : begin + length - offset]
+                yield slice(index + offset, index + offset + len(piece)), piece
+                offset += len(piece)
+                segment += 1
 
     @torch.inference_mode()
     def run(
@@ -260,10 +261,8 @@ class HostKVPool:
         if side is not None:
             side.wait_stream(current)
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            for index, first, length in _runs(host_ids):
-                for offset, host in self._host_parts(first, length):
-                    start = index + offset
-                    host.copy_(staged[start : start + len(host)], non_blocking=True)
+            for rows, host in self._pieces(host_ids):
+                host.copy_(staged[rows], non_blocking=True)
             if side is not None:
                 self._out_copied = torch.cuda.Event()
                 self._out_copied.record()
@@ -272,9 +271,7 @@ class HostKVPool:
         self, host_ids: np.ndarray, gpu_index: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
         staged = self._staging(len(host_ids), k)
-        for index, first, length in _runs(host_ids):
-            for offset, host in self._host_parts(first, length):
-                start = index + offset
-                staged[start : start + len(host)].copy_(host, non_blocking=True)
+        for rows, host in self._pieces(host_ids):
+            staged[rows].copy_(host, non_blocking=True)
         k.index_copy_(1, gpu_index, staged[:, 0].transpose(0, 1))
         v.index_copy_(1, gpu_index, staged[:, 1].transpose(0, 1))
