@@ -92,9 +92,15 @@ def test_write_through_copies_a_prefix_hit_more_than_k_times_and_its_eviction_mo
     mgr.release(mgr.admit(A))  # a third hit copies nothing more
     assert _moved(mgr) == []
     mgr.check_integrity([])
-    assert mgr.tree.evict(4) == 4
-    assert _moved(mgr) == []  # the eviction took the copy: nothing moved
+    _evict_onto_the_copy_and_load_back(mgr)
     assert (counters.evicted_to_copy_tokens, counters.offloaded_tokens) == (8, 0)
+
+
+def _evict_onto_the_copy_and_load_back(mgr: KVCacheManager) -> None:
+    """A (4 blocks, GPU-resident with a host copy) is evicted, which moves nothing (the eviction
+    takes the copy), then admitted again, which loads it back whole."""
+    assert mgr.tree.evict(4) == 4
+    assert _moved(mgr) == []
     seq = mgr.admit(A)
     assert (seq.num_cached, seq.num_loaded) == (8, 8)
     assert _moved(mgr) == [("load", 4)]
@@ -221,11 +227,5 @@ def test_a_loaded_prefix_keeps_its_host_blocks_and_its_next_eviction_moves_nothi
     counters = mgr.host.counters
     assert mgr.host.pool.num_free == 4  # the host blocks A came from are still held, as its copy
     mgr.check_integrity([])
-    assert mgr.tree.evict(4) == 4
-    assert _moved(mgr) == []  # evicted onto the copy: nothing written back again
+    _evict_onto_the_copy_and_load_back(mgr)
     assert (counters.offloaded_tokens, counters.evicted_to_copy_tokens) == (8, 8)
-    seq = mgr.admit(A)
-    assert (seq.num_cached, seq.num_loaded) == (8, 8)
-    assert _moved(mgr) == [("load", 4)]
-    mgr.release(seq)
-    mgr.check_integrity([])
