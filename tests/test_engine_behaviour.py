@@ -345,6 +345,45 @@ def test_token_batches_end_requests_exactly_where_per_request_deltas_do():
     assert {reason for _, reason in ids_only} == {"stop", "length", "abort"}
 
 
+def test_rows_that_go_on_stream_as_one_batch_while_others_finish():
+    """Ids-only requests that end one after another (different max_tokens, an abort):
+    once the prefill's first tokens are out, every token of a request that goes on arrives in a
+    `TokenBatch`, also in the steps right after one stopped (its row is still in the launch the
+    engine made before it stopped), and only a request's last token comes as its own delta."""
+    rng = random.Random(7)
+    prompts = [[rng.randrange(256) for _ in range(rng.randrange(3, 12))] for _ in range(8)]
+    expected = LLM("tiny", block_size=4, num_blocks=512).generate(
+        prompts, [SamplingParams(max_tokens=6 + 3 * i, ignore_eos=True) for i in range(8)]
+    )
+    engine = LLM("tiny", block_size=4, num_blocks=512).engine
+    ids = [
+        engine.add_request(
+            p, SamplingParams(max_tokens=6 + 3 * i, ignore_eos=True, detokenize=False)
+        )
+        for i, p in enumerate(prompts)
+    ]
+    streamed: dict[str, list[int]] = {i: [] for i in ids}
+    own_deltas, batched, step = [], 0, 0
+    while engine.has_unfinished():
+        events = engine.step()
+        step += 1
+        for event in events:
+            if type(event) is TokenBatch:
+                batched += len(event.request_ids)
+                for request_id, token in zip(event.request_ids, event.token_ids):
+                    streamed[request_id].append(token)
+                continue
+            streamed[event.request_id].extend(event.token_ids)
+            if step > 2 and not event.finished:  # past the read-back of the prefill's tokens
+                own_deltas.append(event.request_id)
+        if step == 5:
+            engine.abort(ids[7])
+    assert own_deltas == []
+    assert [streamed[i] for i in ids[:7]] == [out.token_ids for out in expected[:7]]
+    assert streamed[ids[7]] == expected[7].token_ids[: len(streamed[ids[7]])]
+    assert batched > sum(len(t) for t in streamed.values()) // 2
+
+
 def test_steps_overlap_tokens_are_read_back_one_step_late(llm):
     engine = llm.engine
     request_id = engine.add_request([1, 2, 3, 4, 5], SamplingParams(max_tokens=3, ignore_eos=True))

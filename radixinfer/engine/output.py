@@ -1,7 +1,7 @@
 """The output processor: reads launches back and turns their tokens into what the engine streams
 (docs/request-lifecycle.md, Finish and Token pipelining): appends each token to its request,
 detokenizes, checks stop ids, stop strings and lengths, attaches logprobs, finishes requests, and
-emits `StreamDelta`s, or one `TokenBatch` for the rows of a steady decode step that go on."""
+emits `StreamDelta`s, or one `TokenBatch` for the rows of a decode step that go on."""
 
 from __future__ import annotations
 
@@ -36,16 +36,19 @@ class OutputProcessor:
         it, and finish requests that stop or reach their limit. Requests that finished or were
         aborted meanwhile are skipped (their later tokens were sampled for nothing).
 
-        A decode launch of requests that do not detokenize, all still running, needs a decision only
-        for its rows that end (`Launch.last_rows`, stop tokens): the other rows are appended and go
-        out as one `TokenBatch`."""
+        A decode launch of requests that do not detokenize needs a decision only for its rows that
+        end (`Launch.last_rows`, stop tokens) and, when a request has stopped running since the
+        launch (a departure), for the rows of those that did: the other rows are appended and go
+        out as one `TokenBatch`. So the steps in which requests finish one after another (a batch
+        admitted over several prefill rounds ends over as many steps) stream the rest of the batch
+        as one event, not a delta per request."""
         finished = False
         scheduler, take_token = self.scheduler, self._take_token
         for launch in launches:
             tokens = launch.read()
             now = time.perf_counter()
             batch = launch.batch
-            if batch is None or not batch.ids_only or launch.departures != scheduler.departures:
+            if batch is None or not batch.ids_only:
                 scored = self._scored(launch, tokens)
                 if not scored:  # (no row asks for logprobs: no look-up per row)
                     for req, token in zip(launch.reqs, tokens):
@@ -60,12 +63,16 @@ class OutputProcessor:
                 if stops.size:
                     ending = np.union1d(ending, stops)
             reqs = launch.reqs
+            gone: list[int] = []  # rows of requests that stopped running since: nothing to take
+            if launch.departures != scheduler.departures:
+                gone = [i for i, req in enumerate(reqs) if req.status is not Status.RUNNING]
             steady = TokenBatch(batch.request_ids, tokens, batch.num_cached_tokens, now)
-            if ending.size:
+            if ending.size or gone:
                 for i in ending.tolist():
-                    finished |= take_token(reqs[i], tokens[i], now, events)
+                    finished |= take_token(reqs[i], tokens[i], now, events)  # skips gone rows
                 going_on = np.ones(len(reqs), dtype=bool)
                 going_on[ending] = False
+                going_on[gone] = False
                 rows = going_on.nonzero()[0].tolist()
                 reqs, steady = [reqs[i] for i in rows], steady.rows(rows)
             for req, token in zip(reqs, steady.token_ids):

@@ -35,9 +35,10 @@ class Launch:
     queued behind them.
 
     A decode launch knows its ``batch``, the engine's departure count when it launched, and the rows
-    whose token is their last by length (``last_rows``). If no request stopped running since, its
-    read-back decides per request only for those rows and the stop tokens: every other row goes out
-    in one `TokenBatch`. A prefill launch has neither (``batch`` and ``departures`` None).
+    whose token is their last by length (``last_rows``). Its read-back decides per request only for
+    those rows, the stop tokens and, when the departure count has moved since, the rows of requests
+    that stopped running: every other row goes out in one `TokenBatch`. A prefill launch has
+    neither (``batch`` and ``departures`` None).
 
     ``scores``: the logprobs of the rows whose requests ask (`radixinfer.engine.logprobs`), copied
     to the host with the tokens."""
