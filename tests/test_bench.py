@@ -4,6 +4,7 @@ lengths with the GPT-2-small comparison tokenizer), variants, speedups, the run 
 
 from __future__ import annotations
 
+import argparse
 import gc
 import math
 import queue
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 from radixinfer.bench import backends, runner
+from radixinfer.bench.args import default_warmup_runs
 from radixinfer.bench.metrics import RequestRecord, cache_delta, latency_ms, summarize
 from radixinfer.bench.report import comparisons, format_report, speedups
 from radixinfer.bench.run_loop import run_workload
@@ -266,6 +268,16 @@ def test_variants_are_the_product_of_the_comparisons():
 def test_bad_flag_combinations_exit_with_usage(flags):
     with pytest.raises(SystemExit):
         bench_args(*flags)
+
+
+def test_warmup_runs_default_to_one_but_for_an_engine_on_the_cpu():
+    """A GPU engine's first run compiles kernels, which would fall on a comparison's first variant."""
+    assert bench_args("--device", "cpu").warmup_runs == 0
+    assert bench_args("--device", "cpu", "--warmup-runs", "2").warmup_runs == 2
+    served = bench_args("--device", "cpu", "--backend", "openai", "--base-url", "http://x/v1")
+    assert served.warmup_runs == 1  # the server's device is its own
+    for device in ("cuda", "cuda:1"):  # (parsing checks that CUDA is there)
+        assert default_warmup_runs(argparse.Namespace(backend="radixinfer", device=device)) == 1
 
 
 def test_a_bad_sampling_flag_is_named(capsys):

@@ -153,8 +153,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     runs.add_argument(
         "--warmup-runs",
         type=int,
-        default=0,
-        help="unmeasured runs of the whole workload first (use 1 on GPU: kernels compile) [0]",
+        default=None,
+        help="unmeasured runs of the whole workload first [1, or 0 for an engine on the CPU, where "
+        "nothing compiles: on a GPU the first run compiles kernels and captures graphs, which "
+        "would fall on the first variant of a comparison]",
     )
     runs.add_argument(
         "--repeat-runs", type=int, default=1, help="measured runs, pooled in the report [1]"
@@ -263,6 +265,13 @@ def _check_sampling(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         parser.error("the hf backend decodes greedily: sampling flags go with radixinfer or openai")
 
 
+def default_warmup_runs(args: argparse.Namespace) -> int:
+    """``--warmup-runs`` when not given: 0 where this process runs the engine on the CPU (nothing
+    compiles, and the quickstart stays quick), else 1 (a GPU engine's first run compiles its kernels,
+    and a server's may too, which would bias a comparison against its first variant)."""
+    return 0 if args.backend != "openai" and args.device == "cpu" else 1
+
+
 def check_bench_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Cross-flag checks argparse cannot express; errors exit through ``parser.error``."""
     if args.submit_interval_ms is not None and not math.isinf(args.request_rate):
@@ -290,6 +299,8 @@ def check_bench_arguments(parser: argparse.ArgumentParser, args: argparse.Namesp
         parser.error("--backend openai compares nothing: the server's settings are its own")
     if args.gc_threshold < 0:
         parser.error("--gc-threshold must be >= 0")
+    if args.warmup_runs is None:
+        args.warmup_runs = default_warmup_runs(args)
     if args.warmup_runs < 0 or args.repeat_runs < 1:
         parser.error("--warmup-runs must be >= 0 and --repeat-runs >= 1")
     for name in (
