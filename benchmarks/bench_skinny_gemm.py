@@ -1,6 +1,6 @@
 """The skinny GEMM (`kernels/skinny_gemm.py`) against cuBLAS (``F.linear``) at 1-4 tokens.
 
-    python benchmarks/bench_skinny_gemm.py [--json PATH] [--tokens 1 2 4] [--models ...] [--sweep]
+    python benchmarks/bench_skinny_gemm.py [--json PATH] [--tokens 1 2 4] [--models ...] [--sweep [near|wide]]
     python benchmarks/bench_skinny_gemm.py --list     # the cases, configs and the rule's choice, no GPU
 
 Needs CUDA (but ``--list``). Shapes are the real per-rank shapes of the models' four matmuls at tensor
@@ -10,7 +10,9 @@ bf16, without bias (qwen2.5's qkv bias is a few KB). For each shape and token co
 - ``cublas``: ``F.linear``;
 - ``skinny``: the Triton kernel with `skinny_config`'s launch shape;
 - ``--sweep``: also block_n 4, 8 and 16 (each with the most K that `REDUCE_PRODUCTS` allows) on 4 and 8
-  warps, and prints the best (``best``, ``best config`` as block_m/block_n/block_k/warps/stages).
+  warps, and prints the best (``best``, ``best config`` as block_m/block_n/block_k/warps/stages);
+  ``--sweep wide``: block_n 4 to 32, K tiles of 256 to 2,048, 1 to 3 stages instead (what says that no
+  launch shape makes it win on large weights).
 
 ``rule``: which of the two the engine's layers run there (`radixinfer.models.layers.skinny_gemm_suits`:
 at most 4 tokens and a latency-bound weight; ``RADIXINFER_SKINNY_GEMM=0`` makes it cuBLAS everywhere).
@@ -88,13 +90,25 @@ def rule_runs_skinny(shape: Shape, m: int) -> bool:
     return layers.SKINNY_GEMM and layers.skinny_gemm_suits(m, shape.weight_bytes)
 
 
-def sweep_configs(m: int, n: int, k: int, sms: int) -> list[GemmConfig]:
+def sweep_configs(m: int, n: int, k: int, sms: int, wide: bool = False) -> list[GemmConfig]:
     """The rule's config and its neighbours: block_n 4, 8 or 16, each with the most K that
-    `REDUCE_PRODUCTS` allows, on 4 and 8 warps."""
+    `REDUCE_PRODUCTS` allows, on 4 and 8 warps. ``wide``: instead, block_n 4 to 32 with K tiles of 256
+    to 2,048 (up to twice `REDUCE_PRODUCTS` products), on 4 and 8 warps, in 1 to 3 stages."""
     rule = skinny_config(m, n, k, sms)
+    bm = rule.block_m
+    if wide:
+        configs = {
+            GemmConfig(bm, bn, bk, warps, stages)
+            for bn in (4, 8, 16, 32)
+            for bk in (256, 512, 1024, 2048)
+            for warps in (4, 8)
+            for stages in (1, 2, 3)
+            if bm * bn * bk <= 2 * REDUCE_PRODUCTS
+        }
+        return sorted(configs | {rule})
     most_k = min(4096, triton.next_power_of_2(k))
     configs = {
-        GemmConfig(rule.block_m, bn, min(most_k, REDUCE_PRODUCTS // (rule.block_m * bn)), warps, 1)
+        GemmConfig(bm, bn, min(most_k, REDUCE_PRODUCTS // (bm * bn)), warps, 1)
         for bn in (4, 8, 16)
         for warps in (4, 8)
     }
@@ -120,7 +134,7 @@ def cfg_name(c: GemmConfig) -> str:
 
 
 def bench_shape(
-    shape: Shape, tokens: list[int], hbm_tbs: float, l2_bytes: int, sms: int, sweep: bool
+    shape: Shape, tokens: list[int], hbm_tbs: float, l2_bytes: int, sms: int, sweep: str | None
 ) -> list[dict]:
     weights = weight_copies(shape, l2_bytes)
     floor_us = shape.weight_bytes / hbm_tbs / 1e6
@@ -129,7 +143,7 @@ def bench_shape(
         x = torch.randn(m, shape.k, device="cuda", dtype=DTYPE)
         cublas = graph_us(F.linear, x, weights)
         config = skinny_config(m, shape.n, shape.k, sms)
-        configs = sweep_configs(m, shape.n, shape.k, sms) if sweep else [config]
+        configs = sweep_configs(m, shape.n, shape.k, sms, sweep == "wide") if sweep else [config]
         times = {
             c: graph_us(lambda x, w, c=c: linear_triton(x, w, config=c), x, weights)
             for c in configs
@@ -176,7 +190,13 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=MODELS)
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--list", action="store_true", help="print the cases and configs and exit")
-    parser.add_argument("--sweep", action="store_true", help="also time the rule's neighbours")
+    parser.add_argument(
+        "--sweep",
+        nargs="?",
+        const="near",
+        choices=["near", "wide"],
+        help="also time the rule's neighbours (wide: 78 launch shapes at one token; slow)",
+    )
     args = parser.parse_args()
     shapes = [s for name in args.models for tp in args.tp for s in model_shapes(name, tp)]
     if args.list:
