@@ -14,11 +14,12 @@ Every flag is a ``radixinfer bench`` flag (``--backend`` and ``--base-url`` are 
 and engine flags among them also start the server. Steps: start ``radixinfer serve`` as a subprocess
 on a free loopback port, wait for ``/health``, run the bench's ``openai`` backend against it, stop it
 (its GPU memory is released), run the ``radixinfer`` backend in this process, print both tables and
-the in-process / served ratios (> 1: in-process is better). ``--api-server-count N`` starts the server
-with N API server processes over its engine process (default 1); ``--client-processes K`` reads the
-served streams from K client processes (the bench's flag, given to the served half only; default 1):
-one process of either kind streams ~70,000 one-token chunks a second at most, so a faster engine
-needs several of both. ``--skip-in-process`` runs the served half only;
+the in-process / served ratios (> 1: in-process is better). Both halves take the in-process
+bench's ``--warmup-runs`` (1 on a GPU, 0 on a CPU, unless given). ``--api-server-count N`` starts
+the server with N API server processes over its engine process (default 1); ``--client-processes K``
+reads the served streams from K client processes (the bench's flag, given to the served half only;
+default 1): one process of either kind streams ~70,000 one-token chunks a second at most, so a
+faster engine needs several of both. ``--skip-in-process`` runs the served half only;
 ``--serve-flag=--stream-interval=4`` (repeatable) passes a flag to the server alone;
 ``--server-timeout S`` bounds its start-up (300 s); ``--json PATH`` writes both results and the CPU
 counts; ``--profile-front PATH`` runs the server under cProfile (its event loop's thread, start-up
@@ -29,6 +30,14 @@ CPU counts (Linux ``/proc``): the server's HTTP processes (``front``: the comman
 its API server processes) and its engine process (``engine``), and this process with its client
 processes (``client``: the bench's OpenAI clients and run loops), over the whole served bench
 (warm-up runs included), per request and per streamed token.
+
+``--step-trace DIR``: every engine core of both halves records its steps in DIR
+(`radixinfer.engine_core.StepTrace`), and a table follows the reports with each burst of steps
+(a run of the bench, warm-ups first, when all its requests come at once) on the engine's side:
+requests taken, over how long they arrived, the burst's span from its first step to its last,
+when its last prefill ended, a steady decode pass (median), and the steps in which requests
+finished, with their time. The served half's span against the in-process half's says how much of
+the served run's extra time is the engine's, and which part.
 
 ``--stub-model`` replaces the model's forward by its embedding lookup (no attention, no layers) in
 every process of this script, the server's engine process included (the environment variable
@@ -232,9 +241,75 @@ def _served_counts(result: dict, args: argparse.Namespace) -> tuple[int, int]:
     return round(per_run[0] * runs), round(per_run[1] * runs)
 
 
+def trace_bursts(path: Path) -> list[list[dict[str, float]]]:
+    """The steps of a `StepTrace` file, each a dict of its fields, split into bursts: a burst
+    begins at a step whose take waited for work."""
+    header, *lines = path.read_text().splitlines()
+    fields = header.split()
+    bursts: list[list[dict[str, float]]] = []
+    for line in lines:
+        step = dict(zip(fields, map(float, line.split())))
+        if step["idle"] or not bursts:
+            bursts.append([])
+        bursts[-1].append(step)
+    return bursts
+
+
+def burst_summary(steps: list[dict[str, float]]) -> dict[str, float]:
+    """One burst on the engine's side, in ms from its first step's start: the requests taken, the
+    start of the last step that took some (``arrivals``), the end of the last step (``span``) and of
+    the last that computed prompt tokens (``prefill``), the median pass (start to next start) of
+    the steady decode steps (no prompt computed, no request finished), and the steps in which
+    requests finished (``active`` fell) and their time, start to end."""
+    import statistics
+
+    t0 = steps[0]["start"]
+    ms = lambda t: 1e3 * (t - t0)  # noqa: E731
+    adding = [s for s in steps if s["added"]]
+    prefill = [s for s in steps if s["computed"]]
+    passes, ending = [], []
+    for prev, step, nxt in zip(steps, steps[1:], [*steps[2:], None]):
+        if step["active"] < prev["active"]:
+            ending.append(step)
+        elif not step["computed"] and nxt is not None:
+            passes.append(nxt["start"] - step["start"])
+    return {
+        "requests": int(sum(s["added"] for s in steps)),
+        "arrivals ms": ms(adding[-1]["start"]) if adding else 0.0,
+        "span ms": ms(steps[-1]["end"]),
+        "prefill ms": ms(prefill[-1]["end"]) if prefill else 0.0,
+        "decode pass ms": 1e3 * statistics.median(passes) if passes else 0.0,
+        "ending steps": len(ending),
+        "ending ms": 1e3 * sum(s["end"] - s["start"] for s in ending),
+    }
+
+
+def _step_trace_table(folder: Path, in_process_pid: int) -> tuple[str, list[dict]]:
+    """Every burst of both halves' traces in ``folder`` (`burst_summary`), as a table and as rows."""
+    halves = [("served", path) for path in sorted(folder.glob("engine-process-*.steps"))]
+    halves.append(("in-process", folder / f"engine-thread-{in_process_pid}.steps"))
+    rows = [
+        {"half": half, "burst": i + 1, **burst_summary(steps)}
+        for half, path in halves
+        if path.exists()
+        for i, steps in enumerate(trace_bursts(path))
+    ]
+    if not rows:
+        return "no engine steps were traced", rows
+    cells = [
+        [str(v) if not isinstance(v, float) else f"{v:,.1f}" for v in r.values()] for r in rows
+    ]
+    header = list(rows[0])
+    widths = [max(len(c) for c in column) for column in zip(header, *cells)]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in [header, *cells]]
+    title = "engine steps by burst (ms from a burst's first step; a burst: a run, warm-ups first)"
+    return "\n".join([title, *lines]), rows
+
+
 def main(argv: list[str]) -> int:
     from radixinfer.bench.args import parse_bench_args
     from radixinfer.bench.report import comparisons, format_report
+    from radixinfer.engine_core import STEP_TRACE_ENV
 
     own = argparse.ArgumentParser(description=__doc__.splitlines()[0], add_help=False)
     own.add_argument("--stub-model", action="store_true")
@@ -245,6 +320,7 @@ def main(argv: list[str]) -> int:
     own.add_argument("--profile-front", default=None, metavar="PATH")
     own.add_argument("--api-server-count", type=int, default=1, metavar="N")
     own.add_argument("--client-processes", type=int, default=1, metavar="K")
+    own.add_argument("--step-trace", default=None, metavar="DIR")
     if "-h" in argv or "--help" in argv:
         print(__doc__)
         return 0
@@ -259,6 +335,11 @@ def main(argv: list[str]) -> int:
         if not any(a.split("=")[0] == "--model" for a in bench_argv):
             bench_argv = ["--model", STUB_MODEL, *bench_argv]
     parsed = parse_bench_args(bench_argv)  # bad flags stop here, before a server starts
+    # Both halves warm up alike: the served bench's own default would follow its client's backend.
+    bench_argv = [*bench_argv, "--warmup-runs", str(parsed.warmup_runs)]
+    if args.step_trace:  # read by this process's engine core and the server's, which inherit it
+        Path(args.step_trace).mkdir(parents=True, exist_ok=True)
+        os.environ[STEP_TRACE_ENV] = str(Path(args.step_trace).resolve())
     engine_flags, _ = _split_flags(bench_argv)
     server = Server(
         engine_flags,
@@ -292,6 +373,9 @@ def main(argv: list[str]) -> int:
         print(format_report(result), flush=True)
     if args.profile_front:
         _print_profile(args.profile_front)
+    if args.step_trace:
+        text, result["step_trace"] = _step_trace_table(Path(args.step_trace), os.getpid())
+        print(text)
     if args.json:
         result["served_cpu"] = {"seconds": cpu, "requests": requests, "tokens": tokens}
         result["served_processes"] = processes

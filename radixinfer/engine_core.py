@@ -15,12 +15,19 @@ each output to the front itself.
 
 Failures never leave a caller waiting: a request the engine rejects becomes a `StreamFailure` among
 the step's events; an exception in the loop ends it with `CoreFailed`.
+
+With ``RADIXINFER_STEP_TRACE`` set to a folder, every core writes a line per step there
+(`StepTrace`), to see where a run's time goes on the engine's side
+(``benchmarks/bench_serve.py --step-trace``).
 """
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 from collections.abc import Callable
+from pathlib import Path
 
 from radixinfer.api import LLM
 from radixinfer.core_messages import (
@@ -37,17 +44,50 @@ from radixinfer.core_messages import (
 )
 from radixinfer.outputs import EngineEvent
 
+STEP_TRACE_ENV = "RADIXINFER_STEP_TRACE"  # a folder: every engine core writes its steps there
+
+
+class StepTrace:
+    """A line per engine step in ``folder/{label}-{pid}.steps``, with a header naming the `FIELDS`:
+    when the core began taking the front's messages, when the step began and ended
+    (``time.perf_counter`` seconds, one clock for every process of a machine), whether the take
+    waited for work (the engine had none: a new burst begins), the requests it took, the engine's
+    waiting and active requests after the step, the prompt tokens the step computed and the events
+    it emitted. Lines are written as they come (a core in a process that is killed loses none)."""
+
+    FIELDS = ("take", "start", "end", "idle", "added", "waiting", "active", "computed", "events")
+
+    def __init__(self, folder: str | Path, label: str) -> None:
+        self.path = Path(folder) / f"{label}-{os.getpid()}.steps"
+        self._file = self.path.open("w", buffering=1)
+        self._file.write(" ".join(self.FIELDS) + "\n")
+
+    @classmethod
+    def from_environment(cls, label: str) -> StepTrace | None:
+        """A trace in the folder `STEP_TRACE_ENV` names, or None when it is not set."""
+        folder = os.environ.get(STEP_TRACE_ENV)
+        return cls(folder, label) if folder else None
+
+    def record(self, *values: float) -> None:
+        """One step's `FIELDS`, in order."""
+        self._file.write(" ".join(map(repr, values)) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
 
 class EngineCore:
     """The loop over ``llm``'s engine: applies the front's messages between two steps, in the order
     sent, steps while the engine has work, and emits one `StepOutput` a pass when there is news.
-    Finished requests are forgotten by the engine (``pop_finished``) before their events leave."""
+    Finished requests are forgotten by the engine (``pop_finished``) before their events leave.
+    ``trace``: where each step is recorded, if anywhere."""
 
-    def __init__(self, llm: LLM) -> None:
+    def __init__(self, llm: LLM, trace: StepTrace | None = None) -> None:
         self.llm = llm
         self.engine = llm.engine
         self._num_taken = 0
         self._reported = (0, 0)  # (num_taken, num_waiting) as last emitted
+        self._trace = trace
 
     def run(self, channel: CoreChannel) -> None:
         """Serve until a `Close` (every open request aborted first) or until the front is gone; an
@@ -57,12 +97,19 @@ class EngineCore:
                 pass
         except BaseException as exc:  # noqa: BLE001 - any failure must reach the front
             channel.emit(CoreFailed(exc))
+        finally:
+            if self._trace is not None:
+                self._trace.close()
 
     def _serve_once(self, channel: CoreChannel) -> bool:
         engine = self.engine
         events: list[EngineEvent | StreamFailure] = []
         results: list[CallResult] = []
         closing = False
+        trace = self._trace
+        if trace is not None:
+            taking, idle = time.perf_counter(), not engine.has_unfinished()
+            taken, computed = self._num_taken, engine.counters.computed_prompt_tokens
         for message in channel.take(block=not engine.has_unfinished()):
             kind = type(message)
             if kind is AddRequest:
@@ -90,7 +137,15 @@ class EngineCore:
             aborted = (engine.abort(request_id) for request_id in list(engine.requests))
             events += [delta for delta in aborted if delta is not None]
         elif engine.has_unfinished():
+            started = time.perf_counter() if trace is not None else 0.0
             events += engine.step()
+            if trace is not None:
+                scheduler = engine.scheduler
+                trace.record(
+                    taking, started, time.perf_counter(), int(idle), self._num_taken - taken,
+                    len(scheduler.waiting), len(scheduler.active),
+                    engine.counters.computed_prompt_tokens - computed, len(events),
+                )  # fmt: skip
         requests = engine.requests
         for event in events:
             if event.finished and event.request_id in requests:
@@ -112,8 +167,9 @@ class ThreadCore:
         self._on_output = on_output
         self._cond = threading.Condition()
         self._inbox: list[CoreInput] = []
+        core = EngineCore(llm, StepTrace.from_environment("engine-thread"))
         self._thread = threading.Thread(
-            target=EngineCore(llm).run, args=(self,), name="radixinfer-engine", daemon=False
+            target=core.run, args=(self,), name="radixinfer-engine", daemon=False
         )
         self._thread.start()
 

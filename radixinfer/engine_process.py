@@ -59,7 +59,7 @@ from radixinfer.core_messages import (
     StepOutput,
 )
 from radixinfer.engine.prompts import PromptChecker
-from radixinfer.engine_core import EngineCore
+from radixinfer.engine_core import EngineCore, StepTrace
 from radixinfer.lifetime import exit_with_parent
 
 
@@ -326,7 +326,7 @@ def _engine_process_main(
         channel.close()
         sys.exit(1)
     channel.emit(CoreReady(llm.engine.prompts))
-    EngineCore(llm).run(channel)
+    EngineCore(llm, StepTrace.from_environment("engine-process")).run(channel)
     channel.close()
 
 
