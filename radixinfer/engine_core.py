@@ -106,11 +106,12 @@ class EngineCore:
         events: list[EngineEvent | StreamFailure] = []
         results: list[CallResult] = []
         closing = False
+        idle = not engine.has_unfinished()  # the take waits for work
         trace = self._trace
         if trace is not None:
-            taking, idle = time.perf_counter(), not engine.has_unfinished()
-            taken, computed = self._num_taken, engine.counters.computed_prompt_tokens
-        for message in channel.take(block=not engine.has_unfinished()):
+            taking, taken = time.perf_counter(), self._num_taken
+            computed = engine.counters.computed_prompt_tokens
+        for message in channel.take(block=idle):
             kind = type(message)
             if kind is AddRequest:
                 self._num_taken += 1
