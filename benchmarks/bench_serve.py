@@ -287,11 +287,10 @@ def burst_summary(steps: list[dict[str, float]]) -> dict[str, float]:
 def _step_trace_table(folder: Path, in_process_pid: int) -> tuple[str, list[dict]]:
     """Every burst of both halves' traces in ``folder`` (`burst_summary`), as a table and as rows."""
     halves = [("served", path) for path in sorted(folder.glob("engine-process-*.steps"))]
-    halves.append(("in-process", folder / f"engine-thread-{in_process_pid}.steps"))
+    halves += [("in-process", p) for p in sorted(folder.glob(f"engine-thread-{in_process_pid}-*"))]
     rows = [
         {"half": half, "burst": i + 1, **burst_summary(steps)}
         for half, path in halves
-        if path.exists()
         for i, steps in enumerate(trace_bursts(path))
     ]
     if not rows:

@@ -23,6 +23,7 @@ With ``RADIXINFER_STEP_TRACE`` set to a folder, every core writes a line per ste
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
@@ -48,7 +49,8 @@ STEP_TRACE_ENV = "RADIXINFER_STEP_TRACE"  # a folder: every engine core writes i
 
 
 class StepTrace:
-    """A line per engine step in ``folder/{label}-{pid}.steps``, with a header naming the `FIELDS`:
+    """A line per engine step in ``folder/{label}-{pid}-{k}.steps`` (the process's k-th trace),
+    with a header naming the `FIELDS`:
     when the core began taking the front's messages, when the step began and ended
     (``time.perf_counter`` seconds, one clock for every process of a machine), whether the take
     waited for work (the engine had none: a new burst begins), the requests it took, the engine's
@@ -56,9 +58,10 @@ class StepTrace:
     it emitted. Lines are written as they come (a core in a process that is killed loses none)."""
 
     FIELDS = ("take", "start", "end", "idle", "added", "waiting", "active", "computed", "events")
+    _opened = itertools.count()  # the traces this process has opened
 
     def __init__(self, folder: str | Path, label: str) -> None:
-        self.path = Path(folder) / f"{label}-{os.getpid()}.steps"
+        self.path = Path(folder) / f"{label}-{os.getpid()}-{next(self._opened)}.steps"
         self._file = self.path.open("w", buffering=1)
         self._file.write(" ".join(self.FIELDS) + "\n")
 

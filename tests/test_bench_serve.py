@@ -50,7 +50,7 @@ def test_a_step_trace_splits_into_bursts_and_sums_each_up(bench_serve, tmp_path)
         (1.000, 1.500, 1.510, 1, 2, 0, 2, 10, 0),  # the next burst
         (1.510, 1.511, 1.520, 0, 0, 0, 0, 0, 2),
     ]
-    path = tmp_path / "engine-thread-1.steps"
+    path = tmp_path / "engine-thread-1-0.steps"
     lines = [" ".join(StepTrace.FIELDS)] + [" ".join(map(str, row)) for row in rows]
     path.write_text("\n".join(lines) + "\n")
     first, second = bench_serve.trace_bursts(path)
