@@ -291,6 +291,34 @@ def test_eviction_frees_only_unshared_blocks():
     mgr.check_integrity([a])
 
 
+@pytest.mark.parametrize("need", [1, 2, 3, 4, 5])
+def test_evicting_several_blocks_at_once_keeps_what_one_at_a_time_keeps(need):
+    """A cached path [0, 10) in blocks of 2, and a live sequence holding the blocks of [0, 6) with
+    its lock moved up to [0, 2): the leaf [6, 10) goes first (2 blocks freed), then [2, 6), whose
+    blocks are dropped but not freed. Evicting ``need`` blocks in one call keeps and frees what
+    ``need`` one-block evictions do."""
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+
+    def build() -> tuple[KVCacheManager, SeqKV]:
+        mgr = KVCacheManager(num_blocks=16, block_size=2)
+        finish(mgr, run_prompt(mgr, prompt), prompt)
+        holder = run_prompt(mgr, prompt[:6])
+        mgr.publish(holder, prompt[:2], prompt_end=True)  # its lock moves up to [0, 2)
+        return mgr, holder
+
+    (once, held_once), (steps, held_steps) = build(), build()
+    freed_once = once.tree.evict(need)
+    freed_steps = 0
+    for _ in range(need):
+        freed_steps += steps.tree.evict(1)
+    assert freed_once == freed_steps == min(need, 2)
+    kept = {1: 8, 2: 6}.get(need, 2)  # then [2, 6) goes whole: its held blocks free nothing
+    assert cached_len(once, prompt) == cached_len(steps, prompt) == kept
+    assert once.num_free_blocks == steps.num_free_blocks
+    once.check_integrity([held_once])
+    steps.check_integrity([held_steps])
+
+
 def test_all_blocks_free_after_everything_ends_and_reset():
     mgr = KVCacheManager(num_blocks=8, block_size=2)
     a = run_prompt(mgr, [1, 2, 3])

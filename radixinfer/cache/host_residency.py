@@ -240,7 +240,7 @@ class HostResidency:
         lru = self.tree.lru
         while freed < num_blocks and lru.host:
             self.tree.version += 1
-            freed += lru.trim_tail(lru.host[0], self.host.pool)
+            freed += lru.trim_tail(lru.host[0], self.host.pool, num_blocks - freed)
         self.host.counters.host_evicted_blocks += freed
         return freed
 

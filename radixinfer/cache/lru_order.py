@@ -1,5 +1,5 @@
 """The radix tree's eviction order: the unlocked leaves of each tier by last access, and the
-trimming of a leaf's tail, block by block.
+trimming of a leaf's tail by whole blocks.
 
 A node is in the GPU set while it is unlocked, GPU-resident and none of its children is
 GPU-resident (the GPU frontier; without a host tier, a leaf); in the host set while it is unlocked,
@@ -91,18 +91,29 @@ class LRUOrder:
             if (lru := self.set_of(n)) is not None:
                 lru.add(n)
 
-    def trim_tail(self, leaf: Node, pool: BlockPool) -> int:
-        """Drop the last block of ``leaf`` (the first of its tier's set; ``pool`` is that tier's),
-        or the whole leaf when that is its only block; a parent of the same tier left evictable
-        joins its set. Returns the blocks freed. The caller bumps the tree's version."""
+    def trim_tail(self, leaf: Node, pool: BlockPool, num_blocks: int = 1) -> int:
+        """Drop the last ``num_blocks >= 1`` blocks of ``leaf`` (the first of its tier's set;
+        ``pool`` is that tier's), or the whole leaf when that is all of them; a parent of the same
+        tier left evictable joins its set. Returns the blocks freed (fewer than dropped where a live
+        sequence holds some too). The caller bumps the tree's version.
+
+        Dropping k blocks at once ends where k calls of one block each would (the leaf's place in
+        its set does not change while it keeps blocks), in one call where evicting a finished
+        request's ~64 blocks took 64."""
         leaf.payload = None  # it belonged to the last position, which goes now (or the leaf does)
         bs = pool.block_size
-        last_index = (leaf.end - 1) // bs
-        if last_index * bs > leaf.start:  # drop its last block: it keeps [start, last_index * bs)
-            leaf.key = leaf.key[: last_index * bs - leaf.start]
-            leaf.end = last_index * bs
-            return pool.decref([leaf.blocks.pop()])
-        (self.host if leaf.host else self.gpu).pop(0)  # its only block goes: remove the leaf
+        blocks = leaf.blocks
+        keep = (
+            len(blocks) - num_blocks
+        )  # its first block holds ``start``: it goes only with the leaf
+        if keep > 0:  # it keeps [start, the end of its first ``keep`` blocks)
+            end = (leaf.start // bs + keep) * bs
+            leaf.key = leaf.key[: end - leaf.start]
+            leaf.end = end
+            dropped = blocks[keep:]
+            del blocks[keep:]
+            return pool.decref(dropped)
+        (self.host if leaf.host else self.gpu).pop(0)  # all its blocks go: remove the leaf
         freed = pool.decref(leaf.blocks)
         parent = leaf.parent
         del parent.children[int(leaf.key[0])]

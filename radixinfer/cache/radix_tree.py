@@ -15,7 +15,7 @@ version of each block (``B1'``). Each node holds one reference per block it list
 
 Each ``cache_salt`` has its own root, so requests with different salts never share a node (invariant 8).
 Unlocked leaves are kept in an ordered set by last access (`LRUOrder`), so eviction trims the least
-recently used ones (from their tails, block by block) without scanning the tree.
+recently used ones (from their tails, by whole blocks) without scanning the tree.
 
 With a host tier (`HostTier`), a node lives in one of two tiers: GPU-resident (its ``blocks`` are
 GPU block ids) or host-resident (``host``: they are host block ids). Eviction writes a GPU node's
@@ -243,12 +243,12 @@ class RadixTree:
 
     # ------------------------------------------------------------------ eviction
     def evict(self, num_blocks: int, unwritten: dict[int, int] | None = None) -> int:
-        """Free up to ``num_blocks`` GPU blocks by trimming unlocked leaves from their tails, block
-        by block, least recently used leaf first. A leaf loses its last block and ends at that
-        block's start, so the tree keeps every position it does not have to give up; a leaf trimmed
-        to nothing is removed, and a parent left an unlocked leaf becomes evictable in turn. Returns
-        the blocks freed (a block dropped by the tree is freed only when no live sequence holds it
-        too)::
+        """Free up to ``num_blocks`` GPU blocks by trimming unlocked leaves from their tails, least
+        recently used leaf first. A leaf loses as many of its last blocks as are still to be freed
+        and ends at the first one's start, so the tree keeps every position it does not have to
+        give up; a leaf trimmed to nothing is removed, and a parent left an unlocked leaf becomes
+        evictable in turn. Returns the blocks freed (a block dropped by the tree is freed only when
+        no live sequence holds it too: the next blocks go then)::
 
             block_size 4, need 1 block:   leaf [4, 14) "e f g h | i j k l | m n"  blocks [B1, B2, B3]
                                    ->     leaf [4, 12) "e f g h | i j k l"        blocks [B1, B2]   (B3 freed)
@@ -273,7 +273,7 @@ class RadixTree:
                     self.tiers.drop_descendants(leaf)
                 self.tiers.forget(leaf)
             self.version += 1
-            freed += self.lru.trim_tail(leaf, self.pool)
+            freed += self.lru.trim_tail(leaf, self.pool, num_blocks - freed)
         self.counters.evicted_blocks += freed
         return freed
 
