@@ -103,9 +103,8 @@ class LRUOrder:
         leaf.payload = None  # it belonged to the last position, which goes now (or the leaf does)
         bs = pool.block_size
         blocks = leaf.blocks
-        keep = (
-            len(blocks) - num_blocks
-        )  # its first block holds ``start``: it goes only with the leaf
+        # its first block holds ``start``: that one goes only with the whole leaf
+        keep = len(blocks) - num_blocks
         if keep > 0:  # it keeps [start, the end of its first ``keep`` blocks)
             end = (leaf.start // bs + keep) * bs
             leaf.key = leaf.key[: end - leaf.start]
