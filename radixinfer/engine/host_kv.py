@@ -114,6 +114,8 @@ class HostKVPool:
     def __init__(self, num_blocks: int, k: torch.Tensor, staged_blocks: int) -> None:
         if num_blocks < 1:
             raise ValueError(f"host_cache_gb holds no KV block (num_blocks {num_blocks})")
+        if not 1 <= staged_blocks <= num_blocks:  # `write_back_blocks` sizes it so
+            raise ValueError(f"staged_blocks must be in [1, {num_blocks}], got {staged_blocks}")
         num_layers, _, block_size, num_kv_heads, head_dim = k.shape
         self.device = k.device
         cuda = self.device.type == "cuda"
@@ -135,7 +137,7 @@ class HostKVPool:
         self.loaded_bytes = 0
         self.load_seconds = 0.0
         # The write-backs' staging tensor and, on CUDA, the event after the last copies out of it.
-        self._out = self._staging(max(1, min(staged_blocks, num_blocks)), k)
+        self._out = self._staging(staged_blocks, k)
         self._out_copied: torch.cuda.Event | None = None
 
     @property
