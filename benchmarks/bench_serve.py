@@ -53,6 +53,7 @@ import os
 import resource
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -242,13 +243,12 @@ def _served_counts(result: dict, args: argparse.Namespace) -> tuple[int, int]:
 
 
 def trace_bursts(path: Path) -> list[list[dict[str, float]]]:
-    """The steps of a `StepTrace` file, each a dict of its fields, split into bursts: a burst
-    begins at a step whose take waited for work."""
-    header, *lines = path.read_text().splitlines()
-    fields = header.split()
+    """The steps of a `StepTrace` file split into bursts: a burst begins at a step whose take
+    waited for work."""
+    from radixinfer.engine_core import StepTrace
+
     bursts: list[list[dict[str, float]]] = []
-    for line in lines:
-        step = dict(zip(fields, map(float, line.split())))
+    for step in StepTrace.read(path):
         if step["idle"] or not bursts:
             bursts.append([])
         bursts[-1].append(step)
@@ -261,8 +261,6 @@ def burst_summary(steps: list[dict[str, float]]) -> dict[str, float]:
     the last that computed prompt tokens (``prefill``), the median pass (start to next start) of
     the steady decode steps (no prompt computed, no request finished), and the steps in which
     requests finished (``active`` fell) and their time, start to end."""
-    import statistics
-
     t0 = steps[0]["start"]
     ms = lambda t: 1e3 * (t - t0)  # noqa: E731
     adding = [s for s in steps if s["added"]]
@@ -286,6 +284,8 @@ def burst_summary(steps: list[dict[str, float]]) -> dict[str, float]:
 
 def _step_trace_table(folder: Path, in_process_pid: int) -> tuple[str, list[dict]]:
     """Every burst of both halves' traces in ``folder`` (`burst_summary`), as a table and as rows."""
+    from radixinfer.bench.report import format_value, text_table
+
     halves = [("served", path) for path in sorted(folder.glob("engine-process-*.steps"))]
     halves += [("in-process", p) for p in sorted(folder.glob(f"engine-thread-{in_process_pid}-*"))]
     rows = [
@@ -296,13 +296,10 @@ def _step_trace_table(folder: Path, in_process_pid: int) -> tuple[str, list[dict
     if not rows:
         return "no engine steps were traced", rows
     cells = [
-        [str(v) if not isinstance(v, float) else f"{v:,.1f}" for v in r.values()] for r in rows
+        [str(v) if isinstance(v, str) else format_value(v, 1) for v in r.values()] for r in rows
     ]
-    header = list(rows[0])
-    widths = [max(len(c) for c in column) for column in zip(header, *cells)]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in [header, *cells]]
     title = "engine steps by burst (ms from a burst's first step; a burst: a run, warm-ups first)"
-    return "\n".join([title, *lines]), rows
+    return title + "\n" + text_table(list(rows[0]), cells), rows
 
 
 def main(argv: list[str]) -> int:

@@ -78,6 +78,13 @@ class StepTrace:
     def close(self) -> None:
         self._file.close()
 
+    @staticmethod
+    def read(path: str | Path) -> list[dict[str, float]]:
+        """The steps a trace file holds, in order, each its `FIELDS` by name."""
+        header, *lines = Path(path).read_text().splitlines()
+        fields = header.split()
+        return [dict(zip(fields, map(float, line.split()))) for line in lines]
+
 
 class EngineCore:
     """The loop over ``llm``'s engine: applies the front's messages between two steps, in the order

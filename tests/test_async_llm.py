@@ -105,9 +105,8 @@ def test_a_step_trace_records_every_step_of_the_thread_and_of_an_engine_process(
     assert len(threads) == 2
     computed = []
     for path in [*threads, process]:
-        header, *lines = path.read_text().splitlines()
-        steps = [dict(zip(header.split(), map(float, line.split()))) for line in lines]
-        assert tuple(header.split()) == StepTrace.FIELDS
+        assert tuple(path.read_text().split("\n", 1)[0].split()) == StepTrace.FIELDS
+        steps = StepTrace.read(path)
         assert sum(s["added"] for s in steps) == len(PROMPTS) and steps[0]["idle"] == 1
         assert all(s["take"] <= s["start"] <= s["end"] for s in steps)
         assert steps[-1]["active"] == steps[-1]["waiting"] == 0

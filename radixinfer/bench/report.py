@@ -82,7 +82,8 @@ def comparisons(runs: list[dict]) -> list[dict]:
     ]
 
 
-def _fmt(value: float | int | None, digits: int = 2) -> str:
+def format_value(value: float | int | None, digits: int = 2) -> str:
+    """A table cell: ``-`` for None, an int with thousands separators, a float to ``digits``."""
     if value is None:
         return "-"
     if isinstance(value, int):
@@ -92,18 +93,21 @@ def _fmt(value: float | int | None, digits: int = 2) -> str:
 
 def _rows(metrics: dict) -> list[tuple[str, str]]:
     rows = [
-        (key, _fmt(metrics[key]))
+        (key, format_value(metrics[key]))
         for key in ("requests", "prompt_tokens", "cached_tokens", "computed_prompt_tokens")
     ]
-    rows.append(("hit_rate", _fmt(metrics["hit_rate"], 3)))
-    rows += [(key, _fmt(metrics[key])) for key in ("completion_tokens", "preemptions")]
-    rows += [(f"{lat} {stat}", _fmt(metrics[lat][stat])) for lat in LATENCIES for stat in STATS]
-    rows += [(f"{key} (/s)", _fmt(metrics[key], 1)) for key in THROUGHPUTS]
-    rows.append(("wall_s", _fmt(metrics["wall_s"], 3)))
+    rows.append(("hit_rate", format_value(metrics["hit_rate"], 3)))
+    rows += [(key, format_value(metrics[key])) for key in ("completion_tokens", "preemptions")]
+    rows += [
+        (f"{lat} {stat}", format_value(metrics[lat][stat])) for lat in LATENCIES for stat in STATS
+    ]
+    rows += [(f"{key} (/s)", format_value(metrics[key], 1)) for key in THROUGHPUTS]
+    rows.append(("wall_s", format_value(metrics["wall_s"], 3)))
     return rows
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
+def text_table(header: list[str], rows: list[list[str]]) -> str:
+    """``rows`` of cells under ``header``, aligned in columns (the first to the left)."""
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
 
     def line(cells: list[str]) -> str:  # first column left-aligned, numbers right-aligned
@@ -139,19 +143,23 @@ def _memory_table(runs: list[dict]) -> str:
 
     def cell(plan: dict, key: str, in_gib: bool) -> str:
         value = plan.get(key)
-        return _fmt(value / 2**30 if in_gib and value is not None else value)
+        return format_value(value / 2**30 if in_gib and value is not None else value)
 
     rows = [
         [label, *(cell(run["info"]["memory_plan"], key, gib) for run in planned)]
         for label, key, gib in MEMORY_ROWS
     ]
-    return _table(["memory plan", *(run["label"] for run in planned)], rows)
+    return text_table(["memory plan", *(run["label"] for run in planned)], rows)
 
 
 def _round_spread(comparison: dict) -> str:
     """`` (min–max)`` of the per-round output-throughput ratios; empty with a single round (nothing to add)."""
     paired = comparison["paired_output_throughput"]
-    return f" ({_fmt(paired['min'])}–{_fmt(paired['max'])})" if len(paired["ratios"]) > 1 else ""
+    return (
+        f" ({format_value(paired['min'])}–{format_value(paired['max'])})"
+        if len(paired["ratios"]) > 1
+        else ""
+    )
 
 
 def format_report(result: dict) -> str:
@@ -160,18 +168,19 @@ def format_report(result: dict) -> str:
     runs, comps = result["runs"], result["comparisons"]
     columns = [dict(_rows(run["metrics"])) for run in runs]
     names = [name for name, _ in _rows(runs[0]["metrics"])]
-    text = _table(
+    text = text_table(
         ["metric", *(r["label"] for r in runs)], [[n, *(c[n] for c in columns)] for n in names]
     )
     if comps:
         header = ["speedup of " + runs[0]["label"], *(c["other"] for c in comps)]
         rows = [
-            [path, *(_fmt(c["speedup"][path]) + "x" for c in comps)] for path, _ in SPEEDUP_KEYS
+            [path, *(format_value(c["speedup"][path]) + "x" for c in comps)]
+            for path, _ in SPEEDUP_KEYS
         ]
         spreads = [_round_spread(c) for c in comps]
         throughput = next(row for row in rows if row[0] == "output_throughput")
         throughput[1:] = [cell + spread for cell, spread in zip(throughput[1:], spreads)]
-        text += "\n\n" + _table(header, rows)
+        text += "\n\n" + text_table(header, rows)
         if any(spreads):
             text += (
                 "\n(in parentheses beside output_throughput: min–max of the paired rounds' ratios)"
@@ -202,16 +211,16 @@ def summary_table(results: dict[str, dict]) -> str:
         first = result["runs"][0]["metrics"]
         for run in result["runs"]:
             m = run["metrics"]
-            cells = [_fmt(metric(m, path), digits) for _, path, digits in SUMMARY_COLUMNS]
+            cells = [format_value(metric(m, path), digits) for _, path, digits in SUMMARY_COLUMNS]
             speed = speedups(first, m)["output_throughput"]
             rows.append(
                 [
                     f"{name}: {run['label']}",
                     *cells,
-                    "" if run is result["runs"][0] else _fmt(speed) + "x",
+                    "" if run is result["runs"][0] else format_value(speed) + "x",
                 ]
             )
-    return _table(["run", *(title for title, _, _ in SUMMARY_COLUMNS), "first vs this"], rows)
+    return text_table(["run", *(title for title, _, _ in SUMMARY_COLUMNS), "first vs this"], rows)
 
 
 def main(paths: list[str]) -> int:
