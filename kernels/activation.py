@@ -12,6 +12,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.pdl import launch_options, let_next_kernel_start, wait_for_inputs
+
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:  # [T, 2 * I] (gate | up) -> [T, I]
     gate, up = x.chunk(2, dim=-1)
@@ -19,8 +21,12 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:  # [T, 2 * I] (gate | up)
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_xt, INTER: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(
+    x_ptr, out_ptr, stride_xt, INTER: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
+):
     """Program (token, block): ``BLOCK`` columns of one token's output."""
+    let_next_kernel_start(USE_PDL)
+    wait_for_inputs(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < INTER
@@ -44,6 +50,6 @@ def silu_and_mul_triton(
         return out
     block = min(triton.next_power_of_2(inter), 1024)
     _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
-        x, out, x.stride(0), INTER=inter, BLOCK=block
+        x, out, x.stride(0), INTER=inter, BLOCK=block, **launch_options(x.device)
     )
     return out

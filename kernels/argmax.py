@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from kernels.device import num_sms
+from kernels.pdl import launch_options, let_next_kernel_start, wait_for_inputs
 
 BLOCK = 2048  # logits a program holds per iteration
 PROGRAMS_PER_SM = 16
@@ -32,11 +33,14 @@ def argmax_ref(logits: torch.Tensor) -> torch.Tensor:  # [rows, vocab] -> [rows]
 
 @triton.jit(do_not_specialize=["num_chunks"])
 def _argmax_partial_kernel(
-    x_ptr, val_ptr, idx_ptr, stride_row, vocab, chunk_len, num_chunks, BLOCK: tl.constexpr
-):
+    x_ptr, val_ptr, idx_ptr, stride_row, vocab, chunk_len, num_chunks, BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):  # fmt: skip
     """Program (row, chunk): the maximum of positions ``[chunk * chunk_len, (chunk + 1) * chunk_len)`` and its
     first index. Each lane keeps its own best (strictly greater replaces, so a lane keeps its first
     occurrence, lanes visiting increasing positions), then the lanes reduce to the lowest index of the max."""
+    let_next_kernel_start(USE_PDL)
+    wait_for_inputs(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     start = chunk * chunk_len
@@ -62,9 +66,13 @@ def _argmax_partial_kernel(
 
 
 @triton.jit(do_not_specialize=["num_chunks"])
-def _argmax_merge_kernel(val_ptr, idx_ptr, out_ptr, num_chunks, BLOCK_C: tl.constexpr):
+def _argmax_merge_kernel(
+    val_ptr, idx_ptr, out_ptr, num_chunks, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr
+):
     """Program (row): the chunk with the largest maximum, the earliest among equals (chunks are in order),
     ``BLOCK_C`` chunks an iteration."""
+    let_next_kernel_start(USE_PDL)
+    wait_for_inputs(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     best = tl.full((), float("-inf"), tl.float32)
     best_idx = tl.full((), 2147483647, tl.int32)
@@ -97,7 +105,10 @@ def argmax_triton(logits: torch.Tensor, chunks: int | None = None) -> torch.Tens
     vals = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)
     idxs = torch.empty(rows, chunks, dtype=torch.int32, device=logits.device)
     _argmax_partial_kernel[(rows, chunks)](
-        logits, vals, idxs, logits.stride(0), vocab, chunk_len, chunks, BLOCK=BLOCK, num_warps=8
+        logits, vals, idxs, logits.stride(0), vocab, chunk_len, chunks, BLOCK=BLOCK, num_warps=8,
+        **launch_options(logits.device),
+    )  # fmt: skip
+    _argmax_merge_kernel[(rows,)](
+        vals, idxs, out, chunks, BLOCK_C=MERGE_BLOCK, **launch_options(logits.device)
     )
-    _argmax_merge_kernel[(rows,)](vals, idxs, out, chunks, BLOCK_C=MERGE_BLOCK)
     return out

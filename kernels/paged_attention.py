@@ -58,6 +58,7 @@ import triton
 import triton.language as tl
 
 from kernels.device import num_sms
+from kernels.pdl import launch_options, let_next_kernel_start, wait_for_inputs
 
 
 def paged_attention_ref(
@@ -254,10 +255,13 @@ def _decode_split_kernel(
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SHARED_CHUNKS: tl.constexpr,  # 0: no shared-prefix tiles; else the tile kernel's chunks per prefix
+    USE_PDL: tl.constexpr,
 ):
     """Program (seq, kv_head, split): partial ``split`` of ``[kv_start, context_len)``. With shared-prefix
     tiles the partials have SHARED_CHUNKS slots more (after the splits), the tile kernel's; split 0 of a
     sequence that no tile covers (kv_start 0) marks those slots empty (lse = -inf)."""
+    let_next_kernel_start(USE_PDL)
+    wait_for_inputs(USE_PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -403,12 +407,15 @@ def _decode_merge_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Program (seq, head block): for each of BLOCK_H heads, out = sum_s 2^(lse_s - max) * out_s /
     sum_s 2^(lse_s - max) over the ``num_slots`` partials (the splits, and the shared-prefix chunks when there
     are some). A slot with lse = -inf is empty and its partial is not read (the shared-prefix slots of an
     uncovered sequence are never written). Heads go together because one (seq, head) is only a few hundred
     bytes: a program each made the merge cost more than the attention it merges."""
+    let_next_kernel_start(USE_PDL)
+    wait_for_inputs(USE_PDL)
     seq = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]  # [H, 1]
     slots = tl.arange(0, BLOCK_S)[None, :]  # [1, S]
@@ -698,6 +705,7 @@ def paged_decode_attention_triton(
         DOT_PRECISION=_dot_precision(q.dtype),
         SHARED_CHUNKS=shared_chunks,
         **_decode_config(block_d, q.dtype),
+        **launch_options(q.device),
     )
     if shared is not None:
         num_tiles, seqs_per_tile = shared.seqs.shape
@@ -754,6 +762,8 @@ def paged_decode_attention_triton(
             BLOCK_H=block_h,
             BLOCK_S=block_s,
             BLOCK_D=block_d,
+            # not after the tile kernel's stream joins: a programmatic edge is one kernel after another
+            **(launch_options(q.device) if side is None else {"USE_PDL": False}),
         )
     return out
 

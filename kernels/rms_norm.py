@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import launch_options, let_next_kernel_start, wait_for_inputs
+
 
 def rms_norm_ref(
     x: torch.Tensor,  # [..., dim]
@@ -47,12 +49,17 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
-    """One program per token: each of its rows (one hidden state, or one per head) normalised on its own."""
+    """One program per token: each of its rows (one hidden state, or one per head) normalised on its own.
+    The weight is read before `wait_for_inputs` (no kernel writes it)."""
+    let_next_kernel_start(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     rows = tl.arange(0, BLOCK_R)[:, None]
     dims = tl.arange(0, BLOCK_D)[None, :]
     mask = (rows < NUM_ROWS) & (dims < DIM)
+    weight = tl.load(weight_ptr + dims, mask=dims < DIM, other=0.0).to(tl.float32)
+    wait_for_inputs(USE_PDL)
     x = tl.load(x_ptr + token * stride_xt + rows * stride_xh + dims, mask=mask, other=0.0)
     dst = token * NUM_ROWS * DIM + rows * DIM + dims  # out, new_residual: contiguous
     if HAS_RESIDUAL:
@@ -64,7 +71,6 @@ def _rms_norm_kernel(
     x32 = x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(x32 * x32, axis=1) / DIM + eps)  # [BLOCK_R]; padding adds zeros
     normed = (x32 * inv_rms[:, None]).to(x.dtype).to(tl.float32)
-    weight = tl.load(weight_ptr + dims, mask=dims < DIM, other=0.0).to(tl.float32)
     tl.store(out_ptr + dst, normed * weight, mask=mask)  # the store rounds to the model dtype
 
 
@@ -104,5 +110,6 @@ def rms_norm_triton(
         BLOCK_R=block_r,
         BLOCK_D=block_d,
         num_warps=min(max(block_r * block_d // 512, 1), 16),
+        **launch_options(x.device),
     )
     return out, new_residual

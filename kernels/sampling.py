@@ -64,6 +64,7 @@ import triton.language as tl
 
 from kernels.argmax import MERGE_BLOCK, _argmax_merge_kernel
 from kernels.device import num_sms
+from kernels.pdl import launch_options
 
 _MIX = 0x45D9F3B
 DIGIT_BITS = 4  # bits of the threshold key found per pass of the rowwise kernel: 16 buckets
@@ -759,7 +760,9 @@ def sample_triton(
             vals, idxs, out, out, HAS_MAX=True, BUCKETS=1, EXACT=False, STRIDE=stride,
             MERGE_BLOCK=MERGE_BLOCK, BLOCK=block, TAKEN=False, num_warps=tiles.warps,
         )  # fmt: skip
-        _argmax_merge_kernel[(rows,)](vals, idxs, out, chunks, BLOCK_C=MERGE_BLOCK)
+        _argmax_merge_kernel[(rows,)](
+            vals, idxs, out, chunks, BLOCK_C=MERGE_BLOCK, **launch_options(device)
+        )
         sums = torch.empty(rows, chunks, 2, dtype=torch.float32, device=device)
         _nucleus_mass_kernel[grid](
             *common, inv_temperature, top_p, min_p, pmax, out, sums,
@@ -786,5 +789,7 @@ def sample_triton(
         HAS_MAX=has_max, BUCKETS=buckets, EXACT=exact, STRIDE=stride, MERGE_BLOCK=MERGE_BLOCK,
         BLOCK=block, TAKEN=taken is not None, num_warps=tiles.warps,
     )  # fmt: skip
-    _argmax_merge_kernel[(rows,)](vals, idxs, out, chunks, BLOCK_C=MERGE_BLOCK)
+    _argmax_merge_kernel[(rows,)](
+        vals, idxs, out, chunks, BLOCK_C=MERGE_BLOCK, **launch_options(device)
+    )
     return out

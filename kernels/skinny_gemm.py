@@ -33,11 +33,12 @@ import triton
 import triton.language as tl
 
 from kernels.device import num_sms
+from kernels.pdl import launch_options, let_next_kernel_start, wait_for_inputs
 
 MAX_REDUCE_M = 4  # the most tokens a launch takes (one token block: 1, 2 or 4 rows)
 PROGRAMS_PER_SM = 2  # the grid aims at this many programs per SM, so every SM streams weight rows
 # Products a program accumulates at once (block_m * block_n * block_k, float32): 64 registers a thread
-# at 4 warps. One iteration's loads are all a program has in flight (the loop is not software-pipelined),
+# at 4 warps. An iteration's loads (its x tile and the next weight tile) are all a program has in flight,
 # so K tiles are as long as this allows.
 REDUCE_PRODUCTS = 8192
 NUM_WARPS = 4  # at one token, the sweep's best on an H200 for every weight the layers' rule admits
@@ -89,26 +90,37 @@ def linear_ref(
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel for the token counts of a block_m
 def _skinny_gemm_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Program p: ``out[:, cols]`` for ``BLOCK_N`` columns and all ``M <= BLOCK_M`` tokens, over all of K,
     as ``[BLOCK_M, BLOCK_N, BLOCK_K]`` products summed over K once after the loop (no cross-thread
-    reduction per iteration)."""
+    reduction per iteration). Each iteration loads the next weight tile before it multiplies this one, so the
+    first tile (all of a narrow K) is read before `wait_for_inputs`: under PDL it streams while the kernel that
+    writes ``x`` finishes."""
+    let_next_kernel_start(USE_PDL)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     row_mask, col_mask = rows < M, cols < N
     x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
     w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * K + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+    col_mask_2d = col_mask[:, None]  # broadcast along K
+    if EVEN_K:  # no K mask when BLOCK_K divides K (so the loads stay vectorised)
+        w = tl.load(w_ptrs, mask=col_mask_2d, other=0.0)
+    else:
+        w = tl.load(w_ptrs, mask=col_mask_2d & (offs_k[None, :] < K), other=0.0)
+    wait_for_inputs(USE_PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        x_mask, w_mask = row_mask[:, None], col_mask[:, None]  # broadcast along K
-        if not EVEN_K:  # no K mask when BLOCK_K divides K
-            k_mask = offs_k[None, :] < K - k0
-            x_mask, w_mask = x_mask & k_mask, w_mask & k_mask
+        # x's tile, and the next weight tile (none after the last: a load masked off everywhere reads nothing)
+        x_mask, next_mask = row_mask[:, None], col_mask_2d & (k0 + BLOCK_K < K)
+        if not EVEN_K:
+            x_mask = x_mask & (offs_k[None, :] < K - k0)
+            next_mask = col_mask_2d & (offs_k[None, :] < K - k0 - BLOCK_K)
         x = tl.load(x_ptrs + k0, mask=x_mask, other=0.0).to(tl.float32)
-        w = tl.load(w_ptrs + k0, mask=w_mask, other=0.0).to(tl.float32)
-        acc += x[:, None, :] * w[None, :, :]
+        next_w = tl.load(w_ptrs + k0 + BLOCK_K, mask=next_mask, other=0.0)
+        acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
+        w = next_w
     out = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
     if HAS_BIAS:
         out += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
@@ -138,6 +150,6 @@ def linear_triton(
     _skinny_gemm_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight, weight if bias is None else bias, out, m, n, k, x.stride(0),
         EVEN_K=k % cfg.block_k == 0, HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(x.device),
     )  # fmt: skip
     return out

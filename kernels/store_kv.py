@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import launch_options, let_next_kernel_start, wait_for_inputs
 from kernels.rotary import Rotary, load_rotated, rotated
 
 
@@ -64,10 +65,13 @@ def _store_kv_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     ROTARY: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """One program per token: with ``ROTARY``, its cos/sin row read once, every q head rotated in
     place (slot -1 included: padding rows and cached tokens still attend), then all heads of its K
     and V row into one slot, k rotated; slot -1 stores nothing."""
+    let_next_kernel_start(USE_PDL)
+    wait_for_inputs(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)[:, None]
@@ -152,4 +156,5 @@ def store_kv_triton(
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_HALF=triton.next_power_of_2(max(head_dim // 2, 1)),
         ROTARY=rotary is not None,
+        **launch_options(k.device),
     )

@@ -314,7 +314,7 @@ compile_for_sm90(s._nucleus_mass_kernel, 8, MERGE_BLOCK=16, BLOCK=2048)
 compile_for_sm90(s._take_kernel, 4, MERGE_BLOCK=16)
 compile_for_sm90(s._chunk_max_kernel, 8, BLOCK=2048)
 compile_for_sm90(s._rowwise_kernel, 16, PASSES=4, BLOCK=512)
-compile_for_sm90(s._argmax_merge_kernel, 4, BLOCK_C=16)
+compile_for_sm90(s._argmax_merge_kernel, 4, BLOCK_C=16, USE_PDL=True)
 import kernels.penalties as pen
 ints = {"positions_ptr": "*i64", "count_rows_ptr": "*i64", "tokens_ptr": "*i64", "seen_ptr": "*u8",
         "counts_ptr": "*i32", "logits_ptr": "*bf16", "out_ptr": "*bf16"}
