@@ -32,9 +32,8 @@ _STAMP = struct.Struct("d")
 
 def _write(conn: Connection, frames: int, rate: float, size: int) -> None:
     padding = b"x" * size
-    for _ in range(frames):  # the engine's framing: a pickled list of pickled messages
-        message = pickle.dumps(_STAMP.pack(time.perf_counter()) + padding)
-        conn.send_bytes(pickle.dumps([message]))
+    for _ in range(frames):  # the engine's framing: a pickled list of messages
+        conn.send_bytes(pickle.dumps([_STAMP.pack(time.perf_counter()) + padding]))
         time.sleep(1 / rate)
     conn.close()
 
@@ -61,7 +60,7 @@ def _lags(reader: str, args: argparse.Namespace) -> list[float]:
         while True:
             try:
                 if pipe is None:
-                    messages = [pickle.loads(m) for m in pickle.loads(far.recv_bytes())]
+                    messages = pickle.loads(far.recv_bytes())
                 else:
                     messages = pipe.recv()
             except EOFError:

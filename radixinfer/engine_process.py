@@ -6,15 +6,18 @@ requests).
 The process starts in multiprocessing's spawn context; messages (`radixinfer.core_messages`) are
 pickled over one duplex pipe per front: one, or with ``radixinfer serve --api-server-count N``, one
 per API server process (`start_engine_process`, `EngineConnection`), each request's outputs going
-back over the pipe it came by. Each end of the pipe writes from a sender thread fed by a queue: a
-slow reader never stalls a step, nor a busy engine the front's event loop. The sender writes every
-message queued so far as one frame: a thread that has done a pipe read or write must take the GIL
-back before its next one, and while the other thread is busy (the front's event loop streaming
-hundreds of requests) that waits up to the interpreter's switch interval (5 ms) each time; one
-frame per message made a burst of 512 requests reach the engine over more than a second. The
-reader, for the same reason, reads whatever the pipe holds at once (up to 1 MiB) and splits it into
-frames itself: ``Connection.recv_bytes`` reads a frame's header and its body with two reads, each
-of which gives up the GIL and waits to take it back while the front's event loop is busy
+back over the pipe it came by. Each end of the pipe writes a message's frame from the thread that
+sends it, without blocking, and hands what the socket cannot take at once to a writer thread: a slow
+reader never stalls a step, nor a busy engine the front's event loop, and in the usual case no other
+thread wakes. Threads cost here: a thread that has done a pipe read or write must take the GIL back
+before its next one, and while another thread is busy that waits up to the interpreter's switch
+interval (5 ms). The engine watches every front's pipe with one selector: one syscall a take,
+where a poll per pipe gave eight chances a step to wait for the GIL behind a writer thread (taking
+nothing took 0.19 ms a decode step, median, against 0.011 ms since: 512 streams over eight API
+servers, `bench_serve.py --step-trace`, an H200). The reader reads whatever the pipe holds at
+once (up to 1 MiB) and splits it into frames itself: ``Connection.recv_bytes`` reads a frame's
+header and its body with two reads, each of which gives up the GIL and waits to take it back while
+the front's event loop is busy
 (``benchmarks/pipe_read_lag.py``, 230 frames a second beside a spinning thread, on a 2-core CPU: a
 p99 lag of 90-190 ms, against 13-42 ms read at once). An engine process that dies (killed, crashed)
 closes its end of the pipe, which the front's reader turns into `CoreFailed`. The other way round,
@@ -28,11 +31,11 @@ import contextlib
 import gc
 import itertools
 import multiprocessing
-import multiprocessing.connection
 import os
 import pickle
-import queue
+import selectors
 import signal
+import socket
 import struct
 import sys
 import threading
@@ -85,39 +88,75 @@ _LONG_SIZE = struct.Struct("!Q")
 _READ_BYTES = 1 << 20
 
 
+def _frame(messages: list[Any]) -> bytes:
+    """``messages`` as one frame: ``Connection.send_bytes``'s size header, then their pickled list."""
+    body = pickle.dumps(messages, pickle.HIGHEST_PROTOCOL)
+    if len(body) < 1 << 31:
+        return _SIZE.pack(len(body)) + body
+    return _SIZE.pack(-1) + _LONG_SIZE.pack(len(body)) + body
+
+
 class _PipeEnd:
-    """One end of the duplex pipe: `send` pickles on the calling thread (what does not pickle fails
-    there) and a sender thread writes what is queued, in order, a frame at a time
-    (``Connection.send_bytes``); `recv` returns one frame's messages, reading everything the pipe
-    holds at once and splitting it into frames here (`ready`: whether a frame is there). Sends
-    after the other end has gone are dropped: the reading side learns of it through
-    ``EOFError``."""
+    """One end of the duplex pipe (a Unix socket pair).
+
+    `send` pickles a message on the calling thread (what does not pickle fails there) and writes its
+    frame at once without blocking when nothing is queued before it: a step's outputs leave the
+    engine's thread with a few syscalls and wake no other thread. What the socket cannot take at
+    once (a reader that is behind) is queued, with every later frame, for the writer thread, which
+    writes all that is queued in one blocking write; so frames go out in the order sent, and a slow
+    reader never stalls a step. Sends after the other end has gone are dropped: the reading side
+    learns of it through ``EOFError``.
+
+    `recv` returns one frame's messages, reading everything the pipe holds at once and splitting it
+    into frames here; `fill` (one read, for a caller that knows the socket is readable) and
+    `has_frame` serve a caller that watches several pipes with one selector."""
 
     def __init__(self, conn: Connection, name: str) -> None:
         self.conn = conn
+        # a second handle on the socket, for `socket.send`'s non-blocking flag (the fd stays blocking)
+        self._socket = socket.socket(fileno=os.dup(conn.fileno()))
         self._received = bytearray()  # what was read and is not a whole frame yet
         self._frames: deque[bytes] = deque()
-        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
-        self._sender = threading.Thread(target=self._send_all, name=name, daemon=True)
-        self._sender.start()
+        self._lock = threading.Condition()
+        self._queued: list[bytes] = []  # frames (or their unwritten rest) for the writer thread
+        self._writing = False  # the writer thread owns the socket's writes until the queue is empty
+        self._closing = False
+        self._gone = False  # the other end has gone: sends are dropped
+        self._writer = threading.Thread(target=self._write_queued, name=name, daemon=True)
+        self._writer.start()
 
     def send(self, message: object) -> None:
-        self._outbox.put(pickle.dumps(message, pickle.HIGHEST_PROTOCOL))
+        data = _frame([message])
+        with self._lock:
+            if self._gone:
+                return
+            if not self._writing:
+                try:
+                    sent = self._socket.send(data, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    sent = 0
+                except OSError:
+                    self._gone = True
+                    return
+                if sent == len(data):
+                    return
+                data = data[sent:]
+                self._writing = True
+            self._queued.append(data)
+            self._lock.notify()
 
     def recv(self) -> list[Any]:
         """The messages of the next frame, in the order sent (blocks until one comes; ``EOFError``
         once the other end has closed)."""
         while not self._frames:
-            self._read()
-        return [pickle.loads(payload) for payload in pickle.loads(self._frames.popleft())]
+            self.fill()
+        return pickle.loads(self._frames.popleft())
 
-    def ready(self) -> bool:
+    def has_frame(self) -> bool:
         """Whether a whole frame has arrived (`recv` would not wait)."""
-        if not self._frames and self.conn.poll():
-            self._read()
         return bool(self._frames)
 
-    def _read(self) -> None:
+    def fill(self) -> None:
         """Read what the pipe holds (waiting for something) and keep its whole frames."""
         data = os.read(self.conn.fileno(), _READ_BYTES)
         if not data:
@@ -140,29 +179,30 @@ class _PipeEnd:
         del received[:at]
 
     def close(self) -> None:
-        """Write what is queued, then close the pipe."""
-        self._outbox.put(None)
-        self._sender.join()
+        """Write what is queued (unless the other end has gone), then close the pipe."""
+        with self._lock:
+            self._closing = True
+            self._lock.notify()
+        self._writer.join()
+        self._socket.close()
         self.conn.close()
 
-    def _send_all(self) -> None:
-        closing = False
-        while not closing:
-            frame: list[bytes] = []
-            payload = self._outbox.get()
-            while True:
-                if payload is None:  # `close`: what was queued before it goes, then nothing
-                    closing = True
-                    break
-                frame.append(payload)
-                if self._outbox.empty():
-                    break
-                payload = self._outbox.get()
+    def _write_queued(self) -> None:
+        while True:
+            with self._lock:
+                while not self._queued and not self._closing:
+                    self._lock.wait()
+                if not self._queued:  # closing, and everything sent
+                    return
+                data, self._queued = b"".join(self._queued), []
             try:
-                if frame:
-                    self.conn.send_bytes(pickle.dumps(frame, pickle.HIGHEST_PROTOCOL))
+                self._socket.sendall(data)
             except OSError:  # the other end has gone: drop the rest
+                with self._lock:
+                    self._gone, self._queued = True, []
                 return
+            with self._lock:
+                self._writing = bool(self._queued)
 
 
 class _CoreEnd:
@@ -179,6 +219,10 @@ class _CoreEnd:
 
     def __init__(self, pipes: list[_PipeEnd]) -> None:
         self._pipes = dict(enumerate(pipes))  # the open fronts' pipes, by front index
+        # which open fronts have sent something: one syscall a take, however many fronts
+        self._selector = selectors.DefaultSelector()
+        for front, pipe in self._pipes.items():
+            self._selector.register(pipe.conn.fileno(), selectors.EVENT_READ, front)
         self._one_front = len(pipes) == 1  # every request its own: no owners, no splitting
         self._closing: list[int] = []  # fronts that sent `Close`: their pipe closes next take
         self._owners: dict[str, int] = {}  # open request id -> front
@@ -193,23 +237,32 @@ class _CoreEnd:
         while True:
             # Fronts that sent `Close`: what they were owed is queued already (`close` sends it).
             for front in self._closing:
-                if (pipe := self._pipes.pop(front, None)) is not None:
-                    pipe.close()
+                if front in self._pipes:  # (not if it has gone since)
+                    self._forget(front).close()
             self._closing = []
             if not self._pipes:
                 return [*messages, Close()]
+            readable = {key.data for key, _ in self._selector.select(timeout=0)}
             for front, pipe in list(self._pipes.items()):
                 try:
-                    while pipe.ready():
+                    if front in readable:
+                        pipe.fill()
+                    while pipe.has_frame():
                         messages += self._adopt(front, pipe.recv())
                 except (EOFError, OSError):  # the front has gone
-                    del self._pipes[front]
+                    self._forget(front)
                     messages += self._aborts(front)
             if messages or not block:
                 return messages
             # Waiting needs a front still open: with none left, the loop's top ends the engine.
             if self._pipes and not self._closing:  # else: they are owed nothing; close them first
-                multiprocessing.connection.wait([pipe.conn for pipe in self._pipes.values()])
+                self._selector.select()
+
+    def _forget(self, front: int) -> _PipeEnd:
+        """Stop watching ``front``'s pipe (it has gone, or closes next) and return it."""
+        pipe = self._pipes.pop(front)
+        self._selector.unregister(pipe.conn.fileno())
+        return pipe
 
     def _adopt(self, front: int, messages: list[CoreInput]) -> list[CoreInput]:
         """``front``'s messages as the engine core takes them."""
@@ -263,8 +316,9 @@ class _CoreEnd:
 
     def close(self) -> None:
         """Write what is queued to every front still open, then close the pipes."""
-        for pipe in self._pipes.values():
-            pipe.close()
+        for front in list(self._pipes):
+            self._forget(front).close()
+        self._selector.close()
 
 
 def _picklable(output: CoreOutput, exc: Exception) -> CoreOutput:

@@ -43,6 +43,29 @@ def test_messages_sent_from_several_bursts_arrive_once_each_and_in_order():
     receiver.close()
 
 
+def test_a_reader_that_is_behind_never_blocks_the_sender_and_misses_nothing():
+    """Frames the socket cannot take at once (~16 MB against a buffer of a few hundred KB, while
+    nobody reads) wait for the writer thread: every send returns at once, and once the reader
+    reads, every frame arrives whole and in order, later small ones after the big ones."""
+    near, far = multiprocessing.Pipe()
+    sender, receiver = _PipeEnd(near, "test-sender"), _PipeEnd(far, "test-receiver")
+    sent = [(i, bytes([i]) * (256 << 10)) for i in range(64)] + [(64 + i, b"") for i in range(100)]
+    sending = threading.Thread(target=lambda: [sender.send(message) for message in sent])
+    sending.start()
+    sending.join(timeout=10)
+    blocked = sending.is_alive()
+    received: list = []
+    while len(received) < len(sent):  # (unblocks a sender that waits for the reader)
+        received += receiver.recv()
+    sending.join()
+    assert not blocked, "a send waited for the reader"
+    assert received == sent
+    sender.send("after the queue drained")  # written directly again
+    assert receiver.recv() == ["after the queue drained"]
+    sender.close()
+    receiver.close()
+
+
 def test_a_send_after_the_other_end_has_gone_is_dropped_and_the_reader_sees_the_end():
     near, far = multiprocessing.Pipe()
     sender = _PipeEnd(near, "test-sender")
@@ -87,14 +110,14 @@ def test_ids_only_params_keep_every_other_field_and_refuse_stop_strings():
 def test_frames_read_together_or_split_over_reads_arrive_whole_and_in_order():
     """The reader reads what the pipe holds at once and splits it into frames itself: several small
     frames in one read, a frame larger than one read (3 MiB) over several, each whole, in order;
-    ``ready`` says whether one has arrived; a closed end reads as ``EOFError``."""
+    ``has_frame`` says whether one has arrived; a closed end reads as ``EOFError``."""
     near, far = multiprocessing.Pipe()
     receiver = _PipeEnd(far, "test-receiver")
-    assert not receiver.ready()
+    assert not receiver.has_frame()
     messages = [b"a", list(range(10)), b"x" * (3 << 20), "", b"z" * 70_000, ("last", 1)]
     writer = threading.Thread(
         target=lambda: [  # the framing the engine's sender uses, one message a frame
-            near.send_bytes(pickle.dumps([pickle.dumps(m)])) for m in messages
+            near.send_bytes(pickle.dumps([m])) for m in messages
         ]
     )
     writer.start()
@@ -103,7 +126,7 @@ def test_frames_read_together_or_split_over_reads_arrive_whole_and_in_order():
         received += receiver.recv()
     writer.join()
     assert received == messages
-    assert not receiver.ready()
+    assert not receiver.has_frame()
     near.close()
     with pytest.raises(EOFError):
         receiver.recv()
