@@ -108,8 +108,8 @@ class _PipeEnd:
     learns of it through ``EOFError``.
 
     `recv` returns one frame's messages, reading everything the pipe holds at once and splitting it
-    into frames here; `fill` (one read, for a caller that knows the socket is readable) and
-    `has_frame` serve a caller that watches several pipes with one selector."""
+    into frames here; `fill` without waiting (all the pipe holds now) and `has_frame` serve a caller
+    that watches several pipes with one selector."""
 
     def __init__(self, conn: Connection, name: str) -> None:
         self.conn = conn
@@ -156,11 +156,25 @@ class _PipeEnd:
         """Whether a whole frame has arrived (`recv` would not wait)."""
         return bool(self._frames)
 
-    def fill(self) -> None:
-        """Read what the pipe holds (waiting for something) and keep its whole frames."""
-        data = os.read(self.conn.fileno(), _READ_BYTES)
-        if not data:
-            raise EOFError
+    def fill(self, wait: bool = True) -> None:
+        """Read from the pipe and keep its whole frames: with ``wait``, one read, which waits for
+        something to come; without, until the pipe holds nothing (perhaps at once): a writer
+        refills it while it is read, and a burst of requests far larger than the socket's buffer
+        must reach the engine in one take, not a buffer's worth a step."""
+        flags = 0 if wait else socket.MSG_DONTWAIT
+        while True:
+            try:
+                data = self._socket.recv(_READ_BYTES, flags)
+            except BlockingIOError:  # nothing more now
+                return
+            if not data:
+                raise EOFError
+            self._split(data)
+            if wait:
+                return
+
+    def _split(self, data: bytes) -> None:
+        """Append ``data`` to what was read and move its whole frames to the frame queue."""
         received = self._received
         received += data
         at = 0
@@ -246,7 +260,7 @@ class _CoreEnd:
             for front, pipe in list(self._pipes.items()):
                 try:
                     if front in readable:
-                        pipe.fill()
+                        pipe.fill(wait=False)
                     while pipe.has_frame():
                         messages += self._adopt(front, pipe.recv())
                 except (EOFError, OSError):  # the front has gone

@@ -12,6 +12,7 @@ import threading
 import numpy as np
 import pytest
 
+from radixinfer import engine_process
 from radixinfer.core_messages import AddRequest, Close
 from radixinfer.engine_process import _CoreEnd, _PipeEnd
 from radixinfer.sampling_params import SamplingParams
@@ -131,6 +132,22 @@ def test_frames_read_together_or_split_over_reads_arrive_whole_and_in_order():
     with pytest.raises(EOFError):
         receiver.recv()
     receiver.close()
+
+
+def test_one_take_reads_everything_the_pipe_holds_however_many_reads_that_takes(monkeypatch):
+    """The engine's take reads until the pipe is empty, not one read's worth: a burst of requests
+    many times a read's size (here reads of 64 bytes) reaches the engine in one take."""
+    monkeypatch.setattr(engine_process, "_READ_BYTES", 64)
+    near, far = multiprocessing.Pipe()
+    core = _CoreEnd([_PipeEnd(far, "test-core")])
+    assert core.take(block=False) == []  # nothing there: returns at once
+    sent = [("message", i, b"x" * 40) for i in range(50)]  # ~3 KB: the socket holds it all
+    for message in sent:
+        near.send_bytes(pickle.dumps([message]))
+    assert core.take(block=False) == sent
+    near.close()
+    assert core.take(block=True) == [Close()]
+    core.close()
 
 
 @pytest.mark.parametrize("num_fronts", [1, 2])
