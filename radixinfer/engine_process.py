@@ -258,12 +258,15 @@ class _CoreEnd:
                 return [*messages, Close()]
             readable = {key.data for key, _ in self._selector.select(timeout=0)}
             for front, pipe in list(self._pipes.items()):
-                try:
-                    if front in readable:
+                gone = False
+                if front in readable:
+                    try:
                         pipe.fill(wait=False)
-                    while pipe.has_frame():
-                        messages += self._adopt(front, pipe.recv())
-                except (EOFError, OSError):  # the front has gone
+                    except (EOFError, OSError):  # the front has gone, after what it sent
+                        gone = True
+                while pipe.has_frame():
+                    messages += self._adopt(front, pipe.recv())
+                if gone:
                     self._forget(front)
                     messages += self._aborts(front)
             if messages or not block:

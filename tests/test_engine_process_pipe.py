@@ -150,6 +150,20 @@ def test_one_take_reads_everything_the_pipe_holds_however_many_reads_that_takes(
     core.close()
 
 
+def test_what_a_front_sent_before_going_away_is_taken():
+    """A front's last frames and the end of its pipe may come in one read: the frames are taken
+    before the front is dropped."""
+    near, far = multiprocessing.Pipe()
+    core = _CoreEnd([_PipeEnd(far, "test-core")])
+    near.send_bytes(pickle.dumps([("last words", 1)]))
+    near.close()
+    taken: list = []
+    while Close() not in taken:
+        taken += core.take(block=True)
+    assert taken == [("last words", 1), Close()]
+    core.close()
+
+
 @pytest.mark.parametrize("num_fronts", [1, 2])
 def test_an_idle_engine_whose_last_front_goes_away_closes(num_fronts):
     pipes = [multiprocessing.Pipe() for _ in range(num_fronts)]
