@@ -248,6 +248,7 @@ class _CoreEnd:
 
     def take(self, block: bool) -> list[CoreInput]:
         messages: list[CoreInput] = []
+        wait = False  # for a front's message: nothing came, and ``block``
         while True:
             # Fronts that sent `Close`: what they were owed is queued already (`close` sends it).
             for front in self._closing:
@@ -256,7 +257,8 @@ class _CoreEnd:
             self._closing = []
             if not self._pipes:
                 return [*messages, Close()]
-            readable = {key.data for key, _ in self._selector.select(timeout=0)}
+            ready = self._selector.select(timeout=None if wait else 0)
+            readable = {key.data for key, _ in ready}
             for front, pipe in list(self._pipes.items()):
                 gone = False
                 if front in readable:
@@ -271,9 +273,9 @@ class _CoreEnd:
                     messages += self._aborts(front)
             if messages or not block:
                 return messages
-            # Waiting needs a front still open: with none left, the loop's top ends the engine.
-            if self._pipes and not self._closing:  # else: they are owed nothing; close them first
-                self._selector.select()
+            # Waiting needs a front still open: with none left, the loop's top ends the engine;
+            # fronts that sent `Close` are owed nothing more, so they are closed first.
+            wait = bool(self._pipes) and not self._closing
 
     def _forget(self, front: int) -> _PipeEnd:
         """Stop watching ``front``'s pipe (it has gone, or closes next) and return it."""
