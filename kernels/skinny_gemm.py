@@ -113,9 +113,10 @@ def _skinny_gemm_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         # x's tile, and the next weight tile (none after the last: a load masked off everywhere reads nothing)
-        x_mask, next_mask = row_mask[:, None], col_mask_2d & (k0 + BLOCK_K < K)
-        if not EVEN_K:
-            x_mask = x_mask & (offs_k[None, :] < K - k0)
+        if EVEN_K:
+            x_mask, next_mask = row_mask[:, None], col_mask_2d & (k0 + BLOCK_K < K)
+        else:
+            x_mask = row_mask[:, None] & (offs_k[None, :] < K - k0)
             next_mask = col_mask_2d & (offs_k[None, :] < K - k0 - BLOCK_K)
         x = tl.load(x_ptrs + k0, mask=x_mask, other=0.0).to(tl.float32)
         next_w = tl.load(w_ptrs + k0 + BLOCK_K, mask=next_mask, other=0.0)
