@@ -36,8 +36,11 @@ processes (``client``: the bench's OpenAI clients and run loops), over the whole
 (a run of the bench, warm-ups first, when all its requests come at once) on the engine's side:
 requests taken, over how long they arrived, the burst's span from its first step to its last,
 when its last prefill ended, a steady decode pass (median), and the steps in which requests
-finished, with their time. The served half's span against the in-process half's says how much of
-the served run's extra time is the engine's, and which part.
+finished, with their time and the CPU time the engine's thread ran in them, the collector's pauses
+and the times the kernel preempted the engine's thread; then, for a measured run, its time outside
+the engine: from its first submit to the burst's first step (``lead``) and from the last step to
+its last token (``tail``). The served half's span against the in-process half's says how much of
+the served run's extra time is the engine's, and which part; ``lead`` and ``tail`` say the rest.
 
 ``--stub-model`` replaces the model's forward by its embedding lookup (no attention, no layers) in
 every process of this script, the server's engine process included (the environment variable
@@ -259,8 +262,10 @@ def burst_summary(steps: list[dict[str, float]]) -> dict[str, float]:
     """One burst on the engine's side, in ms from its first step's start: the requests taken, the
     start of the last step that took some (``arrivals``), the end of the last step (``span``) and of
     the last that computed prompt tokens (``prefill``), the median pass (start to next start) of
-    the steady decode steps (no prompt computed, no request finished), and the steps in which
-    requests finished (``active`` fell) and their time, start to end."""
+    the steady decode steps (no prompt computed, no request finished), the steps in which
+    requests finished (``active`` fell) and their time, start to end, and the CPU time the core's
+    thread ran in them; then, over the whole burst, the collector's pauses and the times the kernel
+    took the core's CPU for another thread (`radixinfer.engine_core.StepTrace`)."""
     t0 = steps[0]["start"]
     ms = lambda t: 1e3 * (t - t0)  # noqa: E731
     adding = [s for s in steps if s["added"]]
@@ -279,17 +284,47 @@ def burst_summary(steps: list[dict[str, float]]) -> dict[str, float]:
         "decode pass ms": 1e3 * statistics.median(passes) if passes else 0.0,
         "ending steps": len(ending),
         "ending ms": 1e3 * sum(s["end"] - s["start"] for s in ending),
+        "ending cpu ms": 1e3 * sum(s["cpu"] for s in ending),
+        "gc ms": 1e3 * sum(s["gc"] for s in steps),
+        "preempted": int(sum(s["preempted"] for s in steps)),
     }
 
 
-def _step_trace_table(folder: Path, in_process_pid: int) -> tuple[str, list[dict]]:
-    """Every burst of both halves' traces in ``folder`` (`burst_summary`), as a table and as rows."""
+def outside_engine(
+    steps: list[dict[str, float]], clocks: list[list[float]]
+) -> dict[str, float | None]:
+    """How much of the measured run that a burst served lies outside the engine's steps, in ms:
+    ``lead`` from the run's first submit to the burst's first step, ``tail`` from its last step's
+    end to the run's last token (where the client read it; in process, when the engine read it
+    back, inside the last step). ``clocks``: each measured run's first submit and last token (the
+    bench's ``clock_s``); a burst no run spans (a warm-up) has None."""
+    first, last = steps[0]["start"], steps[-1]["end"]
+    for submitted, done in clocks:
+        if submitted <= first <= done:
+            return {"lead ms": 1e3 * (first - submitted), "tail ms": 1e3 * (done - last)}
+    return {"lead ms": None, "tail ms": None}
+
+
+def _step_trace_table(
+    folder: Path, in_process_pid: int, runs: list[dict]
+) -> tuple[str, list[dict]]:
+    """Every burst of both halves' traces in ``folder`` (`burst_summary`, `outside_engine` against
+    the measured ``runs`` of the bench's result), as a table and as rows."""
     from radixinfer.bench.report import format_value, text_table
 
+    clocks = {"served": [], "in-process": []}
+    for run in runs:
+        half = "served" if run["backend"] == "openai" else "in-process"
+        clocks[half] += [r["clock_s"] for r in run["repeats"]] or [run["metrics"]["clock_s"]]
     halves = [("served", path) for path in sorted(folder.glob("engine-process-*.steps"))]
     halves += [("in-process", p) for p in sorted(folder.glob(f"engine-thread-{in_process_pid}-*"))]
     rows = [
-        {"half": half, "burst": i + 1, **burst_summary(steps)}
+        {
+            "half": half,
+            "burst": i + 1,
+            **burst_summary(steps),
+            **outside_engine(steps, clocks[half]),
+        }
         for half, path in halves
         for i, steps in enumerate(trace_bursts(path))
     ]
@@ -370,7 +405,7 @@ def main(argv: list[str]) -> int:
     if args.profile_front:
         _print_profile(args.profile_front)
     if args.step_trace:
-        text, result["step_trace"] = _step_trace_table(Path(args.step_trace), os.getpid())
+        text, result["step_trace"] = _step_trace_table(Path(args.step_trace), os.getpid(), runs)
         print(text)
     if args.json:
         result["served_cpu"] = {"seconds": cpu, "requests": requests, "tokens": tokens}

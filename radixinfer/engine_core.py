@@ -23,8 +23,10 @@ With ``RADIXINFER_STEP_TRACE`` set to a folder, every core writes a line per ste
 
 from __future__ import annotations
 
+import gc
 import itertools
 import os
+import resource
 import threading
 import time
 from collections.abc import Callable
@@ -46,6 +48,7 @@ from radixinfer.core_messages import (
 from radixinfer.outputs import EngineEvent
 
 STEP_TRACE_ENV = "RADIXINFER_STEP_TRACE"  # a folder: every engine core writes its steps there
+_RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", None)  # Linux: one thread's usage
 
 
 class StepTrace:
@@ -55,15 +58,37 @@ class StepTrace:
     (``time.perf_counter`` seconds, one clock for every process of a machine), whether the take
     waited for work (the engine had none: a new burst begins), the requests it took, the engine's
     waiting and active requests after the step, the prompt tokens the step computed and the events
-    it emitted. Lines are written as they come (a core in a process that is killed loses none)."""
+    it emitted; then, over the step, the CPU seconds the core's thread ran (``cpu``: against the
+    step's wall time, what it waited for, the device or the CPU), the seconds the process's garbage
+    collector paused every thread (``gc``), and how often the kernel took the CPU from the thread
+    for another (``preempted``, Linux; 0 elsewhere). Lines are written as they come (a core in a
+    process that is killed loses none)."""
 
-    FIELDS = ("take", "start", "end", "idle", "added", "waiting", "active", "computed", "events")
+    FIELDS = (
+        "take", "start", "end", "idle", "added", "waiting", "active", "computed", "events",
+        "cpu", "gc", "preempted",
+    )  # fmt: skip
     _opened = itertools.count()  # the traces this process has opened
 
     def __init__(self, folder: str | Path, label: str) -> None:
         self.path = Path(folder) / f"{label}-{os.getpid()}-{next(self._opened)}.steps"
         self._file = self.path.open("w", buffering=1)
         self._file.write(" ".join(self.FIELDS) + "\n")
+        self._gc_seconds = 0.0  # the collector's pauses so far, while this trace is open
+        self._gc_began = 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_began = time.perf_counter()
+        else:
+            self._gc_seconds += time.perf_counter() - self._gc_began
+
+    def counters(self) -> tuple[float, float, int]:
+        """The calling thread's CPU seconds, the collector's pause seconds and the calling thread's
+        involuntary context switches, so far: `record` takes their growth over a step."""
+        switches = resource.getrusage(_RUSAGE_THREAD).ru_nivcsw if _RUSAGE_THREAD else 0
+        return time.thread_time(), self._gc_seconds, switches
 
     @classmethod
     def from_environment(cls, label: str) -> StepTrace | None:
@@ -76,6 +101,7 @@ class StepTrace:
         self._file.write(" ".join(map(repr, values)) + "\n")
 
     def close(self) -> None:
+        gc.callbacks.remove(self._on_gc)
         self._file.close()
 
     @staticmethod
@@ -148,14 +174,18 @@ class EngineCore:
             aborted = (engine.abort(request_id) for request_id in list(engine.requests))
             events += [delta for delta in aborted if delta is not None]
         elif engine.has_unfinished():
-            started = time.perf_counter() if trace is not None else 0.0
+            if trace is not None:
+                before = trace.counters()
+                started = time.perf_counter()
             events += engine.step()
             if trace is not None:
+                ended = time.perf_counter()
                 scheduler = engine.scheduler
                 trace.record(
-                    taking, started, time.perf_counter(), int(idle), self._num_taken - taken,
+                    taking, started, ended, int(idle), self._num_taken - taken,
                     len(scheduler.waiting), len(scheduler.active),
                     engine.counters.computed_prompt_tokens - computed, len(events),
+                    *(after - was for after, was in zip(trace.counters(), before)),
                 )  # fmt: skip
         requests = engine.requests
         for event in events:

@@ -87,8 +87,8 @@ def test_a_step_trace_records_every_step_of_the_thread_and_of_an_engine_process(
 ):
     """With `STEP_TRACE_ENV` set, each engine core writes a line per step to a file of its own (two
     fronts of one process, one after the other, too): the requests it took add up, the first step
-    follows a wait for work, the prompt tokens computed add up to the engine's count, and the times
-    run in order."""
+    follows a wait for work, the prompt tokens computed add up to the engine's count, the times
+    run in order, and the core's thread ran for no longer than each step lasted."""
     monkeypatch.setenv(STEP_TRACE_ENV, str(tmp_path))
 
     async def run(front: AsyncLLM) -> None:
@@ -109,6 +109,11 @@ def test_a_step_trace_records_every_step_of_the_thread_and_of_an_engine_process(
         steps = StepTrace.read(path)
         assert sum(s["added"] for s in steps) == len(PROMPTS) and steps[0]["idle"] == 1
         assert all(s["take"] <= s["start"] <= s["end"] for s in steps)
+        # the thread's CPU time in a step is no more than the step's wall time (a clock's tick of
+        # slack: the two clocks are read one after the other)
+        assert all(0 <= s["cpu"] <= s["end"] - s["start"] + 0.01 for s in steps)
+        assert sum(s["cpu"] for s in steps) > 0
+        assert all(s["gc"] >= 0 and s["preempted"] >= 0 for s in steps)
         assert steps[-1]["active"] == steps[-1]["waiting"] == 0
         computed.append(sum(s["computed"] for s in steps))
     assert computed[0] + computed[1] == llm.engine.counters.computed_prompt_tokens

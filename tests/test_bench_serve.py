@@ -39,16 +39,17 @@ def test_a_step_trace_splits_into_bursts_and_sums_each_up(bench_serve, tmp_path)
     the prefill's end, the steady decode pass, and the steps in which requests finished."""
     from radixinfer.engine_core import StepTrace
 
-    # take, start, end, idle, added, waiting, active, computed, events; times in seconds
+    # take, start, end, idle, added, waiting, active, computed, events, cpu, gc, preempted;
+    # times in seconds
     rows = [
-        (0.000, 0.010, 0.020, 1, 3, 1, 3, 96, 0),  # a burst begins: 3 requests, a prefill
-        (0.020, 0.021, 0.030, 0, 1, 0, 4, 32, 3),  # one more arrives, the last prefill
-        (0.030, 0.031, 0.033, 0, 0, 0, 4, 0, 1),  # steady decode
-        (0.033, 0.034, 0.036, 0, 0, 0, 4, 0, 1),
-        (0.036, 0.037, 0.040, 0, 0, 0, 2, 0, 3),  # two finish
-        (0.040, 0.041, 0.043, 0, 0, 0, 0, 0, 2),  # the last two finish
-        (1.000, 1.500, 1.510, 1, 2, 0, 2, 10, 0),  # the next burst
-        (1.510, 1.511, 1.520, 0, 0, 0, 0, 0, 2),
+        (0.000, 0.010, 0.020, 1, 3, 1, 3, 96, 0, 0.009, 0.0, 0),  # a burst: 3 requests, a prefill
+        (0.020, 0.021, 0.030, 0, 1, 0, 4, 32, 3, 0.008, 0.001, 1),  # one more, the last prefill
+        (0.030, 0.031, 0.033, 0, 0, 0, 4, 0, 1, 0.001, 0.0, 0),  # steady decode
+        (0.033, 0.034, 0.036, 0, 0, 0, 4, 0, 1, 0.001, 0.0, 0),
+        (0.036, 0.037, 0.040, 0, 0, 0, 2, 0, 3, 0.002, 0.0, 2),  # two finish
+        (0.040, 0.041, 0.043, 0, 0, 0, 0, 0, 2, 0.001, 0.002, 0),  # the last two finish
+        (1.000, 1.500, 1.510, 1, 2, 0, 2, 10, 0, 0.005, 0.0, 0),  # the next burst
+        (1.510, 1.511, 1.520, 0, 0, 0, 0, 0, 2, 0.002, 0.0, 0),
     ]
     path = tmp_path / "engine-thread-1-0.steps"
     lines = [" ".join(StepTrace.FIELDS)] + [" ".join(map(str, row)) for row in rows]
@@ -58,6 +59,7 @@ def test_a_step_trace_splits_into_bursts_and_sums_each_up(bench_serve, tmp_path)
     summary = bench_serve.burst_summary(first)
     assert summary["requests"] == 4 and summary["ending steps"] == 2
     expected = {"arrivals ms": 11, "span ms": 33, "prefill ms": 20, "ending ms": 5}
+    expected |= {"ending cpu ms": 3, "gc ms": 3, "preempted": 3}
     assert {k: round(summary[k], 6) for k in expected} == expected
     assert summary["decode pass ms"] == pytest.approx(3.0)  # 0.031 -> 0.034 -> 0.037
     assert bench_serve.burst_summary(second)["requests"] == 2
@@ -92,3 +94,7 @@ def test_a_stub_run_prints_both_tables_the_ratio_and_the_server_cpu(tmp_path, pr
     for row in result["step_trace"]:  # a burst is a run where the work outlasts the arrivals
         taken[row["half"]] += row["requests"]
     assert taken == {"served": 8, "in-process": 8}  # no warm-up: the in-process engine is a CPU's
+    # the measured run's first burst in each half: its requests came after the run's first submit
+    for half in ("served", "in-process"):
+        first = next(row for row in result["step_trace"] if row["half"] == half)
+        assert first["lead ms"] >= 0 and first["tail ms"] is not None

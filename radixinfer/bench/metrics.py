@@ -141,6 +141,8 @@ def summarize(records: Sequence[RequestRecord], wall_s: float, cache: dict | Non
     ``cache`` holds the engine's counter deltas over those runs. Without it (a server's counters are
     its own), cached and computed tokens and the hit rate come from the records' ``cached_tokens``
     when every record has them (a server that reports them in its usage), else they are None.
+    ``clock_s``: the first submit and the last token, in ``time.perf_counter`` seconds (one clock for
+    every process of a Linux machine: a run lines up with an engine's step trace by it).
     """
     prompt_tokens = sum(r.prompt_len for r in records)
     completion_tokens = sum(len(r.token_ids) for r in records)
@@ -174,7 +176,16 @@ def summarize(records: Sequence[RequestRecord], wall_s: float, cache: dict | Non
         "total_throughput": (prompt_tokens + completion_tokens) / wall_s if wall_s > 0 else None,
         "request_throughput": len(records) / wall_s if wall_s > 0 else None,
         "wall_s": wall_s,
+        "clock_s": _clock(records),
     }
+
+
+def _clock(records: Sequence[RequestRecord]) -> list[float] | None:
+    """The first submit and the last token of ``records`` (None for none), as `summarize` says."""
+    if not records:
+        return None
+    first = min(r.submit_time for r in records)
+    return [first, max((r.token_times[-1] for r in records if r.token_times), default=first)]
 
 
 class GCPauses:
