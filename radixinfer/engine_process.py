@@ -62,6 +62,7 @@ from radixinfer.core_messages import (
     StepOutput,
 )
 from radixinfer.engine.prompts import PromptChecker
+from radixinfer.engine.runner_setup import inline_host_ops
 from radixinfer.engine_core import EngineCore, StepTrace
 from radixinfer.lifetime import exit_with_parent
 
@@ -398,6 +399,7 @@ def _engine_process_main(
         channel.emit(CoreFailed(exc))
         channel.close()
         sys.exit(1)
+    inline_host_ops(llm.engine.runner.device)
     channel.emit(CoreReady(llm.engine.prompts))
     EngineCore(llm, StepTrace.from_environment("engine-process")).run(channel)
     channel.close()

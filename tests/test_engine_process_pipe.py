@@ -14,6 +14,7 @@ import pytest
 
 from radixinfer import engine_process
 from radixinfer.core_messages import AddRequest, Close
+from radixinfer.engine.prompts import PromptChecker
 from radixinfer.engine_process import _CoreEnd, _PipeEnd
 from radixinfer.sampling_params import SamplingParams
 
@@ -95,6 +96,41 @@ def test_an_add_request_crosses_with_its_prompt_params_and_salt():
     assert message.request_id == "req-9" and message.cache_salt == "tenant"
     assert message.params == params and message.prompt.dtype == np.int64
     assert np.array_equal(message.prompt, prompt)
+
+
+def test_a_crossed_prompt_is_kept_as_it_is_and_a_callers_array_is_copied():
+    """The engine keeps a prompt that crossed the pipe without copying it: it lies over immutable
+    bytes. A caller's own array is copied, so that changing it later changes no request."""
+    checker = PromptChecker(tokenizer=None, vocab_size=259, max_context_len=128)
+    prompt = np.arange(1, 65, dtype=np.int64)
+    crossed = pickle.loads(pickle.dumps(AddRequest("r", prompt, SamplingParams(), None), 5))
+    assert checker.token_ids(crossed.prompt) is crossed.prompt
+    kept = checker.token_ids(prompt)
+    assert kept is not prompt and np.array_equal(kept, prompt)
+    prompt[0] = 2
+    assert kept[0] == 1
+
+
+def test_an_engine_of_a_device_runs_torchs_cpu_work_inline_unless_told(monkeypatch):
+    """`inline_host_ops`: one CPU thread for torch in a process that drives a GPU, unless
+    ``OMP_NUM_THREADS`` is set; a CPU engine keeps its threads (its forward runs on them)."""
+    import torch
+
+    from radixinfer.engine.runner_setup import inline_host_ops
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        inline_host_ops(torch.device("cpu"))
+        assert torch.get_num_threads() == 2
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        inline_host_ops(torch.device("cuda", 0))
+        assert torch.get_num_threads() == 2
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        inline_host_ops(torch.device("cuda", 0))
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_ids_only_params_keep_every_other_field_and_refuse_stop_strings():

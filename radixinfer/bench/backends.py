@@ -18,6 +18,7 @@ from radixinfer.api import LLM
 from radixinfer.async_llm import AsyncLLM
 from radixinfer.core_messages import StreamEvents
 from radixinfer.data_parallel import DataParallelLLM, add_stats
+from radixinfer.engine.runner_setup import inline_host_ops
 from radixinfer.engine_args import llm_kwargs
 from radixinfer.sampling_params import SamplingParams
 from radixinfer.tokenizer import Tokenizer
@@ -158,4 +159,5 @@ def open_radixinfer(
     if num_blocks is not None:
         kwargs["num_blocks"] = num_blocks
     llm = LLM(**kwargs)
+    inline_host_ops(llm.engine.runner.device)  # the bench's process is its own, as an engine's
     return RadixBackend(llm)

@@ -21,7 +21,7 @@ from radixinfer.distributed.runner_calls import (
     StopCall,
 )
 from radixinfer.engine.model_runner import ModelRunner
-from radixinfer.engine.runner_setup import RunnerSpec, build_runner
+from radixinfer.engine.runner_setup import RunnerSpec, build_runner, inline_host_ops
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +37,7 @@ def run_worker(tp: TensorParallel, device: torch.device, spec: RunnerSpec) -> No
         except (ValueError, RankFailed) as exc:
             logger.debug("tensor-parallel rank %d: setup failed: %s", tp.rank, exc)
             return
+        inline_host_ops(device)
         follow_calls(built.runner, tp)
         built.runner.graphs.release()
     finally:

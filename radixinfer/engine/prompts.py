@@ -77,4 +77,10 @@ class PromptChecker:
             raise ValueError(
                 f"prompt: token id {bad} is outside the vocabulary [0, {self.vocab_size})"
             )
-        return ids.astype(np.int64) if token_ids is ids else token_ids  # the caller's array: copied
+        if token_ids is not ids:
+            return token_ids
+        if ids.dtype == np.int64 and isinstance(ids.base, bytes):
+            # over immutable bytes, as a prompt arrives through an engine process's pipe
+            # (`radixinfer.core_messages.AddRequest`): nothing can change it, so it is kept as is
+            return ids
+        return ids.astype(np.int64)  # the caller's array, which the caller may change: copied

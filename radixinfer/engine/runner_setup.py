@@ -113,6 +113,20 @@ def build_runner(
     return BuiltRunner(runner, loaded, plan)
 
 
+def inline_host_ops(device: torch.device) -> None:
+    """In a process of radixinfer's own that drives ``device`` (an engine process, a worker rank),
+    run torch's CPU operations on the calling thread, unless ``OMP_NUM_THREADS`` says otherwise; on
+    a CPU device, change nothing (there they are the model's forward).
+
+    Why: the host's share of a GPU engine's step is Python and small tensor copies (block tables,
+    step inputs), each far too short to split, yet torch splits any of more than ~32,000 elements
+    over a pool of a thread per core, whose threads then spin beside the server's API server and
+    client processes for the cores. vLLM's engine processes do the same. Call it once the model is
+    loaded: loading converts whole weights on the CPU, which the pool speeds up."""
+    if device.type != "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
+
+
 def _plan_memory(
     runner: ModelRunner,
     start: DeviceMemory | None,
