@@ -58,11 +58,11 @@ class StepTrace:
     (``time.perf_counter`` seconds, one clock for every process of a machine), whether the take
     waited for work (the engine had none: a new burst begins), the requests it took, the engine's
     waiting and active requests after the step, the prompt tokens the step computed and the events
-    it emitted; then, over the step, the CPU seconds the core's thread ran (``cpu``: against the
-    step's wall time, what it waited for, the device or the CPU), the seconds the process's garbage
-    collector paused every thread (``gc``), and how often the kernel took the CPU from the thread
-    for another (``preempted``, Linux; 0 elsewhere). Lines are written as they come (a core in a
-    process that is killed loses none)."""
+    it emitted; then, over the step, the CPU seconds the core's thread ran (``cpu``; on a GPU a wait
+    for the device spins, so it counts here, while a wait for the GIL or for a free core does not),
+    the seconds the process's garbage collector paused every thread (``gc``), and how often the
+    kernel took the CPU from the thread for another (``preempted``, Linux; 0 elsewhere). Lines are
+    written as they come (a core in a process that is killed loses none)."""
 
     FIELDS = (
         "take", "start", "end", "idle", "added", "waiting", "active", "computed", "events",
