@@ -86,7 +86,7 @@ class StepTrace:
 
     def counters(self) -> tuple[float, float, int]:
         """The calling thread's CPU seconds, the collector's pause seconds and the calling thread's
-        involuntary context switches, so far: `record` takes their growth over a step."""
+        involuntary context switches, so far: the core records their growth over each step."""
         switches = resource.getrusage(_RUSAGE_THREAD).ru_nivcsw if _RUSAGE_THREAD else 0
         return time.thread_time(), self._gc_seconds, switches
 
