@@ -23,7 +23,6 @@ With ``RADIXINFER_STEP_TRACE`` set to a folder, every core writes a line per ste
 
 from __future__ import annotations
 
-import gc
 import itertools
 import os
 import resource
@@ -45,6 +44,7 @@ from radixinfer.core_messages import (
     StepOutput,
     StreamFailure,
 )
+from radixinfer.gc_pauses import GCPauses
 from radixinfer.outputs import EngineEvent
 
 STEP_TRACE_ENV = "RADIXINFER_STEP_TRACE"  # a folder: every engine core writes its steps there
@@ -74,21 +74,13 @@ class StepTrace:
         self.path = Path(folder) / f"{label}-{os.getpid()}-{next(self._opened)}.steps"
         self._file = self.path.open("w", buffering=1)
         self._file.write(" ".join(self.FIELDS) + "\n")
-        self._gc_seconds = 0.0  # the collector's pauses so far, while this trace is open
-        self._gc_began = 0.0
-        gc.callbacks.append(self._on_gc)
-
-    def _on_gc(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._gc_began = time.perf_counter()
-        else:
-            self._gc_seconds += time.perf_counter() - self._gc_began
+        self._gc = GCPauses().start()  # while this trace is open
 
     def counters(self) -> tuple[float, float, int]:
         """The calling thread's CPU seconds, the collector's pause seconds and the calling thread's
         involuntary context switches, so far: the core records their growth over each step."""
         switches = resource.getrusage(_RUSAGE_THREAD).ru_nivcsw if _RUSAGE_THREAD else 0
-        return time.thread_time(), self._gc_seconds, switches
+        return time.thread_time(), self._gc.total_s, switches
 
     @classmethod
     def from_environment(cls, label: str) -> StepTrace | None:
@@ -101,7 +93,7 @@ class StepTrace:
         self._file.write(" ".join(map(repr, values)) + "\n")
 
     def close(self) -> None:
-        gc.callbacks.remove(self._on_gc)
+        self._gc.stop()
         self._file.close()
 
     @staticmethod

@@ -704,3 +704,17 @@ def test_paired_rounds_give_one_ratio_per_round_and_show_their_spread():
             "speedup of"
         )[1]
     )
+
+
+def test_gc_pauses_counts_each_collection_while_open_and_none_after():
+    """`GCPauses`: a pause per collection between `start` and `stop`, summed in ``total_s``; none
+    once stopped (the callback is gone)."""
+    from radixinfer.gc_pauses import GCPauses
+
+    pauses = GCPauses().start()
+    gc.collect()
+    gc.collect()
+    pauses.stop()
+    gc.collect()
+    assert len(pauses.pauses_ms) == 2 and all(p >= 0 for p in pauses.pauses_ms)
+    assert pauses.total_s * 1e3 == pytest.approx(sum(pauses.pauses_ms))

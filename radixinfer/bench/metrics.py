@@ -16,8 +16,6 @@ time from the first submit to the last token.
 
 from __future__ import annotations
 
-import gc
-import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -186,28 +184,6 @@ def _clock(records: Sequence[RequestRecord]) -> list[float] | None:
         return None
     first = min(r.submit_time for r in records)
     return [first, max((r.token_times[-1] for r in records if r.token_times), default=first)]
-
-
-class GCPauses:
-    """While entered, records every pause of Python's garbage collector (a full pass stops the engine loop,
-    so a stall in the latencies can be told apart from the GPU or the scheduler)."""
-
-    def __init__(self) -> None:
-        self.pauses_ms: list[float] = []
-        self._start = 0.0
-
-    def _on_gc(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._start = time.perf_counter()
-        else:
-            self.pauses_ms.append((time.perf_counter() - self._start) * 1e3)
-
-    def __enter__(self) -> GCPauses:
-        gc.callbacks.append(self._on_gc)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        gc.callbacks.remove(self._on_gc)
 
 
 def gc_pause_summary(pauses_ms: Sequence[float]) -> dict[str, float | int]:

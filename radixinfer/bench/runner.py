@@ -48,7 +48,6 @@ from radixinfer.bench.backends import Backend, open_radixinfer
 from radixinfer.bench.client_processes import ClientProcesses
 from radixinfer.bench.hf import HFBackend, export_checkpoint
 from radixinfer.bench.metrics import (
-    GCPauses,
     RequestRecord,
     add_cache_deltas,
     cache_delta,
@@ -58,6 +57,7 @@ from radixinfer.bench.metrics import (
 from radixinfer.bench.report import comparisons, format_report
 from radixinfer.bench.run_loop import run_workload
 from radixinfer.bench.workloads import Session, arrival_offsets, build_workload, fit_to_context
+from radixinfer.gc_pauses import GCPauses
 from radixinfer.models import PRESET_NAMES
 
 
