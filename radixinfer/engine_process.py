@@ -113,9 +113,10 @@ class _PipeEnd:
     that watches several pipes with one selector."""
 
     def __init__(self, conn: Connection, name: str) -> None:
-        self.conn = conn
-        # a second handle on the socket, for `socket.send`'s non-blocking flag (the fd stays blocking)
+        # ``conn``'s socket as a socket (for the non-blocking flag of `socket.send`, per call: the
+        # file stays blocking); ``conn`` itself is closed, this end owns the pipe from here
         self._socket = socket.socket(fileno=os.dup(conn.fileno()))
+        conn.close()
         self._received = bytearray()  # what was read and is not a whole frame yet
         self._frames: deque[bytes] = deque()
         self._lock = threading.Condition()
@@ -152,6 +153,10 @@ class _PipeEnd:
         while not self._frames:
             self.fill()
         return pickle.loads(self._frames.popleft())
+
+    def fileno(self) -> int:
+        """The pipe's file descriptor, for a selector."""
+        return self._socket.fileno()
 
     def has_frame(self) -> bool:
         """Whether a whole frame has arrived (`recv` would not wait)."""
@@ -200,7 +205,6 @@ class _PipeEnd:
             self._lock.notify()
         self._writer.join()
         self._socket.close()
-        self.conn.close()
 
     def _write_queued(self) -> None:
         while True:
@@ -237,7 +241,7 @@ class _CoreEnd:
         # which open fronts have sent something: one syscall a take, however many fronts
         self._selector = selectors.DefaultSelector()
         for front, pipe in self._pipes.items():
-            self._selector.register(pipe.conn.fileno(), selectors.EVENT_READ, front)
+            self._selector.register(pipe, selectors.EVENT_READ, front)
         self._one_front = len(pipes) == 1  # every request its own: no owners, no splitting
         self._closing: list[int] = []  # fronts that sent `Close`: their pipe closes next take
         self._owners: dict[str, int] = {}  # open request id -> front
@@ -281,7 +285,7 @@ class _CoreEnd:
     def _forget(self, front: int) -> _PipeEnd:
         """Stop watching ``front``'s pipe (it has gone, or closes next) and return it."""
         pipe = self._pipes.pop(front)
-        self._selector.unregister(pipe.conn.fileno())
+        self._selector.unregister(pipe)
         return pipe
 
     def _adopt(self, front: int, messages: list[CoreInput]) -> list[CoreInput]:
