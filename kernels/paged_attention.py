@@ -518,11 +518,12 @@ MIN_TOKENS_PER_SPLIT = (
     64  # one or two KV tiles: below this a split's fixed cost (q load, partial write) dominates
 )
 MAX_SPLITS = 128  # bounds the workspace: [num_seqs, num_heads, num_splits, head_dim] f32
-# A shared prefix is read in this many chunks (programs) per tile and KV head, each of at least MIN_SHARED_CHUNK
-# positions (a multiple of every BLOCK_N): without chunks 16 groups' tiles are ~128 programs on 132 SMs, each
-# walking a whole 1,024-position prefix alone.
-SHARED_PREFIX_CHUNKS = 4
+# A shared prefix is read in up to this many chunks (programs) per tile and KV head (`shared_prefix_chunks`),
+# each of at least MIN_SHARED_CHUNK positions (a multiple of every BLOCK_N).
+MAX_SHARED_PREFIX_CHUNKS = 4
 MIN_SHARED_CHUNK = 128
+# The tile kernel's chunks stop doubling once its grid has this many programs per SM.
+SHARED_PREFIX_PROGRAMS_PER_SM = 2
 MERGE_TILE_ELEMENTS = (
     8192  # float32 partial values one merge program holds: 64 per thread at 4 warps
 )
@@ -544,6 +545,34 @@ def decode_num_splits(
     by_occupancy = 4 * num_sms(device) // (num_seqs * num_kv_heads)
     by_length = triton.cdiv(max_context_len, MIN_TOKENS_PER_SPLIT)
     return max(1, min(by_occupancy, by_length, MAX_SPLITS))
+
+
+def shared_prefix_chunks(num_seqs: int, seqs_per_tile: int, num_kv_heads: int, sms: int) -> int:
+    """How many chunks the tile kernel cuts each tile's shared prefix into: the fewest of 1, 2 and 4 that give
+    the batch's full tiles (``num_seqs // seqs_per_tile``, what a batch of large groups fills) two programs
+    per SM with their KV heads, or 4.
+
+    Chunks buy parallelism, and each costs a float32 partial result per sequence and head that the merge
+    reads back. Measured on an H200 (``benchmarks/sweep_decode_attention.py --shared-tiles``, a step's
+    attention, 1 / 2 / 4 chunks; the rule's choice marked):
+
+    - qwen2.5-0.5b (2 KV heads, 9 sequences a tile), 256 / 512 sequences sharing 1,024 positions in 8 / 16
+      groups: 681 / 512 / **404** and 974 / 838 / **770** us; 1,024 in 64 groups sharing 2,048: 2,322 /
+      **1,876** / 1,989 us;
+    - llama-3.1-8b (8 KV heads, 16 a tile), 1,024 positions shared by 256 / 512 / 1,024 sequences in 8 / 16 /
+      64 groups: 3,045 / 2,742 / **2,905**, 4,917 / **5,179** / 5,549 and **9,842** / 10,440 / 11,242 us.
+
+    Four chunks were the rule before; the two shapes where the rule is not the best are no slower than that.
+    A function of host ints only: the same batch size gives the same grid, so a captured graph serves every
+    step."""
+    programs = num_seqs // max(seqs_per_tile, 1) * num_kv_heads
+    chunks = 1
+    while (
+        chunks < MAX_SHARED_PREFIX_CHUNKS
+        and programs * chunks < SHARED_PREFIX_PROGRAMS_PER_SM * sms
+    ):
+        chunks *= 2
+    return chunks
 
 
 def _check_layouts(
@@ -645,10 +674,12 @@ def paged_decode_attention_triton(
     out: torch.Tensor | None = None,  # [num_seqs, num_heads, head_dim]; allocated when None
     shared: SharedPrefixTiles
     | None = None,  # read each tile's shared prefix once for all its sequences
+    shared_chunks: int
+    | None = None,  # 1, 2 or 4 per shared prefix; None: shared_prefix_chunks(...)
 ) -> torch.Tensor:
     """Flash-decoding over the paged cache. No host sync and a grid fixed by (num_seqs, num_kv_heads,
     num_splits) and the number of shared-prefix tiles, so it is CUDA-graph capturable; results do not
-    depend on num_splits or on ``shared`` beyond rounding."""
+    depend on num_splits, ``shared`` or ``shared_chunks`` beyond rounding."""
     _check_layouts(q, k_cache, v_cache, block_tables)
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -659,7 +690,14 @@ def paged_decode_attention_triton(
     group = num_heads // num_kv_heads
     block_d = triton.next_power_of_2(head_dim)
     qk_scale = scale * math.log2(math.e)
-    shared_chunks = SHARED_PREFIX_CHUNKS if shared is not None else 0
+    if shared is None:
+        shared_chunks = 0
+    elif shared_chunks is None:
+        shared_chunks = shared_prefix_chunks(
+            num_seqs, shared.seqs.shape[1], num_kv_heads, num_sms(q.device)
+        )
+    # a power of two, for the split kernel's tl.arange over the chunks' slots
+    assert shared_chunks in (0, 1, 2, 4), shared_chunks
     num_slots = num_splits + shared_chunks
 
     # One partial is already the answer: write it straight to `out` and skip the merge.

@@ -20,6 +20,7 @@ from kernels.paged_attention import (
     paged_attention_triton,
     paged_decode_attention_triton,
     plan_extend_work,
+    shared_prefix_chunks,
     shared_prefix_seqs_per_tile,
 )
 from kernels.rotary import Rotary
@@ -135,10 +136,14 @@ def check_attention(batch: PagedBatch, dtype, num_splits=None):
 
 
 def check_decode(
-    batch: PagedBatch, dtype, num_splits: int | None, shared: SharedPrefixTiles | None = None
+    batch: PagedBatch,
+    dtype,
+    num_splits: int | None,
+    shared: SharedPrefixTiles | None = None,
+    shared_chunks: int | None = None,
 ):
-    """The decode launcher (``num_splits`` None: its own choice), reading ``shared``'s tiles when
-    given, against the reference."""
+    """The decode launcher (``num_splits`` and ``shared_chunks`` None: its own choice), reading ``shared``'s
+    tiles when given, against the reference."""
     scale = batch.q.shape[-1] ** -0.5
     m = batch.meta
     assert m.is_decode
@@ -154,6 +159,7 @@ def check_decode(
         num_splits=num_splits,
         out=out,
         shared=shared,
+        shared_chunks=shared_chunks,
     )
     err = rel_err(out, batch.ref(scale))
     assert err < TOLERANCE[dtype], err
@@ -261,12 +267,13 @@ def plan_shared(batch: PagedBatch, min_shared_len: int, dtype) -> SharedPrefixTi
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_decode_reads_shared_prefixes_once_with_the_same_result(dtype, num_splits):
+@pytest.mark.parametrize("num_splits, shared_chunks", [(1, 4), (3, 4), (3, 2), (1, 1)])
+def test_decode_reads_shared_prefixes_once_with_the_same_result(dtype, num_splits, shared_chunks):
     """Seven sequences with qwen's group of 7 (fp32 tiles hold 4 sequences, fp16 tiles 9): a group of four
-    sharing 300 positions (read in chunks of 128, 128 and 44, the fourth chunk empty; a member's own tail is
-    its one new position), a pair sharing 27 (one chunk), a loner. Neither shared length is a multiple of the
-    kernel's KV tile, so the masked tail of the tile kernel runs."""
+    sharing 300 positions (a member's own tail is its one new position), a pair sharing 27, a loner. In four
+    chunks the 300 are read as 128, 128 and 44 with the fourth chunk empty; in two as 160 and 140 (fp32's
+    32-position tiles) or 192 and 108; the 27 are one chunk and the rest empty. Neither shared length is a
+    multiple of the kernel's KV tile, so the masked tail of the tile kernel runs."""
     context_lens = [310, 305, 320, 301, 30, 33, 44]
     batch = make_batch(
         [c - 1 for c in context_lens],
@@ -282,7 +289,21 @@ def test_decode_reads_shared_prefixes_once_with_the_same_result(dtype, num_split
     shared = plan_shared(batch, min_shared_len=8, dtype=dtype)
     assert shared is not None
     assert shared.kv_starts.tolist() == [300, 300, 300, 300, 27, 27, 0]
-    check_decode(batch, dtype, num_splits, shared)
+    check_decode(batch, dtype, num_splits, shared, shared_chunks)
+
+
+def test_shared_prefix_chunks_fill_the_device_with_few_partials():
+    """The fewest chunks (1, 2, 4) that give the full tiles two programs per SM, or 4: on 132 SMs a batch of
+    1,024 with 9 sequences a tile and 2 KV heads (226 programs a chunk) takes 2; 512 and 256 take 4; with 8 KV
+    heads and 16 a tile 1,024 takes 1, 512 2 and 256 4; fewer sequences than a tile, 4."""
+    assert shared_prefix_chunks(1024, 9, 2, sms=132) == 2
+    assert shared_prefix_chunks(512, 9, 2, sms=132) == 4
+    assert shared_prefix_chunks(256, 9, 2, sms=132) == 4
+    assert shared_prefix_chunks(1024, 16, 8, sms=132) == 1
+    assert shared_prefix_chunks(512, 16, 8, sms=132) == 2
+    assert shared_prefix_chunks(256, 16, 8, sms=132) == 4
+    assert shared_prefix_chunks(8, 9, 2, sms=132) == 4
+    assert shared_prefix_chunks(7, 9, 2, sms=1) == 4  # Triton's interpreter counts one SM
 
 
 # ------------------------------------------------------------------------------------------------ extend
