@@ -19,7 +19,8 @@ per sequence (``--shared 0``) and once per group for the shared part.
 With ``--query-len Q > 1`` every sequence computes its last ``Q`` positions in one ragged prefill forward (what
 a prefill round of the engine runs when the first ``context - Q`` positions are cached): the forward is timed
 with CUDA events and profiled the same way, and its floor is its FLOPs (matmuls over the non-embedding weights,
-causal attention over the context, the output projection of one row a sequence) at ``--peak-tflops``.
+causal attention over the context, the output projection of one row a sequence) at ``--peak-tflops``: by
+default the bf16 matmul rate measured here (`bench_kernels.ceilings`, an 8,192-cube cuBLAS matmul).
 """
 
 from __future__ import annotations
@@ -120,7 +121,9 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--hbm-tbps", type=float, default=4.8)
     parser.add_argument(
-        "--peak-tflops", type=float, default=989.0, help="dense bf16/fp16 peak (H100/H200 SXM)"
+        "--peak-tflops",
+        type=float,
+        help="matmul rate of the prefill floor (default: measured, bench_kernels.ceilings)",
     )
     args = parser.parse_args()
 
@@ -146,6 +149,11 @@ def main() -> None:
         f" groups, query {args.query_len} on {torch.cuda.get_device_name()}"
     )
     if args.query_len > 1:
+        if args.peak_tflops is None:
+            from bench_kernels import ceilings  # this script's folder: benchmarks/
+
+            args.peak_tflops = ceilings()["matmul_TFLOPs"]
+            print(f"bf16 matmul rate for the floor: {args.peak_tflops:.0f} TFLOP/s (measured)")
         profile_prefill(args, model, runner, tables)
     else:
         profile_decode(args, model, runner, tables, kv)
