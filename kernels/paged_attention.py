@@ -674,8 +674,7 @@ def paged_decode_attention_triton(
     out: torch.Tensor | None = None,  # [num_seqs, num_heads, head_dim]; allocated when None
     shared: SharedPrefixTiles
     | None = None,  # read each tile's shared prefix once for all its sequences
-    shared_chunks: int
-    | None = None,  # 1, 2 or 4 per shared prefix; None: shared_prefix_chunks(...)
+    shared_chunks: int | None = None,  # 1, 2 or 4; None: shared_prefix_chunks(...)
 ) -> torch.Tensor:
     """Flash-decoding over the paged cache. No host sync and a grid fixed by (num_seqs, num_kv_heads,
     num_splits) and the number of shared-prefix tiles, so it is CUDA-graph capturable; results do not
