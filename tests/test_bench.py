@@ -89,10 +89,19 @@ def test_summary_percentiles_throughput_and_cache_counters():
         "written_through_tokens": 0,
         "loaded_bytes": 0,
         "load_seconds": 0.0,
+        "decode_forwards": 3,
+        "decode_read_bytes": 3 * 10**9,
         "free_blocks": 9,
     }
-    after = {**before, "prompt_tokens": 105, "cached_tokens": 81, "computed_prompt_tokens": 24}
-    s = summarize(records, wall_s=2.0, cache=cache_delta(before, after))
+    after = {
+        **before,
+        "prompt_tokens": 105,
+        "cached_tokens": 81,
+        "computed_prompt_tokens": 24,
+        "decode_forwards": 7,  # 4 decode steps in the run, 2 GB each at the least
+        "decode_read_bytes": 11 * 10**9,
+    }
+    s = summarize(records, wall_s=2.0, cache=cache_delta(before, after), hbm_tbps=4.0)
     assert s["requests"] == 10 and s["prompt_tokens"] == 100 and s["completion_tokens"] == 20
     assert (
         s["cached_tokens"] == 80
@@ -109,7 +118,15 @@ def test_summary_percentiles_throughput_and_cache_counters():
     assert s["output_throughput"] == pytest.approx(10.0) and s["total_throughput"] == pytest.approx(
         60.0
     )
-    assert summarize(records, 2.0, cache=None)["hit_rate"] is None
+    # the mean decode step's floor: 2 GB at 4 TB/s, 0.5 ms of the 50 ms median gap between tokens
+    assert s["decode_read_mb"] == pytest.approx(2000.0)
+    assert s["decode_floor_ms"] == pytest.approx(0.5)
+    assert s["decode_floor_of_itl"] == pytest.approx(0.01)
+    no_bandwidth = summarize(records, 2.0, cache=cache_delta(before, after))
+    assert no_bandwidth["decode_read_mb"] == pytest.approx(2000.0)
+    assert no_bandwidth["decode_floor_ms"] is None and no_bandwidth["decode_floor_of_itl"] is None
+    no_counters = summarize(records, 2.0, cache=None, hbm_tbps=4.0)
+    assert no_counters["hit_rate"] is None and no_counters["decode_floor_ms"] is None
     assert latency_ms([]) == {"mean": None, "p50": None, "p95": None, "p99": None}
 
 
@@ -263,6 +280,7 @@ def test_variants_are_the_product_of_the_comparisons():
         ["--presence-penalty", "3"],
         ["--temperature", "0.8", "--compare-backends"],
         ["--temperature", "0.8", "--backend", "hf"],
+        ["--hbm-tbps", "0"],
     ],
 )
 def test_bad_flag_combinations_exit_with_usage(flags):

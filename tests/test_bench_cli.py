@@ -49,6 +49,8 @@ def test_defaults_run_on_cpu_and_the_json_holds_every_metric(tmp_path, capsys):
             set(metrics[key]) == {"mean", "p50", "p95", "p99"} and None not in metrics[key].values()
         ), key
     assert metrics["requests"] == 32 and metrics["completion_tokens"] <= 32 * 16
+    # no bandwidth on a CPU unless given: the decode steps' bytes, no floor
+    assert metrics["decode_read_mb"] > 0 and metrics["decode_floor_ms"] is None
     assert "ttft_ms p99" in capsys.readouterr().out
 
 
@@ -76,9 +78,17 @@ def test_shared_prefix_hits_with_the_cache_and_never_without(tmp_path):
         "--output-len",
         "2",
         "--compare-no-cache",
+        "--hbm-tbps",
+        "0.5",
     )
     on, off = (run["metrics"] for run in result["runs"])
     assert on["hit_rate"] > 0.8
+    for metrics in (on, off):  # each step's floor at the given bandwidth, beside the latency
+        assert metrics["decode_floor_ms"] == pytest.approx(metrics["decode_read_mb"] / 500)
+        assert metrics["decode_floor_of_itl"] == pytest.approx(
+            metrics["decode_floor_ms"] / metrics["itl_ms"]["p50"]
+        )
+    assert result["config"]["hbm_tbps"] == 0.5
     assert (
         off["hit_rate"] == 0
         and off["cached_tokens"] == 0

@@ -106,7 +106,8 @@ def test_decode_steps_equal_prefill_logits_whatever_the_rows(device):
 def test_decode_reads_shared_prefixes_once_with_the_same_logits(device):
     """Four sequences whose tables share the 9 blocks of a 150-token prompt's first 144 positions (as the
     prefix cache lays them out), through the Triton backend (the interpreter on CPU, graphs on CUDA): the
-    planner groups them, and the decode logits equal those of the same sequences in unshared blocks."""
+    planner groups them, the decode logits equal those of the same sequences in unshared blocks, and the
+    step's floor counts the shared positions once."""
     if device == "cpu" and not _triton_env.INTERPRETED:
         pytest.skip(
             "Triton kernels take CPU tensors only in the interpreter (this machine has CUDA)"
@@ -134,6 +135,11 @@ def test_decode_reads_shared_prefixes_once_with_the_same_logits(device):
             [d + 1 for d in done],
         )
         assert runner._decode_buffers.kv_starts[:4].tolist() == [144] * 4
+        # the step's floor reads the 144 shared positions once, each sequence's own past them
+        own = sum(d + 1 - 144 for d in done)
+        assert runner.last_decode_read_bytes == (
+            runner.weight_read_bytes + (144 + own) * runner.kv.bytes_per_position
+        )
         for i, d in enumerate(done):
             torch.testing.assert_close(logits[i], ref[starts[i] + d], rtol=1e-4, atol=1e-4)
         done = [d + 1 for d in done]

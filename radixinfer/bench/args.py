@@ -175,6 +175,14 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     runs.add_argument(
         "--json", default=None, metavar="PATH", help="also write every metric as JSON to PATH"
     )
+    runs.add_argument(
+        "--hbm-tbps",
+        type=float,
+        default=None,
+        metavar="TB/S",
+        help="memory bandwidth of the decode floor the report shows beside the inter-token latency "
+        "(what a decode step reads at the least over it) [measured on a CUDA device; else no floor]",
+    )
 
     data = parser.add_argument_group("workloads")
     data.add_argument("--dataset", choices=tuple(WORKLOADS), default="fixed", help="[fixed]")
@@ -299,6 +307,8 @@ def check_bench_arguments(parser: argparse.ArgumentParser, args: argparse.Namesp
         parser.error("--backend openai compares nothing: the server's settings are its own")
     if args.gc_threshold < 0:
         parser.error("--gc-threshold must be >= 0")
+    if args.hbm_tbps is not None and not args.hbm_tbps > 0:
+        parser.error("--hbm-tbps must be > 0")
     if args.warmup_runs is None:
         args.warmup_runs = default_warmup_runs(args)
     if args.warmup_runs < 0 or args.repeat_runs < 1:

@@ -101,6 +101,8 @@ CACHE_COUNTERS = (
     "written_through_tokens",
     "loaded_bytes",
     "load_seconds",
+    "decode_forwards",
+    "decode_read_bytes",
 )
 
 
@@ -133,14 +135,20 @@ def _reported_cache(records: Sequence[RequestRecord], prompt_tokens: int) -> dic
     return counters
 
 
-def summarize(records: Sequence[RequestRecord], wall_s: float, cache: dict | None) -> dict:
+def summarize(
+    records: Sequence[RequestRecord],
+    wall_s: float,
+    cache: dict | None,
+    hbm_tbps: float | None = None,
+) -> dict:
     """The reported metrics of one or more measured runs (records pooled, wall times summed).
 
     ``cache`` holds the engine's counter deltas over those runs. Without it (a server's counters are
     its own), cached and computed tokens and the hit rate come from the records' ``cached_tokens``
     when every record has them (a server that reports them in its usage), else they are None.
     ``clock_s``: the first submit and the last token, in ``time.perf_counter`` seconds (one clock for
-    every process of a Linux machine: a run lines up with an engine's step trace by it).
+    every process of a Linux machine: a run lines up with an engine's step trace by it). The mean decode
+    step's floor at ``hbm_tbps`` comes from the counters (`decode_floor`).
     """
     prompt_tokens = sum(r.prompt_len for r in records)
     completion_tokens = sum(len(r.token_ids) for r in records)
@@ -148,6 +156,7 @@ def summarize(records: Sequence[RequestRecord], wall_s: float, cache: dict | Non
     if cache is None:
         cache = _reported_cache(records, prompt_tokens)
     cached = cache["cached_tokens"] if cache else None
+    itl_ms = latency_ms(gap for r in timed for gap in r.itls)
     return {
         "requests": len(records),
         "prompt_tokens": prompt_tokens,
@@ -168,13 +177,34 @@ def summarize(records: Sequence[RequestRecord], wall_s: float, cache: dict | Non
         else None,
         "ttft_ms": latency_ms(r.ttft for r in timed),
         "tpot_ms": latency_ms(t for t in (r.tpot for r in timed) if t is not None),
-        "itl_ms": latency_ms(gap for r in timed for gap in r.itls),
+        "itl_ms": itl_ms,
+        **decode_floor(cache, itl_ms["p50"], hbm_tbps),
         "e2e_ms": latency_ms(r.e2e for r in timed),
         "output_throughput": completion_tokens / wall_s if wall_s > 0 else None,
         "total_throughput": (prompt_tokens + completion_tokens) / wall_s if wall_s > 0 else None,
         "request_throughput": len(records) / wall_s if wall_s > 0 else None,
         "wall_s": wall_s,
         "clock_s": _clock(records),
+    }
+
+
+def decode_floor(
+    cache: dict | None, itl_p50_ms: float | None, hbm_tbps: float | None
+) -> dict[str, float | None]:
+    """From a run's engine counter deltas (``cache``: None for a backend without them): the bytes the
+    mean decode step read at the least (``decode_read_mb``, `radixinfer.engine.decode_bytes`), that over
+    the memory bandwidth ``hbm_tbps`` (``decode_floor_ms``) and the floor's share of the inter-token
+    latency's median (``decode_floor_of_itl``): how close decoding runs to what the memory allows, a
+    regression visible at a glance. None where unknown."""
+    steps = cache.get("decode_forwards") if cache else None
+    if not steps or cache.get("decode_read_bytes") is None:
+        return dict.fromkeys(("decode_read_mb", "decode_floor_ms", "decode_floor_of_itl"))
+    step_bytes = cache["decode_read_bytes"] / steps
+    floor_ms = step_bytes / (hbm_tbps * 1e9) if hbm_tbps else None
+    return {
+        "decode_read_mb": step_bytes / 1e6,
+        "decode_floor_ms": floor_ms,
+        "decode_floor_of_itl": floor_ms / itl_p50_ms if floor_ms and itl_p50_ms else None,
     }
 
 

@@ -103,6 +103,10 @@ def _rows(metrics: dict) -> list[tuple[str, str]]:
     ]
     rows += [(f"{key} (/s)", format_value(metrics[key], 1)) for key in THROUGHPUTS]
     rows.append(("wall_s", format_value(metrics["wall_s"], 3)))
+    # what the mean decode step read at the least, over the memory bandwidth (`decode_floor`)
+    rows.append(("decode step reads MB", format_value(metrics["decode_read_mb"], 1)))
+    rows.append(("decode step floor ms", format_value(metrics["decode_floor_ms"], 3)))
+    rows.append(("floor / itl_ms p50", format_value(metrics["decode_floor_of_itl"], 3)))
     return rows
 
 

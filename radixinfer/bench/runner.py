@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from radixinfer.bench.backends import Backend, open_radixinfer
+from radixinfer.bench.bandwidth import measure_memory_tbps
 from radixinfer.bench.client_processes import ClientProcesses
 from radixinfer.bench.hf import HFBackend, export_checkpoint
 from radixinfer.bench.metrics import (
@@ -172,17 +173,20 @@ class _Arm:
             (records, wall, cache_delta(before, self.backend.cache_stats()), gc_pauses)
         )
 
-    def result(self) -> dict:
-        """The pooled summary and, with several measured runs, each run's own (in round order)."""
+    def result(self, hbm_tbps: float | None) -> dict:
+        """The pooled summary and, with several measured runs, each run's own (in round order);
+        decode floors at ``hbm_tbps`` (None: none)."""
         runs = self.runs
         pooled = summarize(
             [r for records, _, _, _ in runs for r in records],
             sum(w for _, w, _, _ in runs),
             add_cache_deltas([c for _, _, c, _ in runs]),
+            hbm_tbps,
         )
         pooled["gc_pauses"] = gc_pause_summary([p for *_, pauses in runs for p in pauses.pauses_ms])
         repeats = [
-            {**summarize(*run[:3]), "gc_pauses": gc_pause_summary(run[3].pauses_ms)} for run in runs
+            {**summarize(*run[:3], hbm_tbps), "gc_pauses": gc_pause_summary(run[3].pauses_ms)}
+            for run in runs
         ]
         return {
             "label": self.variant.label,
@@ -219,7 +223,7 @@ def measure(
     for r, order in enumerate(round_orders(len(arms), args.repeat_runs)):
         for i in order:
             arms[i].measure(args, f"run {r + 1}/{args.repeat_runs}")
-    return [arm.result() for arm in arms]
+    return [arm.result(args.hbm_tbps) for arm in arms]
 
 
 def open_backend(
@@ -296,6 +300,10 @@ def run_bench(args: argparse.Namespace) -> dict:
     # differently each time), so the others must have room for the same pool.
     share = args.gpu_memory_utilization / len(variants)
     num_blocks = args.num_blocks
+    device = torch.device(args.device)
+    if args.hbm_tbps is None and device.type == "cuda":
+        if any(v.backend == "radixinfer" for v in variants):  # the one whose counters give floors
+            args.hbm_tbps = measure_memory_tbps(device)
     with tempfile.TemporaryDirectory(prefix="radixinfer-bench-") as tmp:
         model = args.model
         if model in PRESET_NAMES and any(v.backend == "hf" for v in variants):

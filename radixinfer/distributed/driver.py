@@ -80,6 +80,10 @@ class TensorParallelRunner:
         return self.local.prefill_max_seqs
 
     @property
+    def last_decode_read_bytes(self) -> int:
+        return self.local.last_decode_read_bytes
+
+    @property
     def worker_pids(self) -> list[int]:
         """The process ids of the workers this process started (none under torchrun)."""
         return list(self._group.worker_pids)

@@ -54,6 +54,8 @@ class EngineCounters:
     recomputed_tokens: int = 0  # rows computed again after a preemption (prompt and generated)
     prefill_forwards: int = 0
     decode_forwards: int = 0
+    # what those decode forwards had to read at the least (`radixinfer.engine.decode_bytes`)
+    decode_read_bytes: int = 0
     preemptions: int = 0
 
     def count_admission(self, req: Request, num_cached_tokens: int, num_loaded: int = 0) -> None:
@@ -130,4 +132,5 @@ def cache_stats(
         "preemptions": c.preemptions,
         "prefill_forwards": c.prefill_forwards,
         "decode_forwards": c.decode_forwards,
+        "decode_read_bytes": c.decode_read_bytes,
     }

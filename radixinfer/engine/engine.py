@@ -298,6 +298,7 @@ class LLMEngine:
             )  # fmt: skip
             self.cache.mark_written()
             self.counters.decode_forwards += 1
+            self.counters.decode_read_bytes += self.runner.last_decode_read_bytes
             batch.tokens = self._sample_and_launch(batch.reqs, logits, batch.logprob_rows, batch)
             batch.left -= 1
         self.output.read_back(previous, events)

@@ -34,6 +34,12 @@ class KVStore:
         else:
             self._copy = copy_blocks_ref
 
+    @property
+    def bytes_per_position(self) -> int:
+        """Bytes of one position's K and V over every layer."""
+        layers, _, _, heads, dim = self.k.shape
+        return self.bytes_per_block(layers, 1, heads, dim, self.k.dtype)
+
     @staticmethod
     def bytes_per_block(
         num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype

@@ -25,6 +25,7 @@ from radixinfer.engine.cuda_graphs import (
     graph_batch_sizes,
     prefill_graph_token_counts,
 )
+from radixinfer.engine.decode_bytes import decode_kv_positions, decode_weight_bytes
 from radixinfer.engine.kv_store import KVStore
 from radixinfer.engine.memory import DeviceMemory, ProfiledMemory
 from radixinfer.engine.sampler import Sampler
@@ -91,6 +92,8 @@ class ModelRunner:
             self._prefill_sizes[-1], prefill_max_seqs, self.table_width
         )
         self.graphs = StepGraphs(device)
+        self.weight_read_bytes = decode_weight_bytes(model)
+        self.last_decode_read_bytes = 0  # the last decode step's floor in bytes (`decode_bytes`)
         if use_cuda_graphs is None:
             use_cuda_graphs = device.type == "cuda"
         self.use_cuda_graphs = use_cuda_graphs
@@ -281,6 +284,10 @@ class ModelRunner:
             > 0
         )
         buf.upload()
+        tiles = (buf.kv_starts[:n], buf.tile_lens) if shared else ()
+        self.last_decode_read_bytes = self.weight_read_bytes + self.kv.bytes_per_position * (
+            decode_kv_positions(buf.context_lens[:n], *tiles)
+        )
         if carried is not None:
             ids = buf.dev64[0, :n]
             if carried_rows is None:
