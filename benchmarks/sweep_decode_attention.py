@@ -63,12 +63,12 @@ def main() -> None:
     )
     args = parser.parse_args()
     dtype, n = torch.bfloat16, args.batch
-    HEADS, KV_HEADS, HEAD_DIM, LAYERS = MODELS[args.model]  # noqa: N806
+    heads, kv_heads, head_dim, layers = MODELS[args.model]
     tables = sorted(
         block_tables(n, args.context, args.shared, args.groups, BLOCK_SIZE), key=lambda t: t[0]
     )
     num_blocks = max(max(t) for t in tables) + 1
-    k = torch.randn(LAYERS, num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, device="cuda", dtype=dtype)
+    k = torch.randn(layers, num_blocks, BLOCK_SIZE, kv_heads, head_dim, device="cuda", dtype=dtype)
     v = torch.randn_like(k)
     host_tables = np.zeros((n, max(map(len, tables))), np.int32)
     for i, t in enumerate(tables):
@@ -78,7 +78,7 @@ def main() -> None:
     def plan_tiles() -> tuple[pa.SharedPrefixTiles, int]:
         """The engine planner's tiles for the kernel's current shape, and how many are used."""
         planner = SharedPrefixPlanner(
-            BLOCK_SIZE, pa.shared_prefix_seqs_per_tile(HEADS, KV_HEADS, dtype)
+            BLOCK_SIZE, pa.shared_prefix_seqs_per_tile(heads, kv_heads, dtype)
         )
         max_tiles = planner.max_tiles(n)
         tile_seqs = np.zeros((max_tiles, planner.seqs_per_tile), np.int32)
@@ -92,12 +92,12 @@ def main() -> None:
         torch.from_numpy(host_tables).cuda(),
         torch.from_numpy(context_lens).cuda(),
     )
-    q = torch.randn(n, HEADS, HEAD_DIM, device="cuda", dtype=dtype)
+    q = torch.randn(n, heads, head_dim, device="cuda", dtype=dtype)
     out = torch.empty_like(q)
 
     def replay_us(tiles: pa.SharedPrefixTiles | None, chunks: int | None = None) -> float:
         def step() -> None:
-            for layer in range(LAYERS):
+            for layer in range(layers):
                 pa.paged_decode_attention_triton(
                     q,
                     k[layer],
@@ -105,7 +105,7 @@ def main() -> None:
                     tables_dev,
                     lens_dev,
                     args.context,
-                    HEAD_DIM**-0.5,
+                    head_dim**-0.5,
                     out=out,
                     shared=tiles,
                     shared_chunks=chunks,
@@ -131,7 +131,7 @@ def main() -> None:
 
     print(
         f"{torch.cuda.get_device_name()}: batch {n}, context {args.context}, {args.groups} groups sharing "
-        f"{args.shared} positions ({used} tiles); {LAYERS} layers' decode attention per graph replay, us"
+        f"{args.shared} positions ({used} tiles); {layers} layers' decode attention per graph replay, us"
     )
     if args.shared_tiles:
         default_tiles = pa._shared_prefix_config
@@ -146,7 +146,7 @@ def main() -> None:
             )
         pa._shared_prefix_config = default_tiles
         sms = num_sms(torch.device("cuda"))
-        chunks = pa.shared_prefix_chunks(n, shared.seqs.shape[1], KV_HEADS, sms)
+        chunks = pa.shared_prefix_chunks(n, shared.seqs.shape[1], kv_heads, sms)
         print(
             f"default {default_tiles(dtype)}, chunks {chunks}: shared prefix {replay_us(shared):6.0f}"
         )
@@ -162,7 +162,7 @@ def main() -> None:
         )
     pa._decode_config = default
     print(
-        f"default {default(HEAD_DIM, dtype)}: shared prefix {replay_us(shared):6.0f}  "
+        f"default {default(head_dim, dtype)}: shared prefix {replay_us(shared):6.0f}  "
         f"whole contexts {replay_us(None):6.0f}"
     )
 
