@@ -172,6 +172,9 @@ def test_metrics_move_by_what_the_requests_did(server, client):
     assert moved("radixinfer_time_to_first_token_seconds_count") == 2
     assert moved("radixinfer_e2e_request_latency_seconds_count") == 2
     assert moved("radixinfer_inter_token_latency_seconds_count") == 8  # 4 gaps each
+    # one request at a time: 4 decode steps each after the prefill's token, each reading the weights
+    assert moved("radixinfer_decode_steps_total") == 8
+    assert moved("radixinfer_decode_read_bytes_total") > 8 * 1e6
     assert (
         after["radixinfer_num_requests_running"] == 0
         and after["radixinfer_num_requests_waiting"] == 0

@@ -14,6 +14,9 @@ Counters and gauges:
 - ``radixinfer_kv_blocks_used`` (held by requests or the prefix cache),
   ``radixinfer_kv_blocks_free``: gauges
 - ``radixinfer_preemptions_total``: requests preempted under memory pressure
+- ``radixinfer_decode_steps_total``, ``radixinfer_decode_read_bytes_total``: decode forwards run, and
+  what they had to read from device memory at the least (`radixinfer.engine.decode_bytes`): their rate
+  over the device's bandwidth is the share of the time decoding could not go below
 - ``radixinfer_prefix_cache_gpu_hit_tokens_total`` / ``..._host_hit_tokens_total``: of the hit
   tokens, read where they were in the KV pool / loaded back from the host KV tier;
   ``radixinfer_host_cache_loaded_tokens_total`` / ``..._offloaded_tokens_total`` /
@@ -101,6 +104,12 @@ class _EngineCollector:
         yield _gauge("radixinfer_kv_blocks_free", "KV blocks free", s["free_blocks"])
         yield _counter(
             "radixinfer_preemptions", "requests preempted under memory pressure", s["preemptions"]
+        )
+        yield _counter("radixinfer_decode_steps", "decode forwards run", s["decode_forwards"])
+        yield _counter(
+            "radixinfer_decode_read_bytes",
+            "bytes the decode forwards had to read from device memory at the least",
+            s["decode_read_bytes"],
         )
         yield _counter(
             "radixinfer_prefix_cache_gpu_hit_tokens",
