@@ -34,10 +34,11 @@ With ``--model NAME`` on CUDA the same decode batches run on a real model (`api.
 of 600 tokens) and the GPU time of each step's decode graph replay and `sample` call is taken with CUDA events;
 ``host_us`` = step - those two, i.e. the host time not hidden behind the GPU (host work between the replay and
 the ``.tolist()`` sync overlaps it). The decode floor is (weight bytes + KV bytes the step reads) /
-``--hbm-tbps`` (measured by `bench_kernels.ceilings` when not given); with ``--tensor-parallel-size N``
-the model is sharded over N GPUs, the times are rank 0's (its graph holds the all-reduces) and the
-weights and KV are rank 0's shard: the floor per GPU. The fraction achieved is that floor over
-the graph's GPU time and over the whole step.
+``--hbm-tbps`` (measured by `bench_kernels.ceilings` when not given), the weights those a step reads
+whole (`radixinfer.engine.decode_bytes`: an untied input embedding is only looked up, not counted);
+with ``--tensor-parallel-size N`` the model is sharded over N GPUs, the times are rank 0's (its graph
+holds the all-reduces) and the weights and KV are rank 0's shard: the floor per GPU. The fraction
+achieved is that floor over the graph's GPU time and over the whole step.
 """
 
 from __future__ import annotations
@@ -408,13 +409,6 @@ def bench_admit(
 
 
 # ---------------------------------------------------------------------------------------------- a real model (CUDA)
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the model's distinct parameters (a tied embedding counts once: the output projection reads it
-    whole every step)."""
-    unique = {p.data_ptr(): p for p in model.parameters()}
-    return sum(p.numel() * p.element_size() for p in unique.values())
-
-
 def bench_model_decode(
     engine: LLMEngine,
     batch: int,
@@ -437,13 +431,9 @@ def bench_model_decode(
     context_end = np.mean([len(r.prompt_ids) + len(r.output_ids) for r in running])
     assert all(r.finish_reason is None for r in running), "a request ended early"
     abort_all(engine, ids)
-    model = engine.runner.model
-    kv = engine.runner.kv.k
-    kv_bytes_per_token = (
-        2 * model.num_layers * model.num_kv_heads * model.head_dim * kv.element_size()
-    )
+    kv_bytes_per_token = engine.runner.kv.bytes_per_position
     mean_context = (context_start + context_end) / 2
-    floor_bytes = weight_bytes(model) + batch * mean_context * kv_bytes_per_token
+    floor_bytes = engine.runner.weight_read_bytes + batch * mean_context * kv_bytes_per_token
     floor_us = floor_bytes / (hbm_tbps * 1e12) * 1e6
     step_us = median_us(clean)
     gpu_us, sample_us = timer.median_us("forward"), timer.median_us("sample")

@@ -35,6 +35,7 @@ from collections import defaultdict
 import torch
 
 from radixinfer.attention import get_backend
+from radixinfer.engine.decode_bytes import decode_weight_bytes
 from radixinfer.engine.kv_store import KVStore
 from radixinfer.engine.model_runner import ModelRunner
 from radixinfer.models import load_model
@@ -225,7 +226,7 @@ def profile_decode(
     eager_us = sum(t for t, _ in per_kernel.values())
     kernels = sum(c for _, c in per_kernel.values())
 
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    weight_bytes = decode_weight_bytes(model)
     per_pos = 2 * model.num_layers * model.num_kv_heads * model.head_dim * kv.k.element_size()
     kv_unique = n * args.context * per_pos
     kv_shared = (args.groups * args.shared + n * (args.context - args.shared)) * per_pos

@@ -80,6 +80,10 @@ class TensorParallelRunner:
         return self.local.prefill_max_seqs
 
     @property
+    def weight_read_bytes(self) -> int:
+        return self.local.weight_read_bytes
+
+    @property
     def last_decode_read_bytes(self) -> int:
         return self.local.last_decode_read_bytes
 
