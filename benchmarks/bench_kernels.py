@@ -44,6 +44,7 @@ from kernels.paged_attention import (  # noqa: E402
 )
 from kernels.rotary import Rotary  # noqa: E402
 from kernels.store_kv import store_kv_triton  # noqa: E402
+from radixinfer.bench.bandwidth import memory_rates  # noqa: E402
 
 DTYPE = torch.bfloat16
 BLOCK_SIZE = 16
@@ -81,12 +82,10 @@ def graph_ms(calls: list[Callable[[], object]], rep_ms: int = 100) -> float:
 
 
 def ceilings() -> dict:
-    """HBM bandwidth (the better of a copy, bytes read + written, and a sum, bytes read) and the bf16
-    matmul rate, measured on random data."""
-    x = torch.randn(1 << 30, device="cuda", dtype=DTYPE)  # 2 GiB
-    y = torch.empty_like(x)
-    copy_tbs = 2 * x.numel() * x.element_size() / median_ms(lambda: y.copy_(x)) / 1e9
-    read_tbs = x.numel() * x.element_size() / median_ms(lambda: x.sum(dtype=torch.float32)) / 1e9
+    """HBM bandwidth (the better of a copy, bytes read + written, and a sum, bytes read: the bench's
+    own probe, `radixinfer.bench.bandwidth.memory_rates`) and the bf16 matmul rate, measured on
+    random data."""
+    copy_tbs, read_tbs = (rate / 1e12 for rate in memory_rates(torch.device("cuda")))
     a, b = (torch.randn(8192, 8192, device="cuda", dtype=DTYPE) for _ in range(2))
     matmul_tflops = 2 * 8192**3 / median_ms(lambda: a @ b) / 1e9
     return {

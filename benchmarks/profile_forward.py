@@ -35,6 +35,7 @@ from collections import defaultdict
 import torch
 
 from radixinfer.attention import get_backend
+from radixinfer.bench.bandwidth import cuda_median_s
 from radixinfer.engine.decode_bytes import decode_weight_bytes
 from radixinfer.engine.kv_store import KVStore
 from radixinfer.engine.model_runner import ModelRunner
@@ -55,19 +56,6 @@ def block_tables(
         next_block += len(own)
         tables.append(list(range(g * shared_blocks, (g + 1) * shared_blocks)) + own)
     return tables
-
-
-def cuda_time_us(fn, iters: int) -> float:
-    """Median GPU time of ``fn()`` over ``iters`` calls, CUDA events around each."""
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
 
 
 def kernel_times(fn, reps: int = 3) -> dict[str, list[float]]:
@@ -174,7 +162,7 @@ def profile_prefill(
 
     forward()
     torch.cuda.synchronize()
-    us = cuda_time_us(forward, args.iters)
+    us = cuda_median_s(forward, args.iters) * 1e6
     launch_us = []  # host time to enqueue the forward, the device idle before it
     for _ in range(args.iters):
         torch.cuda.synchronize()
@@ -218,7 +206,7 @@ def profile_decode(
     torch.cuda.synchronize()
     # both variants replay on the same buffers: the plain one ignores the planned tiles
     graph_us = {
-        variant: cuda_time_us(graph.replay, args.iters)
+        variant: cuda_median_s(graph.replay, args.iters) * 1e6
         for (size, variant), (graph, _) in runner.graphs.decode.items()
         if size == n
     }
@@ -227,7 +215,7 @@ def profile_decode(
     kernels = sum(c for _, c in per_kernel.values())
 
     weight_bytes = decode_weight_bytes(model)
-    per_pos = 2 * model.num_layers * model.num_kv_heads * model.head_dim * kv.k.element_size()
+    per_pos = kv.bytes_per_position
     kv_unique = n * args.context * per_pos
     kv_shared = (args.groups * args.shared + n * (args.context - args.shared)) * per_pos
     floor = lambda b: b / (args.hbm_tbps * 1e6)  # noqa: E731  bytes -> µs
