@@ -196,8 +196,10 @@ def decode_floor(
     the memory bandwidth ``hbm_tbps`` (``decode_floor_ms``) and the floor's share of the inter-token
     latency's median (``decode_floor_of_itl``): how close decoding runs to what the memory allows, a
     regression visible at a glance. None where unknown."""
-    steps = cache["decode_forwards"] if cache else None
-    if not steps or cache["decode_read_bytes"] is None:
+    steps = (
+        cache["decode_forwards"] if cache else None
+    )  # None too where a server reported the cache
+    if not steps:
         return dict.fromkeys(("decode_read_mb", "decode_floor_ms", "decode_floor_of_itl"))
     step_bytes = cache["decode_read_bytes"] / steps
     floor_ms = step_bytes / (hbm_tbps * 1e9) if hbm_tbps else None
