@@ -196,9 +196,8 @@ def decode_floor(
     the memory bandwidth ``hbm_tbps`` (``decode_floor_ms``) and the floor's share of the inter-token
     latency's median (``decode_floor_of_itl``): how close decoding runs to what the memory allows, a
     regression visible at a glance. None where unknown."""
-    steps = (
-        cache["decode_forwards"] if cache else None
-    )  # None too where a server reported the cache
+    # no counters, or None (a cache a server reported has no decode counters), or no decode step
+    steps = cache["decode_forwards"] if cache else None
     if not steps:
         return dict.fromkeys(("decode_read_mb", "decode_floor_ms", "decode_floor_of_itl"))
     step_bytes = cache["decode_read_bytes"] / steps
