@@ -1,21 +1,23 @@
 """The skinny GEMM (`kernels/skinny_gemm.py`) against cuBLAS (``F.linear``) at 1-4 tokens.
 
-    python benchmarks/bench_skinny_gemm.py [--json PATH] [--tokens 1 2 4] [--models ...] [--sweep [near|wide]]
+    python benchmarks/bench_skinny_gemm.py [--json PATH] [--tokens 1 2 4] [--models ...] [--sweep]
     python benchmarks/bench_skinny_gemm.py --list     # the cases, configs and the rule's choice, no GPU
 
-Needs CUDA (but ``--list``). Shapes are the real per-rank shapes of the models' four matmuls at tensor
-parallelism 1 and 2 (column-parallel qkv and gate_up halve N, row-parallel o_proj and down_proj halve K),
-bf16, without bias (qwen2.5's qkv bias is a few KB). For each shape and token count it times:
+Needs CUDA (but ``--list``). Shapes are the real per-rank shapes of the models' four matmuls and their
+output projection (``lm_head``, one a step) at tensor parallelism 1 and 2 (column-parallel qkv, gate_up and
+the vocabulary-parallel lm_head halve N, row-parallel o_proj and down_proj halve K), bf16, without bias
+(qwen2.5's qkv bias is a few KB). For each shape and token count it times:
 
 - ``cublas``: ``F.linear``;
-- ``skinny``: the Triton kernel with `skinny_config`'s launch shape;
-- ``--sweep``: also block_n 4, 8 and 16 (each with the most K that `REDUCE_PRODUCTS` allows) on 4 and 8
-  warps, and prints the best (``best``, ``best config`` as block_m/block_n/block_k/warps/stages);
-  ``--sweep wide``: block_n 4 to 32, K tiles of 256 to 2,048, 1 to 3 stages instead (what says that no
-  launch shape makes it win on large weights).
+- ``skinny``: the Triton kernel with `skinny_config`'s launch shape (block_m/block_n/block_k/warps);
+- ``--sweep``: also weight tiles of 1 to 16 columns by 512 to 4,096 of K at the first token count, and
+  the 8 fastest of those at the others, and prints the best (``best``, ``best config``; the JSON has
+  every time).
 
 ``rule``: which of the two the engine's layers run there (`radixinfer.models.layers.skinny_gemm_suits`:
-at most 4 tokens and a latency-bound weight; ``RADIXINFER_SKINNY_GEMM=0`` makes it cuBLAS everywhere).
+at most 2 tokens on at most 64 MiB of weight; ``RADIXINFER_SKINNY_GEMM=0`` makes it cuBLAS everywhere).
+The engine computes the output projection with ``torch.mm`` (cuBLAS) whatever the rule says: its row is
+for comparison.
 
 Each time is one CUDA graph of back-to-back calls, each on a different copy of the weight (enough copies
 to pass 3x the L2, so every call reads its weight from HBM, as a decode step reading every layer once does),
@@ -43,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_kernels import ceilings, graph_ms, table  # noqa: E402  (this script's folder)
 
 from kernels.device import num_sms  # noqa: E402
-from kernels.skinny_gemm import REDUCE_PRODUCTS, GemmConfig, linear_triton, skinny_config  # noqa: E402
+from kernels.skinny_gemm import GemmConfig, linear_triton, skinny_config  # noqa: E402
 from radixinfer.distributed.group import TensorParallel  # noqa: E402
 from radixinfer.models import layers  # noqa: E402
 from radixinfer.models.parallel import AttentionShards, OutputShard  # noqa: E402
@@ -82,37 +84,31 @@ def model_shapes(name: str, tp_size: int) -> list[Shape]:
         "gate_up": (2 * inter, hidden),
         "down_proj": (hidden, inter),
     }
-    return [Shape(name, tp_size, layer, n, k, num_layers) for layer, (n, k) in sizes.items()]
+    shapes = [Shape(name, tp_size, layer, n, k, num_layers) for layer, (n, k) in sizes.items()]
+    vocab_rows = -(-config.vocab_size // tp_size)
+    return shapes + [Shape(name, tp_size, "lm_head", vocab_rows, hidden, 1)]
 
 
 def rule_runs_skinny(shape: Shape, m: int) -> bool:
     """What the engine's layers run for this matmul (a bf16 batch on CUDA)."""
-    return layers.SKINNY_GEMM and layers.skinny_gemm_suits(m, shape.weight_bytes)
+    return (
+        shape.layer != "lm_head"
+        and layers.SKINNY_GEMM
+        and layers.skinny_gemm_suits(m, shape.weight_bytes)
+    )
 
 
-def sweep_configs(m: int, n: int, k: int, sms: int, wide: bool = False) -> list[GemmConfig]:
-    """The rule's config and its neighbours: block_n 4, 8 or 16, each with the most K that
-    `REDUCE_PRODUCTS` allows, on 4 and 8 warps. ``wide``: instead, block_n 4 to 32 with K tiles of 256
-    to 2,048 (up to twice `REDUCE_PRODUCTS` products), on 4 and 8 warps, in 1 to 3 stages."""
-    rule = skinny_config(m, n, k, sms)
-    bm = rule.block_m
-    if wide:
-        configs = {
-            GemmConfig(bm, bn, bk, warps, stages)
-            for bn in (4, 8, 16, 32)
-            for bk in (256, 512, 1024, 2048)
-            for warps in (4, 8)
-            for stages in (1, 2, 3)
-            if bm * bn * bk <= 2 * REDUCE_PRODUCTS
-        }
-        return sorted(configs | {rule})
-    most_k = min(4096, triton.next_power_of_2(k))
-    configs = {
-        GemmConfig(bm, bn, min(most_k, REDUCE_PRODUCTS // (bm * bn)), warps, 1)
-        for bn in (4, 8, 16)
-        for warps in (4, 8)
-    }
-    return sorted(configs | {rule})
+def sweep_configs(m: int, k: int) -> list[GemmConfig]:
+    """Launch shapes around the rule's: weight tiles of 1 to 16 columns by 512 to 4,096 of K, 4,096 to
+    16,384 weights (4 warps up to 8,192, 8 above)."""
+    bm = triton.next_power_of_2(m)
+    top_k = max(16, triton.next_power_of_2(k))
+    return sorted(
+        GemmConfig(bm, bn, bk, 4 if bn * bk <= 8192 else 8)
+        for bn in (1, 2, 4, 8, 16)
+        for bk in (512, 1024, 2048, 4096)
+        if bk <= top_k and 4096 <= bn * bk <= 16384
+    )
 
 
 def weight_copies(shape: Shape, l2_bytes: int) -> list[torch.Tensor]:
@@ -124,13 +120,20 @@ def weight_copies(shape: Shape, l2_bytes: int) -> list[torch.Tensor]:
     ]
 
 
-def graph_us(fn, x: torch.Tensor, weights: list[torch.Tensor]) -> float:
+def graph_us(fn, x: torch.Tensor, weights: list[torch.Tensor], rep_ms: int = 20) -> float:
     """Median microseconds per call of ``fn(x, w)`` over ``weights``, replayed as one CUDA graph."""
-    return graph_ms([lambda w=w: fn(x, w) for w in weights], rep_ms=20) * 1e3
+    return graph_ms([lambda w=w: fn(x, w) for w in weights], rep_ms=rep_ms) * 1e3
+
+
+def skinny_us(
+    x: torch.Tensor, weights: list[torch.Tensor], config: GemmConfig, rep_ms: int
+) -> float:
+    """`graph_us` of the skinny GEMM at ``config``."""
+    return graph_us(lambda x, w: linear_triton(x, w, config=config), x, weights, rep_ms)
 
 
 def cfg_name(c: GemmConfig) -> str:
-    return "/".join(str(v) for v in c)
+    return "/".join(str(int(v)) for v in c)
 
 
 def bench_shape(
@@ -139,15 +142,20 @@ def bench_shape(
     weights = weight_copies(shape, l2_bytes)
     floor_us = shape.weight_bytes / hbm_tbs / 1e6
     rows = []
+    fastest: list[GemmConfig] = []  # the first token count's launch shapes, fastest first
     for m in tokens:
         x = torch.randn(m, shape.k, device="cuda", dtype=DTYPE)
         cublas = graph_us(F.linear, x, weights)
         config = skinny_config(m, shape.n, shape.k, sms)
-        configs = sweep_configs(m, shape.n, shape.k, sms, sweep == "wide") if sweep else [config]
-        times = {
-            c: graph_us(lambda x, w, c=c: linear_triton(x, w, config=c), x, weights)
-            for c in configs
-        }
+        if sweep and not fastest:
+            configs = sorted(set(sweep_configs(m, shape.k)) | {config})
+        elif sweep:  # the first token count's fastest 8, at this block_m
+            bm = triton.next_power_of_2(m)
+            configs = sorted({c._replace(block_m=bm) for c in fastest[:8]} | {config})
+        else:
+            configs = [config]
+        times = {c: skinny_us(x, weights, c, 10 if sweep else 20) for c in configs}
+        fastest = fastest or sorted(times, key=times.get)
         skinny = times[config]
         row = {
             "model": shape.model, "tp": shape.tp, "layer": shape.layer, "N": shape.n, "K": shape.k,
@@ -158,6 +166,7 @@ def bench_shape(
         if sweep:
             best = min(times, key=times.get)
             row |= {"best us": times[best], "best config": cfg_name(best)}
+            row["all"] = {cfg_name(c): t for c, t in sorted(times.items(), key=lambda ct: ct[1])}
         rows.append(row)
     print(f"  {shape.model} tp{shape.tp} {shape.layer}: done", file=sys.stderr, flush=True)
     del weights
@@ -192,10 +201,8 @@ def main() -> None:
     parser.add_argument("--list", action="store_true", help="print the cases and configs and exit")
     parser.add_argument(
         "--sweep",
-        nargs="?",
-        const="near",
-        choices=["near", "wide"],
-        help="also time the rule's neighbours (wide: 78 launch shapes at one token; slow)",
+        action="store_true",
+        help="also time the rule's neighbours at the first token count, and the 8 fastest at the others",
     )
     args = parser.parse_args()
     shapes = [s for name in args.models for tp in args.tp for s in model_shapes(name, tp)]
@@ -221,7 +228,7 @@ def main() -> None:
         for r in bench_shape(s, args.tokens, ceil["hbm_TBps"], props.L2_cache_size, sms, args.sweep)
     ]
     print("\n## per matmul (bf16; config: block_m/block_n/block_k/warps/stages)\n")
-    print(table([{c: v for c, v in r.items() if c != "layers"} for r in rows]))
+    print(table([{c: v for c, v in r.items() if c not in ("layers", "all")} for r in rows]))
     totals = step_totals(rows)
     print(
         "\n## a decode step's linear layers (every layer's four matmuls; lm head not included):"

@@ -2,25 +2,31 @@
 ``M <= MAX_REDUCE_M``, and ``W`` ``[N, K]`` row-major (nn.Linear's layout).
 
 At a few tokens the matmul reads its weight once and does almost no arithmetic, so its floor is the weight's
-bytes over the HBM bandwidth. On small weights cuBLAS stays far from that floor: on an H200 it takes ~4.3 us
-for qwen2.5-0.5b's 2 MB qkv projection, whose bytes read in ~0.5 us, so such a launch is latency-bound.
-Here each program owns ``BLOCK_N`` output columns for every token and walks K once, so the weight streams
-through in one pass, each row read contiguously, and the products are multiply-adds on the CUDA cores, summed
-over K once at the end (a tensor-core tile would be at least 16 rows of padding)::
+bytes over the HBM bandwidth. cuBLAS stays well above that floor at these shapes: on an H200 each call costs
+~7 us beyond its bytes (qwen2.5-0.5b's 2 MB qkv projection takes ~4.2 us for 0.5 us of reads, llama-3.1-8b's
+50 MB one 19 us for 12). Here the weight is cut into tiles of ``BLOCK_N`` rows (output columns) by
+``BLOCK_K`` of K, and a *persistent* grid, as many programs as the SMs hold at once, walks them::
 
-    x [M, K]  (all rows, BLOCK_K at a time: tiny, stays in L1/L2)
-    W [N, K]  ---- program p reads rows [p * BLOCK_N, (p + 1) * BLOCK_N), all of K --->  y[:, those columns]
+    W [N, K]   column block c = rows [c * BLOCK_N, (c + 1) * BLOCK_N), read BLOCK_K at a time
+    program p: column blocks p, p + P, p + 2P, ... (P programs), each over all of K, as one run of steps;
+               every step loads the next step's weight tile before it multiplies this one
 
-It accumulates in float32 and rounds once at the store, like cuBLAS. It beats cuBLAS only on such small
-weights (measured numbers in docs/kernels.md); `radixinfer.models.layers.use_skinny_gemm` is the rule
-that picks it.
+Every program gets the same number of column blocks (give or take one) and no program waits for a slot, so
+no SM idles behind a last wave; each program's first tile is loaded before `wait_for_inputs`, so under
+programmatic dependent launch the weight starts streaming while the kernel that writes ``x`` finishes. The
+products are multiply-adds on the CUDA cores (a tensor-core tile would be at least 16 rows of padding), summed
+over each tile in float32 and rounded once at the store, like cuBLAS. A column's sum does not depend on which
+program computes it, so a launch's result does not depend on its grid.
 
-Launch shapes come from `skinny_config`, a rule on (M, N, K) and the SM count, never from a run-time
-autotune: a decode step is captured in a CUDA graph, which must not compile or benchmark, so every shape a
-model uses compiles in the engine's warm-up. ``M`` is not specialised (``do_not_specialize``), so 3 and 4
-tokens share one compiled kernel, and N and K are plain integers (specialised only on divisibility by 16),
-so the layers of a model share a config's kernel too. ``benchmarks/bench_skinny_gemm.py`` times it against
-cuBLAS at the real per-rank shapes.
+How many programs an SM holds depends on the compiled kernel's registers, so it is read off the kernel at a
+launch shape's first launch (which gives every column block a program of its own: the engine's eager warm-up,
+before any CUDA graph is captured) and the persistent grid is used from then on (`resident_programs`).
+
+Launch shapes come from `skinny_config`, a rule on (M, N, K) and the SM count, never from a run-time autotune:
+a decode step is captured in a CUDA graph, which must not compile or benchmark, so every shape a model uses
+compiles in the engine's warm-up. ``M`` is not specialised (``do_not_specialize``), so 3 and 4 tokens share
+one compiled kernel. ``benchmarks/bench_skinny_gemm.py`` times it against cuBLAS at the real per-rank
+shapes; `radixinfer.models.layers.use_skinny_gemm` is the rule that picks it.
 """
 
 from __future__ import annotations
@@ -36,49 +42,44 @@ from kernels.device import num_sms
 from kernels.pdl import launch_options, let_next_kernel_start, wait_for_inputs
 
 MAX_REDUCE_M = 4  # the most tokens a launch takes (one token block: 1, 2 or 4 rows)
-PROGRAMS_PER_SM = 2  # the grid aims at this many programs per SM, so every SM streams weight rows
-# Products a program accumulates at once (block_m * block_n * block_k, float32): 64 registers a thread
-# at 4 warps. An iteration's loads (its x tile and the next weight tile) are all a program has in flight,
-# so K tiles are as long as this allows.
-REDUCE_PRODUCTS = 8192
-NUM_WARPS = 4  # at one token, the sweep's best on an H200 for every weight the layers' rule admits
+
+
+TILE_WEIGHTS = 8192  # a program's weight tile (block_n x block_k): 64 weights a thread on 4 warps
+NUM_WARPS = 4
 
 
 class GemmConfig(NamedTuple):
-    """A launch shape: ``block_m`` token rows (at least M), ``block_n`` output columns per program,
-    ``block_k`` of K per iteration, and Triton's warps and pipeline stages."""
+    """A launch shape: ``block_m`` token rows (at least M); weight tiles of ``block_n`` output columns by
+    ``block_k`` of K; Triton's warps."""
 
     block_m: int
     block_n: int
     block_k: int
     num_warps: int
-    num_stages: int
 
 
 def skinny_config(m: int, n: int, k: int, sms: int) -> GemmConfig:
     """The launch shape for ``[m, k] @ [n, k]^T``, ``1 <= m <= MAX_REDUCE_M``, on a device of ``sms`` SMs.
 
-    The weight is read once whatever the tile, so the choice is about keeping every SM streaming:
-
     - ``block_m``: ``next_pow2(m)`` (1, 2 or 4).
-    - ``block_n``: the largest power of two from 4 to 16 that still gives ``PROGRAMS_PER_SM`` programs
-      per SM (the grid is ``cdiv(n, block_n)``; fewer programs leave SMs idle).
-    - ``block_k``: what `REDUCE_PRODUCTS` leaves, at most 4,096 (one token, 4 columns: 2,048 of K, 16 KB
-      of weight an iteration).
-    - `NUM_WARPS` warps, one stage.
+    - ``block_k``: all of K up to ``4096 / block_m`` (at one token llama-3.1-8b's K of 4,096 in one tile).
+    - ``block_n``: the rest of a `TILE_WEIGHTS` tile (at most 16), halved while there are fewer than two
+      column blocks per SM (qwen2.5-0.5b's 896 and 1,152 columns).
+    - `NUM_WARPS` warps.
 
-    At one token this is the best launch shape of ``benchmarks/bench_skinny_gemm.py``'s sweep on an H200
-    for qwen2.5-0.5b's qkv, o_proj and down_proj (1/4/1024, 1/4/1024 and 1/4/2048 on 4 warps); 2 and 4
-    tokens take the same rule untimed. Narrow problems (896 columns) cannot fill an H200's 132 SMs even
-    at 4 columns a program; a split over K would need a second launch and is not done.
+    On an H200 (``benchmarks/bench_skinny_gemm.py --sweep``: tiles of 1-8 columns by 1,024-4,096 of K)
+    it is the sweep's best at one token for llama-3.1-8b's qkv, o_proj and gate_up at TP 1 and 2 (1/2/4,096)
+    and qwen2.5-0.5b's gate_up and down_proj; 6% slower than it on llama-3.1-8b's down_proj at TP=1 (37.5
+    against 35.2 us for 1/4/2,048) and 0.3-0.5 us on qwen2.5-0.5b's qkv and o_proj (2.6 / 2.3 against
+    2.0 / 1.9 us, tiles loaded three ahead); at two tokens 2/4/2,048 is the best for llama-3.1-8b.
     """
     assert 1 <= m <= MAX_REDUCE_M, m
     block_m = triton.next_power_of_2(m)
-    block_n = 16
-    while block_n > 4 and triton.cdiv(n, block_n) < PROGRAMS_PER_SM * sms:
+    block_k = min(4096 // block_m, max(16, triton.next_power_of_2(k)))
+    block_n = min(16, TILE_WEIGHTS // block_k)
+    while block_n > 1 and triton.cdiv(n, block_n) < 2 * sms:
         block_n //= 2
-    block_k = min(4096, REDUCE_PRODUCTS // (block_m * block_n), max(16, triton.next_power_of_2(k)))
-    return GemmConfig(block_m, block_n, block_k, NUM_WARPS, num_stages=1)
+    return GemmConfig(block_m, block_n, block_k, NUM_WARPS)
 
 
 def linear_ref(
@@ -87,46 +88,56 @@ def linear_ref(
     return F.linear(x, weight, bias)
 
 
+@triton.jit
+def _weight_tile(w_ptr, step, first_block, blocks_step, k_tiles, num_steps, N, K, offs_n, offs_k,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """The weight tile of a program's ``step``-th tile: column block ``first_block + (step // k_tiles) *
+    blocks_step``, K tile ``step % k_tiles``; all masked off (nothing read) past the program's last step."""
+    cols = (first_block + (step // k_tiles) * blocks_step) * BLOCK_N + offs_n
+    ks = (step % k_tiles) * BLOCK_K + offs_k
+    mask = (cols < tl.where(step < num_steps, N, 0))[:, None] & (ks < K)[None, :]
+    return tl.load(w_ptr + cols.to(tl.int64)[:, None] * K + ks[None, :], mask=mask, other=0.0)
+
+
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel for the token counts of a block_m
 def _skinny_gemm_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+    x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    """Program p: ``out[:, cols]`` for ``BLOCK_N`` columns and all ``M <= BLOCK_M`` tokens, over all of K,
-    as ``[BLOCK_M, BLOCK_N, BLOCK_K]`` products summed over K once after the loop (no cross-thread
-    reduction per iteration). Each iteration loads the next weight tile before it multiplies this one, so the
-    first tile (all of a narrow K) is read before `wait_for_inputs`: under PDL it streams while the kernel that
-    writes ``x`` finishes."""
+    """Program p owns column blocks p, p + P, ... (P programs) and walks them one K tile at a time, as one
+    run of steps, loading each step's next weight tile before it multiplies this one, across block
+    boundaries too. A block's ``[BLOCK_M, BLOCK_N]`` sums are stored after its last K tile."""
     let_next_kernel_start(USE_PDL)
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.arange(0, BLOCK_M)
-    offs_k = tl.arange(0, BLOCK_K)
-    row_mask, col_mask = rows < M, cols < N
-    x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
-    w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * K + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
-    col_mask_2d = col_mask[:, None]  # broadcast along K
-    if EVEN_K:  # no K mask when BLOCK_K divides K (so the loads stay vectorised)
-        w = tl.load(w_ptrs, mask=col_mask_2d, other=0.0)
-    else:
-        w = tl.load(w_ptrs, mask=col_mask_2d & (offs_k[None, :] < K), other=0.0)
+    first, programs = tl.program_id(0), tl.num_programs(0)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    num_steps = tl.cdiv(tl.cdiv(N, BLOCK_N) - first, programs) * k_tiles
+    rows, offs_n, offs_k = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_K)
+    row_mask = rows < M
+    # the first tile's weight, before the wait: nothing in the step writes it
+    w = _weight_tile(
+        w_ptr, 0, first, programs, k_tiles, num_steps, N, K, offs_n, offs_k, BLOCK_N, BLOCK_K
+    )
     wait_for_inputs(USE_PDL)
-    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        # x's tile, and the next weight tile (none after the last: a load masked off everywhere reads nothing)
-        if EVEN_K:
-            x_mask, next_mask = row_mask[:, None], col_mask_2d & (k0 + BLOCK_K < K)
-        else:
-            x_mask = row_mask[:, None] & (offs_k[None, :] < K - k0)
-            next_mask = col_mask_2d & (offs_k[None, :] < K - k0 - BLOCK_K)
-        x = tl.load(x_ptrs + k0, mask=x_mask, other=0.0).to(tl.float32)
-        next_w = tl.load(w_ptrs + k0 + BLOCK_K, mask=next_mask, other=0.0)
-        acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for step in range(0, num_steps):
+        next_w = _weight_tile(
+            w_ptr, step + 1, first, programs, k_tiles, num_steps, N, K, offs_n, offs_k, BLOCK_N, BLOCK_K
+        )  # fmt: skip
+        ks = (step % k_tiles) * BLOCK_K + offs_k
+        x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :]
+        x = tl.load(x_ptrs, mask=row_mask[:, None] & (ks < K)[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)  # [BLOCK_M, BLOCK_N]
+        if step % k_tiles == k_tiles - 1:  # the block's last K tile
+            cols = (first + (step // k_tiles) * programs) * BLOCK_N + offs_n
+            col_mask = cols < N
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+            out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
+            tl.store(
+                out_ptrs, acc, mask=row_mask[:, None] & col_mask[None, :]
+            )  # rounds to the dtype
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         w = next_w
-    out = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
-    if HAS_BIAS:
-        out += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
-    tl.store(out_ptrs, out, mask=row_mask[:, None] & col_mask[None, :])  # rounds to the model dtype
 
 
 def linear_triton(
@@ -146,11 +157,42 @@ def linear_triton(
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    cfg = config or skinny_config(m, n, k, num_sms(x.device))
+    sms = num_sms(x.device)
+    cfg = config or skinny_config(m, n, k, sms)
     assert cfg.block_m >= m
-    _skinny_gemm_kernel[(triton.cdiv(n, cfg.block_n),)](
-        x, weight, weight if bias is None else bias, out, m, n, k, x.stride(0),
-        EVEN_K=k % cfg.block_k == 0, HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(x.device),
+    key = (x.device, cfg, bias is not None)
+    blocks = triton.cdiv(n, cfg.block_n)
+    grid = min(blocks, _resident[key] * sms) if key in _resident else blocks
+    compiled = _skinny_gemm_kernel[(grid,)](
+        x, weight, weight if bias is None else bias, out, m, n, k, x.stride(0), HAS_BIAS=bias is not None,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+        num_stages=1, **launch_options(x.device),
     )  # fmt: skip
+    if key not in _resident:
+        _resident[key] = resident_programs(x.device, compiled, cfg.num_warps)
     return out
+
+
+# (device, config, bias) -> how many programs of that compiled kernel an SM holds at once, learnt at its first
+# launch (which gives every column block a program of its own). A persistent grid asks for no more: programs
+# beyond it would start only as others finish, and run on alone at the end.
+_resident: dict[tuple, int] = {}
+
+
+def resident_programs(device: torch.device, compiled, num_warps: int) -> int:
+    """Programs of ``compiled`` (a Triton kernel launched with ``num_warps``) one SM of ``device`` holds at
+    once: what its registers, threads and shared memory allow (Hopper hands out registers per warp in
+    units of 256). 1 off CUDA: Triton's interpreter then runs one program over every column block."""
+    if device.type != "cuda":
+        return 1
+    props = torch.cuda.get_device_properties(device)
+    warp_regs = -(-compiled.n_regs * 32 // 256) * 256
+    limits = [
+        getattr(props, "regs_per_multiprocessor", 65536) // (warp_regs * num_warps),
+        props.max_threads_per_multi_processor // (32 * num_warps),
+    ]
+    if compiled.metadata.shared:
+        limits.append(
+            getattr(props, "shared_memory_per_multiprocessor", 233472) // compiled.metadata.shared
+        )
+    return max(1, min(limits))

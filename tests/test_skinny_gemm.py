@@ -12,9 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels import skinny_gemm
 from kernels.skinny_gemm import (
     MAX_REDUCE_M,
-    REDUCE_PRODUCTS,
+    TILE_WEIGHTS,
     GemmConfig,
     linear_ref,
     linear_triton,
@@ -29,18 +30,23 @@ HALF = [torch.float16, torch.bfloat16]
 
 def check_linear(m, n, k, dtype, bias, seed, config=None):
     """x as a token-strided view (rows padded, as a fused projection's slice is); the weight scaled
-    like a real layer's so outputs are O(1)."""
+    like a real layer's so outputs are O(1). Two launches: the first of a launch shape gives every
+    column block its own program, the next run the persistent grid (fewer programs, several blocks
+    each; one program in Triton's interpreter); both must match the reference, and each other."""
     gen = torch.Generator(DEVICE).manual_seed(seed)
     x = randn(m, k + 3, dtype=dtype, gen=gen)[:, :k]
     weight = (randn(n, k, dtype=torch.float32, gen=gen) * k**-0.5).to(dtype)
     b = randn(n, dtype=dtype, gen=gen) if bias else None
-    out, ref = linear_triton(x, weight, b, config), linear_ref(x, weight, b)
-    assert out.shape == ref.shape == (m, n) and out.dtype == dtype
-    assert rel_err(out, ref) < TOLERANCE[dtype]
+    ref = linear_ref(x, weight, b)
+    first, persistent = (linear_triton(x, weight, b, config) for _ in range(2))
+    for out in (first, persistent):
+        assert out.shape == ref.shape == (m, n) and out.dtype == dtype
+        assert rel_err(out, ref) < TOLERANCE[dtype]
+    assert torch.equal(first, persistent)  # the same sums in the same order, whichever program
 
 
 # tokens -> a launch shape with tiles smaller than N = 40 and K = 100 (neither a multiple of them)
-TINY_CONFIGS = {1: GemmConfig(1, 16, 32, num_warps=4, num_stages=1), 3: GemmConfig(4, 8, 32, 4, 1)}
+TINY_CONFIGS = {1: GemmConfig(1, 16, 32, num_warps=4), 3: GemmConfig(4, 8, 32, num_warps=4)}
 
 
 @pytest.mark.parametrize("dtype", HALF)
@@ -61,18 +67,35 @@ def test_no_tokens():
     assert linear_triton(x, weight).shape == (0, 16)
 
 
+def test_a_launch_shape_learns_its_persistent_grid_at_its_first_launch():
+    """The first launch of a config gives each column block a program; it leaves the programs an SM holds
+    (1 in the interpreter), so the next launches run the persistent grid."""
+    config = GemmConfig(1, 4, 64, num_warps=4)
+    key = (torch.device(DEVICE), config, False)
+    skinny_gemm._resident.pop(key, None)
+    x = torch.randn(1, 64, dtype=torch.float16, device=DEVICE)
+    linear_triton(x, torch.randn(24, 64, dtype=torch.float16, device=DEVICE), config=config)
+    assert skinny_gemm._resident[key] >= 1
+
+
 @pytest.mark.parametrize("sms", [1, 132])
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
-@pytest.mark.parametrize("n, k", [(896, 896), (1152, 896), (896, 4864), (4864, 896), (6144, 4096)])
+@pytest.mark.parametrize(
+    "n, k",
+    [(896, 896), (1152, 896), (896, 4864), (9728, 896), (6144, 4096), (4096, 14336), (896, 448)],
+)
 def test_config_covers_the_tokens_and_fills_the_device(sms, m, n, k):
     cfg = skinny_config(m, n, k, sms)
     assert m <= cfg.block_m <= MAX_REDUCE_M
     for size in (cfg.block_m, cfg.block_n, cfg.block_k):
         assert size & (size - 1) == 0
-    assert 4 <= cfg.block_n <= 16
-    # as many programs as the rule wants, or the smallest tile
-    assert n // cfg.block_n >= 2 * sms or cfg.block_n == 4
-    assert cfg.block_m * cfg.block_n * cfg.block_k <= REDUCE_PRODUCTS  # the accumulators' budget
+    assert cfg.block_n * cfg.block_k <= TILE_WEIGHTS  # the weight tile's registers
+    # all of K in one tile up to 4,096 / block_m
+    assert cfg.block_k >= min(k, 4096 // cfg.block_m) and cfg.block_k <= max(
+        4096 // cfg.block_m, 16
+    )
+    # two column blocks per SM, or one column a block
+    assert -(-n // cfg.block_n) >= 2 * sms or cfg.block_n == 1
 
 
 def test_token_counts_of_one_block_share_a_config():
@@ -80,10 +103,10 @@ def test_token_counts_of_one_block_share_a_config():
     assert skinny_config(3, 1152, 896, 132) == skinny_config(4, 1152, 896, 132)
 
 
-def test_layers_choose_the_skinny_gemm_for_few_tokens_on_small_weights(monkeypatch):
+def test_layers_choose_the_skinny_gemm_for_few_tokens_on_weights_up_to_64_mib(monkeypatch):
     """On the CPU the layers compute F.linear exactly as before; with the Triton path on, the rule takes
     a half-precision batch of at most SKINNY_MAX_TOKENS (2) tokens on a weight of at most
-    LATENCY_BOUND_WEIGHT_BYTES, and ``SKINNY_GEMM`` off (``RADIXINFER_SKINNY_GEMM=0``) turns it off."""
+    SKINNY_MAX_WEIGHT_BYTES, and ``SKINNY_GEMM`` off (``RADIXINFER_SKINNY_GEMM=0``) turns it off."""
     x = torch.randn(layers.SKINNY_MAX_TOKENS, 32)
     weight = torch.randn(48, 32)
     assert torch.equal(layers.linear(x, weight), F.linear(x, weight))
@@ -93,35 +116,44 @@ def test_layers_choose_the_skinny_gemm_for_few_tokens_on_small_weights(monkeypat
     assert not layers.use_skinny_gemm(x, weight)  # float32: cuBLAS
     three = torch.zeros(layers.SKINNY_MAX_TOKENS + 1, 32, dtype=torch.float16)
     assert not layers.use_skinny_gemm(three, small)
-    largest = torch.empty(layers.LATENCY_BOUND_WEIGHT_BYTES // 2 // 1024, 1024, dtype=torch.float16)
-    assert layers.use_skinny_gemm(torch.zeros(1, 1024, dtype=torch.float16), largest)
+    one = torch.zeros(1, 1024, dtype=torch.float16)
+    largest = torch.empty(layers.SKINNY_MAX_WEIGHT_BYTES // 2 // 1024, 1024, dtype=torch.float16)
+    assert layers.use_skinny_gemm(one, largest)
     too_large = torch.empty(largest.shape[0] + 1, 1024, dtype=torch.float16)
-    assert not layers.use_skinny_gemm(torch.zeros(1, 1024, dtype=torch.float16), too_large)
+    assert not layers.use_skinny_gemm(one, too_large)
     monkeypatch.setattr(layers, "SKINNY_GEMM", False)
     assert not layers.use_skinny_gemm(half, small)
 
 
 # --------------------------------------------------------------------------------------------- GPU sizes
 
-# (N, K) per rank that the layers' rule sends to the kernel: qwen2.5-0.5b's qkv, o_proj and down_proj at
-# TP=1, and its qkv, o_proj, gate_up and down_proj at TP=2
-TP1_SHAPES = [(1152, 896), (896, 896), (896, 4864)]
-TP2_SHAPES = [(576, 896), (896, 448), (4864, 896), (896, 2432)]
+# (N, K) per rank of every matmul the layers send to the kernel at 1-2 tokens: qwen2.5-0.5b's qkv, o_proj,
+# gate_up and down_proj at TP=1 and 2, and llama-3.1-8b's (the largest, 470 MB for gate_up, at TP=1 only)
+QWEN_SHAPES = [(1152, 896), (896, 896), (9728, 896), (896, 4864)]
+QWEN_TP2_SHAPES = [(576, 896), (896, 448), (4864, 896), (896, 2432)]
+LLAMA_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+LLAMA_TP2_SHAPES = [(3072, 4096), (4096, 2048), (14336, 4096), (4096, 7168)]
 
 
 @gpu_test
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
-@pytest.mark.parametrize("n, k", TP1_SHAPES + TP2_SHAPES)
+@pytest.mark.parametrize("n, k", QWEN_SHAPES + QWEN_TP2_SHAPES)
 def test_skinny_gemm_gpu(dtype, m, n, k):
     check_linear(m, n, k, dtype, bias=m % 2 == 1, seed=m)
+
+
+@gpu_test
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("n, k", LLAMA_SHAPES + LLAMA_TP2_SHAPES)
+def test_skinny_gemm_large_weights_gpu(m, n, k):
+    check_linear(m, n, k, torch.bfloat16, bias=False, seed=m)
 
 
 @gpu_test
 def test_token_counts_of_one_block_compile_once():
     """After one call per token block (1, 2, 4), 3 tokens compile nothing (a decode batch first seen
     mid-run must not stall on a compile), nor does another layer of the same launch shape."""
-    from kernels import skinny_gemm
 
     def run(m, n, k):
         x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
@@ -138,13 +170,15 @@ def test_token_counts_of_one_block_compile_once():
 
 @gpu_test
 def test_layers_linear_gpu():
-    """On CUDA the layers' linear takes the kernel on a small weight (close to F.linear) and cuBLAS on
-    a large one (F.linear exactly)."""
+    """On CUDA the layers' linear takes the kernel at 1-2 tokens on any weight (close to F.linear) and
+    cuBLAS at 3 (F.linear exactly)."""
     gen = torch.Generator(DEVICE).manual_seed(0)
-    x = randn(1, 896, dtype=torch.bfloat16, gen=gen)
-    small = randn(1152, 896, dtype=torch.bfloat16, gen=gen) * 896**-0.5
-    large = randn(9728, 896, dtype=torch.bfloat16, gen=gen) * 896**-0.5  # 17.4 MB
-    assert layers.use_skinny_gemm(x, small) == layers.SKINNY_GEMM
-    assert not layers.use_skinny_gemm(x, large)
-    assert rel_err(layers.linear(x, small), F.linear(x, small)) < TOLERANCE[torch.bfloat16]
-    assert torch.equal(layers.linear(x, large), F.linear(x, large))
+    weight = randn(9728, 896, dtype=torch.bfloat16, gen=gen) * 896**-0.5  # 17.4 MB
+    one, three = (
+        randn(1, 896, dtype=torch.bfloat16, gen=gen),
+        randn(3, 896, dtype=torch.bfloat16, gen=gen),
+    )
+    assert layers.use_skinny_gemm(one, weight) == layers.SKINNY_GEMM
+    assert not layers.use_skinny_gemm(three, weight)
+    assert rel_err(layers.linear(one, weight), F.linear(one, weight)) < TOLERANCE[torch.bfloat16]
+    assert torch.equal(layers.linear(three, weight), F.linear(three, weight))

@@ -10,7 +10,7 @@ The element-wise steps between the matmuls (residual add + RMSNorm, SwiGLU's gat
 (on the CPU the models then compute exactly what transformers' models compute). Rotary embedding is fused
 into the attention backend's KV store instead (`radixinfer.attention.backend.AttentionBackend.store_kv`),
 which the device chooses the same way. The linear layers run ``F.linear`` (cuBLAS) except for
-half-precision batches of 1-2 tokens on small weights on CUDA, which take the skinny GEMM
+half-precision batches of 1-2 tokens on weights of up to 64 MiB on CUDA, which take the skinny GEMM
 (`use_skinny_gemm`).
 """
 
@@ -51,19 +51,16 @@ silu_and_mul = by_device(silu_and_mul_triton, silu_and_mul_ref)
 # The skinny GEMM (kernels/skinny_gemm.py) is on unless ``RADIXINFER_SKINNY_GEMM=0`` (read once, at import, by
 # every process of the engine): an A/B of the same code against cuBLAS everywhere.
 SKINNY_GEMM = os.environ.get("RADIXINFER_SKINNY_GEMM", "1") != "0"
-# The largest weight the skinny GEMM takes. At 1-2 tokens it beats cuBLAS only where a launch is latency-bound
-# (a small weight), not where streaming the weight dominates. Measured on an H200 at one token
-# (benchmarks/bench_skinny_gemm.py, 4 warps), it wins up to 8.7 MB (qwen2.5-0.5b's qkv, 2.06 MB: 2.69 us vs
-# cuBLAS 4.17; o_proj, 1.61 MB: 2.83 vs 4.74; down_proj, 8.72 MB: 6.76 vs 8.28) except qwen2.5-0.5b's gate_up at
-# TP=2 (8.72 MB, 4864 x 896: 6.34 vs 5.59), and loses from 17.4 MB up (qwen2.5-0.5b's gate_up: 10.1 vs 8.16;
-# llama-3.1-8b's gate_up 71.0 vs 63.2, down_proj 49.2 vs 37.7) except llama-3.1-8b's qkv at TP=2 (25 MB: 11.2
-# vs 12.8).
-LATENCY_BOUND_WEIGHT_BYTES = 10 * 2**20
-# The most tokens the skinny GEMM takes (the kernel takes up to `kernels.skinny_gemm.MAX_REDUCE_M`, 4). On an
-# H200 (bench_skinny_gemm.py, 4 warps) a decode step's linear layers of qwen2.5-0.5b take 491 us with it against
-# cuBLAS's 608 at one token and 537 against 605 at two, but 677 against 606 at four (its down_proj 11.7 vs 8.29
-# us, qkv 4.36 vs 4.33): three tokens run the same four-row kernel.
+# The most tokens the skinny GEMM takes (the kernel takes up to `kernels.skinny_gemm.MAX_REDUCE_M`, 4); three
+# and four tokens run its four-row kernel, which the rule has not been measured for.
 SKINNY_MAX_TOKENS = 2
+# The largest weight it takes. Alone (benchmarks/bench_skinny_gemm.py, H200) it beats cuBLAS at one token on
+# every weight of qwen2.5-0.5b and llama-3.1-8b at TP 1 and 2 but llama-3.1-8b's 117 MB down_proj (37.5 vs
+# 37.2 us): cuBLAS costs ~7 us a call beyond the weight's bytes, the persistent grid ~3. In the decode step,
+# though, llama-3.1-8b at TP=1 went 4% slower with its 235 MB gate_up and 117 MB down_proj on it too (4,567
+# against 4,392 us) and 1% faster with them on cuBLAS (4,349 against 4,397); at TP=2 (117 and 59 MB) 9% and
+# 5% faster (docs/kernels.md). The larger weights stay on cuBLAS until the step says otherwise.
+SKINNY_MAX_WEIGHT_BYTES = 64 * 2**20
 
 
 def use_skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -71,8 +68,7 @@ def use_skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
     - fused ops on Triton (CUDA) and the switch on (`SKINNY_GEMM`);
     - a float16/bfloat16 ``x``, 2-D with unit stride along ``in``;
-    - at most `SKINNY_MAX_TOKENS` (2) tokens;
-    - a weight of at most `LATENCY_BOUND_WEIGHT_BYTES`.
+    - at most `SKINNY_MAX_TOKENS` (2) tokens, on a weight of at most `SKINNY_MAX_WEIGHT_BYTES`.
 
     Everything else runs ``F.linear`` (cuBLAS), and so does everything on the CPU, bit for bit as before."""
     return (
@@ -86,9 +82,9 @@ def use_skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def skinny_gemm_suits(num_tokens: int, weight_bytes: int) -> bool:
-    """`use_skinny_gemm`'s shape test: at most `SKINNY_MAX_TOKENS` tokens, at most `LATENCY_BOUND_WEIGHT_BYTES`
+    """`use_skinny_gemm`'s shape test: at most `SKINNY_MAX_TOKENS` tokens, at most `SKINNY_MAX_WEIGHT_BYTES`
     of weight (``benchmarks/bench_skinny_gemm.py`` applies it to shapes without tensors)."""
-    return num_tokens <= SKINNY_MAX_TOKENS and weight_bytes <= LATENCY_BOUND_WEIGHT_BYTES
+    return num_tokens <= SKINNY_MAX_TOKENS and weight_bytes <= SKINNY_MAX_WEIGHT_BYTES
 
 
 def linear(
