@@ -42,8 +42,6 @@ from kernels.device import num_sms
 from kernels.pdl import launch_options, let_next_kernel_start, wait_for_inputs
 
 MAX_REDUCE_M = 4  # the most tokens a launch takes (one token block: 1, 2 or 4 rows)
-
-
 TILE_WEIGHTS = 8192  # a program's weight tile (block_n x block_k): 64 weights a thread on 4 warps
 NUM_WARPS = 4
 
@@ -67,11 +65,10 @@ def skinny_config(m: int, n: int, k: int, sms: int) -> GemmConfig:
       column blocks per SM (qwen2.5-0.5b's 896 and 1,152 columns).
     - `NUM_WARPS` warps.
 
-    On an H200 (``benchmarks/bench_skinny_gemm.py --sweep``: tiles of 1-8 columns by 1,024-4,096 of K)
-    it is the sweep's best at one token for llama-3.1-8b's qkv, o_proj and gate_up at TP 1 and 2 (1/2/4,096)
-    and qwen2.5-0.5b's gate_up and down_proj; 6% slower than it on llama-3.1-8b's down_proj at TP=1 (37.5
-    against 35.2 us for 1/4/2,048) and 0.3-0.5 us on qwen2.5-0.5b's qkv and o_proj (2.6 / 2.3 against
-    2.0 / 1.9 us, tiles loaded three ahead); at two tokens 2/4/2,048 is the best for llama-3.1-8b.
+    On an H200 (``benchmarks/bench_skinny_gemm.py --sweep``, tiles of 1-8 columns by 1,024-4,096 of K) it
+    is the best tile at one token for llama-3.1-8b's qkv, o_proj and gate_up at TP 1 and 2 (1/2/4,096) and
+    for qwen2.5-0.5b's gate_up and down_proj; 1/4/2,048 is 6% faster on llama-3.1-8b's down_proj at TP=1
+    (35.2 against 37.5 us). At two tokens 2/4/2,048 is the best for llama-3.1-8b.
     """
     assert 1 <= m <= MAX_REDUCE_M, m
     block_m = triton.next_power_of_2(m)
@@ -91,7 +88,7 @@ def linear_ref(
 @triton.jit
 def _weight_tile(w_ptr, step, first_block, blocks_step, k_tiles, num_steps, N, K, offs_n, offs_k,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-    """The weight tile of a program's ``step``-th tile: column block ``first_block + (step // k_tiles) *
+    """A program's ``step``-th weight tile: column block ``first_block + (step // k_tiles) *
     blocks_step``, K tile ``step % k_tiles``; all masked off (nothing read) past the program's last step."""
     cols = (first_block + (step // k_tiles) * blocks_step) * BLOCK_N + offs_n
     ks = (step % k_tiles) * BLOCK_K + offs_k
@@ -160,7 +157,7 @@ def linear_triton(
     sms = num_sms(x.device)
     cfg = config or skinny_config(m, n, k, sms)
     assert cfg.block_m >= m
-    key = (x.device, cfg, bias is not None)
+    key = (x.device, x.dtype, cfg, bias is not None)
     blocks = triton.cdiv(n, cfg.block_n)
     grid = min(blocks, _resident[key] * sms) if key in _resident else blocks
     compiled = _skinny_gemm_kernel[(grid,)](
@@ -173,7 +170,7 @@ def linear_triton(
     return out
 
 
-# (device, config, bias) -> how many programs of that compiled kernel an SM holds at once, learnt at its first
+# (device, dtype, config, bias) -> how many programs of that compiled kernel an SM holds at once, learnt at its first
 # launch (which gives every column block a program of its own). A persistent grid asks for no more: programs
 # beyond it would start only as others finish, and run on alone at the end.
 _resident: dict[tuple, int] = {}

@@ -71,7 +71,7 @@ def test_a_launch_shape_learns_its_persistent_grid_at_its_first_launch():
     """The first launch of a config gives each column block a program; it leaves the programs an SM holds
     (1 in the interpreter), so the next launches run the persistent grid."""
     config = GemmConfig(1, 4, 64, num_warps=4)
-    key = (torch.device(DEVICE), config, False)
+    key = (torch.device(DEVICE), torch.float16, config, False)
     skinny_gemm._resident.pop(key, None)
     x = torch.randn(1, 64, dtype=torch.float16, device=DEVICE)
     linear_triton(x, torch.randn(24, 64, dtype=torch.float16, device=DEVICE), config=config)
