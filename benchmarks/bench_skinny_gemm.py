@@ -133,11 +133,11 @@ def skinny_us(
 
 
 def cfg_name(c: GemmConfig) -> str:
-    return "/".join(str(int(v)) for v in c)
+    return "/".join(str(v) for v in c)
 
 
 def bench_shape(
-    shape: Shape, tokens: list[int], hbm_tbs: float, l2_bytes: int, sms: int, sweep: str | None
+    shape: Shape, tokens: list[int], hbm_tbs: float, l2_bytes: int, sms: int, sweep: bool
 ) -> list[dict]:
     weights = weight_copies(shape, l2_bytes)
     floor_us = shape.weight_bytes / hbm_tbs / 1e6
