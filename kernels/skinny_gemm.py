@@ -86,12 +86,22 @@ def linear_ref(
 
 
 @triton.jit
+def _tile_coords(step, first_block, blocks_step, k_tiles, offs_n, offs_k, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):  # fmt: skip
+    """The columns and K offsets of a program's ``step``-th tile: column block ``first_block + (step //
+    k_tiles) * blocks_step``, K tile ``step % k_tiles``."""
+    cols = (first_block + (step // k_tiles) * blocks_step) * BLOCK_N + offs_n
+    return cols, (step % k_tiles) * BLOCK_K + offs_k
+
+
+@triton.jit
 def _weight_tile(w_ptr, step, first_block, blocks_step, k_tiles, num_steps, N, K, offs_n, offs_k,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-    """A program's ``step``-th weight tile: column block ``first_block + (step // k_tiles) *
-    blocks_step``, K tile ``step % k_tiles``; all masked off (nothing read) past the program's last step."""
-    cols = (first_block + (step // k_tiles) * blocks_step) * BLOCK_N + offs_n
-    ks = (step % k_tiles) * BLOCK_K + offs_k
+    """A program's ``step``-th weight tile (`_tile_coords`); all masked off (nothing read) past the
+    program's last step."""
+    cols, ks = _tile_coords(
+        step, first_block, blocks_step, k_tiles, offs_n, offs_k, BLOCK_N, BLOCK_K
+    )
     mask = (cols < tl.where(step < num_steps, N, 0))[:, None] & (ks < K)[None, :]
     return tl.load(w_ptr + cols.to(tl.int64)[:, None] * K + ks[None, :], mask=mask, other=0.0)
 
@@ -120,21 +130,25 @@ def _skinny_gemm_kernel(
         next_w = _weight_tile(
             w_ptr, step + 1, first, programs, k_tiles, num_steps, N, K, offs_n, offs_k, BLOCK_N, BLOCK_K
         )  # fmt: skip
-        ks = (step % k_tiles) * BLOCK_K + offs_k
+        cols, ks = _tile_coords(step, first, programs, k_tiles, offs_n, offs_k, BLOCK_N, BLOCK_K)
         x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :]
         x = tl.load(x_ptrs, mask=row_mask[:, None] & (ks < K)[None, :], other=0.0).to(tl.float32)
         acc += tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)  # [BLOCK_M, BLOCK_N]
         if step % k_tiles == k_tiles - 1:  # the block's last K tile
-            cols = (first + (step // k_tiles) * programs) * BLOCK_N + offs_n
             col_mask = cols < N
             if HAS_BIAS:
                 acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
             out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
-            tl.store(
-                out_ptrs, acc, mask=row_mask[:, None] & col_mask[None, :]
-            )  # rounds to the dtype
+            out_mask = row_mask[:, None] & col_mask[None, :]
+            tl.store(out_ptrs, acc, mask=out_mask)  # rounds to the dtype
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         w = next_w
+
+
+# (device, dtype, config, bias) -> how many programs of that compiled kernel an SM holds at once, learnt at
+# its first launch (which gives every column block a program of its own). A persistent grid asks for no
+# more: programs beyond it would start only as others finish, and run on alone at the end.
+_resident: dict[tuple, int] = {}
 
 
 def linear_triton(
@@ -168,12 +182,6 @@ def linear_triton(
     if key not in _resident:
         _resident[key] = resident_programs(x.device, compiled, cfg.num_warps)
     return out
-
-
-# (device, dtype, config, bias) -> how many programs of that compiled kernel an SM holds at once, learnt at its first
-# launch (which gives every column block a program of its own). A persistent grid asks for no more: programs
-# beyond it would start only as others finish, and run on alone at the end.
-_resident: dict[tuple, int] = {}
 
 
 def resident_programs(device: torch.device, compiled, num_warps: int) -> int:
