@@ -155,7 +155,8 @@ def bench_shape(
         else:
             configs = [config]
         times = {c: skinny_us(x, weights, c, 10 if sweep else 20) for c in configs}
-        fastest = fastest or sorted(times, key=times.get)
+        ranked = sorted(times, key=times.get)  # fastest first
+        fastest = fastest or ranked
         skinny = times[config]
         row = {
             "model": shape.model, "tp": shape.tp, "layer": shape.layer, "N": shape.n, "K": shape.k,
@@ -164,9 +165,8 @@ def bench_shape(
             "rule": "skinny" if rule_runs_skinny(shape, m) else "cublas", "layers": shape.layers,
         }  # fmt: skip
         if sweep:
-            best = min(times, key=times.get)
-            row |= {"best us": times[best], "best config": cfg_name(best)}
-            row["all"] = {cfg_name(c): t for c, t in sorted(times.items(), key=lambda ct: ct[1])}
+            row |= {"best us": times[ranked[0]], "best config": cfg_name(ranked[0])}
+            row["all"] = {cfg_name(c): times[c] for c in ranked}
         rows.append(row)
     print(f"  {shape.model} tp{shape.tp} {shape.layer}: done", file=sys.stderr, flush=True)
     del weights
@@ -175,7 +175,8 @@ def bench_shape(
 
 
 def step_totals(rows: list[dict]) -> list[dict]:
-    """Per (model, tp, M): the four matmuls of every layer, all on cuBLAS against what the rule runs."""
+    """Per (model, tp, M): the four matmuls of every layer and the output projection (cuBLAS in both), all on
+    cuBLAS against what the rule runs."""
     out: dict[tuple, dict] = {}
     for r in rows:
         key = (r["model"], r["tp"], r["M"])
@@ -227,11 +228,11 @@ def main() -> None:
         for s in shapes
         for r in bench_shape(s, args.tokens, ceil["hbm_TBps"], props.L2_cache_size, sms, args.sweep)
     ]
-    print("\n## per matmul (bf16; config: block_m/block_n/block_k/warps/stages)\n")
+    print("\n## per matmul (bf16; config: block_m/block_n/block_k/warps)\n")
     print(table([{c: v for c, v in r.items() if c not in ("layers", "all")} for r in rows]))
     totals = step_totals(rows)
     print(
-        "\n## a decode step's linear layers (every layer's four matmuls; lm head not included):"
+        "\n## a decode step's linear layers (every layer's four matmuls and the lm head, cuBLAS in both):"
         " all cuBLAS against the rule's choice per matmul\n"
     )
     print(table(totals))
