@@ -100,8 +100,10 @@ def test_skinny_gemm_computes_its_input_as_it_loads_it(dtype, m, input):
 
 
 @pytest.mark.parametrize("m", [1, 3])
-def test_skinny_gemm_default_config_matches_reference(m):
-    check_linear(m, 72, 96, torch.float16, bias=True, seed=m)
+@pytest.mark.parametrize("input", INPUTS)
+def test_skinny_gemm_default_config_matches_reference(m, input):
+    """The rule's tile holds all of K (96): each program computes its input once, before its steps."""
+    check_linear(m, 72, 96, torch.float16, bias=True, seed=m, input=input)
 
 
 def test_no_tokens():
