@@ -124,20 +124,45 @@ def _summed(x_ptr, stride_xm, res_ptr, stride_rm, rows, ks, mask, HAS_RESIDUAL: 
     return x
 
 
+@triton.jit
+def _input_tile(x_ptr, stride_xm, res_ptr, stride_rm, norm_w_ptr, new_res_ptr, inv_rms, rows, ks, mask,
+                K, store_sum, INPUT: tl.constexpr, HAS_RESIDUAL: tl.constexpr):  # fmt: skip
+    """The matmul's input at columns ``ks``, in float32, rounded as its reference rounds: ``x``; RMSNorm
+    of ``x`` (+ the residual, stored to ``new_res_ptr`` where ``store_sum``) by the rows' ``inv_rms``; or
+    SiLU-and-mul of ``x``'s row halves, gate | up."""
+    if INPUT == RMS_NORM:  # rms_norm_ref's roundings
+        summed = _summed(x_ptr, stride_xm, res_ptr, stride_rm, rows, ks, mask, HAS_RESIDUAL)
+        if HAS_RESIDUAL:
+            stores = mask & (ks < tl.where(store_sum, K, 0))[None, :]
+            tl.store(new_res_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :], summed, mask=stores)
+        normed = (summed.to(tl.float32) * inv_rms[:, None]).to(summed.dtype).to(tl.float32)
+        scale = tl.load(norm_w_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
+        x = (normed * scale[None, :]).to(summed.dtype).to(tl.float32)
+    elif INPUT == SILU_AND_MUL:  # silu_and_mul_ref's roundings
+        gate = _rows_tile(x_ptr, stride_xm, rows, ks, mask)
+        up = _rows_tile(x_ptr + K, stride_xm, rows, ks, mask).to(tl.float32)
+        g = gate.to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+        x = (act * up).to(gate.dtype).to(tl.float32)
+    else:
+        x = _rows_tile(x_ptr, stride_xm, rows, ks, mask).to(tl.float32)
+    return x
+
+
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel for the token counts of a block_m
 def _skinny_gemm_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm,
     res_ptr, stride_rm, norm_w_ptr, new_res_ptr, eps,
-    HAS_BIAS: tl.constexpr, INPUT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, INPUT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ONE_K_TILE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Program p owns column blocks p, p + P, ... (P programs) and walks them one K tile at a time, as one
     run of steps, loading each step's next weight tile before it multiplies this one, across block
     boundaries too. A block's ``[BLOCK_M, BLOCK_N]`` sums are stored after its last K tile.
 
-    The matmul's input tiles are computed as they load (``INPUT``, `linear_triton`): ``x`` itself; RMSNorm
-    of ``x`` (+ ``residual``), each program first summing its rows' squares over all of K and program 0
-    storing ``x + residual`` as it passes; or SiLU-and-mul of ``x``'s two halves."""
+    The input tiles are computed as they load (`_input_tile`). With RMSNorm each program first sums its
+    rows' squares over all of K, and program 0 stores ``x + residual`` during its first column block.
+    ``ONE_K_TILE`` (K <= BLOCK_K): the whole input is one tile, computed once before the steps."""
     let_next_kernel_start(USE_PDL)
     first, programs = tl.program_id(0), tl.num_programs(0)
     k_tiles = tl.cdiv(K, BLOCK_K)
@@ -149,7 +174,8 @@ def _skinny_gemm_kernel(
         w_ptr, 0, first, programs, k_tiles, num_steps, N, K, offs_n, offs_k, BLOCK_N, BLOCK_K
     )
     wait_for_inputs(USE_PDL)
-    if INPUT == RMS_NORM:  # the rows' 1 / rms, from all of K
+    inv_rms = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if INPUT == RMS_NORM:  # the rows' 1 / rms, from all of K (one tile: the input then reads it from L1)
         squares = tl.zeros([BLOCK_M], dtype=tl.float32)
         for k_start in range(0, K, BLOCK_K):
             ks = k_start + offs_k
@@ -157,29 +183,20 @@ def _skinny_gemm_kernel(
             x = _summed(x_ptr, stride_xm, res_ptr, stride_rm, rows, ks, mask, HAS_RESIDUAL)
             squares += tl.sum(x.to(tl.float32) * x.to(tl.float32), axis=1)
         inv_rms = tl.rsqrt(squares / K + eps)
+    if ONE_K_TILE:
+        mask = row_mask[:, None] & (offs_k < K)[None, :]
+        x = _input_tile(x_ptr, stride_xm, res_ptr, stride_rm, norm_w_ptr, new_res_ptr, inv_rms, rows,
+                        offs_k, mask, K, first == 0, INPUT, HAS_RESIDUAL)  # fmt: skip
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for step in range(0, num_steps):
         next_w = _weight_tile(
             w_ptr, step + 1, first, programs, k_tiles, num_steps, N, K, offs_n, offs_k, BLOCK_N, BLOCK_K
         )  # fmt: skip
         cols, ks = _tile_coords(step, first, programs, k_tiles, offs_n, offs_k, BLOCK_N, BLOCK_K)
-        mask = row_mask[:, None] & (ks < K)[None, :]
-        if INPUT == RMS_NORM:  # rms_norm_ref's roundings
-            x = _summed(x_ptr, stride_xm, res_ptr, stride_rm, rows, ks, mask, HAS_RESIDUAL)
-            if HAS_RESIDUAL:  # program 0's first column block covers all of K
-                stores = mask & (ks < tl.where((first == 0) & (step < k_tiles), K, 0))[None, :]
-                tl.store(new_res_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :], x, mask=stores)
-            normed = (x.to(tl.float32) * inv_rms[:, None]).to(x.dtype).to(tl.float32)
-            scale = tl.load(norm_w_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
-            x = (normed * scale[None, :]).to(x.dtype).to(tl.float32)
-        elif INPUT == SILU_AND_MUL:  # silu_and_mul_ref's roundings; x's row is gate | up
-            gate = _rows_tile(x_ptr, stride_xm, rows, ks, mask)
-            up = _rows_tile(x_ptr + K, stride_xm, rows, ks, mask).to(tl.float32)
-            g = gate.to(tl.float32)
-            act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
-            x = (act * up).to(gate.dtype).to(tl.float32)
-        else:
-            x = _rows_tile(x_ptr, stride_xm, rows, ks, mask).to(tl.float32)
+        if not ONE_K_TILE:  # program 0's first column block covers all of K
+            mask = row_mask[:, None] & (ks < K)[None, :]
+            x = _input_tile(x_ptr, stride_xm, res_ptr, stride_rm, norm_w_ptr, new_res_ptr, inv_rms, rows,
+                            ks, mask, K, (first == 0) & (step < k_tiles), INPUT, HAS_RESIDUAL)  # fmt: skip
         acc += tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)  # [BLOCK_M, BLOCK_N]
         if step % k_tiles == k_tiles - 1:  # the block's last K tile
             col_mask = cols < N
@@ -257,8 +274,8 @@ def linear_triton(
         x if residual is None else residual, x.stride(0) if residual is None else residual.stride(0),
         weight if norm is None else norm.weight, x if residual is None else norm.new_residual,
         0.0 if norm is None else norm.eps,
-        HAS_BIAS=bias is not None, INPUT=kind, HAS_RESIDUAL=residual is not None, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=1,
+        HAS_BIAS=bias is not None, INPUT=kind, HAS_RESIDUAL=residual is not None,
+        ONE_K_TILE=k <= cfg.block_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=1,
         **launch_options(x.device),
     )  # fmt: skip
     if key not in _resident:
