@@ -44,8 +44,6 @@ from kernels.pdl import launch_options, let_next_kernel_start, wait_for_inputs
 MAX_REDUCE_M = 4  # the most tokens a launch takes (one token block: 1, 2 or 4 rows)
 TILE_WEIGHTS = 8192  # a program's weight tile (block_n x block_k): 64 weights a thread on 4 warps
 NUM_WARPS = 4
-# what the kernel's input tiles are (`linear_triton`'s ``norm`` and ``silu_and_mul``)
-PLAIN, RMS_NORM, SILU_AND_MUL = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 
 class GemmConfig(NamedTuple):
@@ -108,61 +106,14 @@ def _weight_tile(w_ptr, step, first_block, blocks_step, k_tiles, num_steps, N, K
     return tl.load(w_ptr + cols.to(tl.int64)[:, None] * K + ks[None, :], mask=mask, other=0.0)
 
 
-@triton.jit
-def _rows_tile(ptr, stride, rows, ks, mask):
-    """``[BLOCK_M, BLOCK_K]`` of a row-major input: rows ``rows``, columns ``ks``."""
-    return tl.load(ptr + rows.to(tl.int64)[:, None] * stride + ks[None, :], mask=mask, other=0.0)
-
-
-@triton.jit
-def _summed(x_ptr, stride_xm, res_ptr, stride_rm, rows, ks, mask, HAS_RESIDUAL: tl.constexpr):
-    """The RMSNorm input's tile: ``round(x + residual)``, or ``x`` with no residual."""
-    x = _rows_tile(x_ptr, stride_xm, rows, ks, mask)
-    if HAS_RESIDUAL:
-        r = _rows_tile(res_ptr, stride_rm, rows, ks, mask)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-    return x
-
-
-@triton.jit
-def _input_tile(x_ptr, stride_xm, res_ptr, stride_rm, norm_w_ptr, new_res_ptr, inv_rms, rows, ks, mask,
-                K, store_sum, INPUT: tl.constexpr, HAS_RESIDUAL: tl.constexpr):  # fmt: skip
-    """The matmul's input at columns ``ks``, in float32, rounded as its reference rounds: ``x``; RMSNorm
-    of ``x`` (+ the residual, stored to ``new_res_ptr`` where ``store_sum``) by the rows' ``inv_rms``; or
-    SiLU-and-mul of ``x``'s row halves, gate | up."""
-    if INPUT == RMS_NORM:  # rms_norm_ref's roundings
-        summed = _summed(x_ptr, stride_xm, res_ptr, stride_rm, rows, ks, mask, HAS_RESIDUAL)
-        if HAS_RESIDUAL:
-            stores = mask & (ks < tl.where(store_sum, K, 0))[None, :]
-            tl.store(new_res_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :], summed, mask=stores)
-        normed = (summed.to(tl.float32) * inv_rms[:, None]).to(summed.dtype).to(tl.float32)
-        scale = tl.load(norm_w_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
-        x = (normed * scale[None, :]).to(summed.dtype).to(tl.float32)
-    elif INPUT == SILU_AND_MUL:  # silu_and_mul_ref's roundings
-        gate = _rows_tile(x_ptr, stride_xm, rows, ks, mask)
-        up = _rows_tile(x_ptr + K, stride_xm, rows, ks, mask).to(tl.float32)
-        g = gate.to(tl.float32)
-        act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
-        x = (act * up).to(gate.dtype).to(tl.float32)
-    else:
-        x = _rows_tile(x_ptr, stride_xm, rows, ks, mask).to(tl.float32)
-    return x
-
-
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel for the token counts of a block_m
 def _skinny_gemm_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm,
-    res_ptr, stride_rm, norm_w_ptr, new_res_ptr, eps,
-    HAS_BIAS: tl.constexpr, INPUT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ONE_K_TILE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+    x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Program p owns column blocks p, p + P, ... (P programs) and walks them one K tile at a time, as one
     run of steps, loading each step's next weight tile before it multiplies this one, across block
-    boundaries too. A block's ``[BLOCK_M, BLOCK_N]`` sums are stored after its last K tile.
-
-    The input tiles are computed as they load (`_input_tile`). With RMSNorm each program first sums its
-    rows' squares over all of K, and program 0 stores ``x + residual`` during its first column block.
-    ``ONE_K_TILE`` (K <= BLOCK_K): the whole input is one tile, computed once before the steps."""
+    boundaries too. A block's ``[BLOCK_M, BLOCK_N]`` sums are stored after its last K tile."""
     let_next_kernel_start(USE_PDL)
     first, programs = tl.program_id(0), tl.num_programs(0)
     k_tiles = tl.cdiv(K, BLOCK_K)
@@ -174,29 +125,14 @@ def _skinny_gemm_kernel(
         w_ptr, 0, first, programs, k_tiles, num_steps, N, K, offs_n, offs_k, BLOCK_N, BLOCK_K
     )
     wait_for_inputs(USE_PDL)
-    inv_rms = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if INPUT == RMS_NORM:  # the rows' 1 / rms, from all of K (one tile: the input then reads it from L1)
-        squares = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k_start in range(0, K, BLOCK_K):
-            ks = k_start + offs_k
-            mask = row_mask[:, None] & (ks < K)[None, :]
-            x = _summed(x_ptr, stride_xm, res_ptr, stride_rm, rows, ks, mask, HAS_RESIDUAL)
-            squares += tl.sum(x.to(tl.float32) * x.to(tl.float32), axis=1)
-        inv_rms = tl.rsqrt(squares / K + eps)
-    if ONE_K_TILE:
-        mask = row_mask[:, None] & (offs_k < K)[None, :]
-        x = _input_tile(x_ptr, stride_xm, res_ptr, stride_rm, norm_w_ptr, new_res_ptr, inv_rms, rows,
-                        offs_k, mask, K, first == 0, INPUT, HAS_RESIDUAL)  # fmt: skip
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for step in range(0, num_steps):
         next_w = _weight_tile(
             w_ptr, step + 1, first, programs, k_tiles, num_steps, N, K, offs_n, offs_k, BLOCK_N, BLOCK_K
         )  # fmt: skip
         cols, ks = _tile_coords(step, first, programs, k_tiles, offs_n, offs_k, BLOCK_N, BLOCK_K)
-        if not ONE_K_TILE:  # program 0's first column block covers all of K
-            mask = row_mask[:, None] & (ks < K)[None, :]
-            x = _input_tile(x_ptr, stride_xm, res_ptr, stride_rm, norm_w_ptr, new_res_ptr, inv_rms, rows,
-                            ks, mask, K, (first == 0) & (step < k_tiles), INPUT, HAS_RESIDUAL)  # fmt: skip
+        x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :]
+        x = tl.load(x_ptrs, mask=row_mask[:, None] & (ks < K)[None, :], other=0.0).to(tl.float32)
         acc += tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)  # [BLOCK_M, BLOCK_N]
         if step % k_tiles == k_tiles - 1:  # the block's last K tile
             col_mask = cols < N
@@ -209,19 +145,9 @@ def _skinny_gemm_kernel(
         w = next_w
 
 
-class RMSNormInput(NamedTuple):
-    """The matmul's input is RMSNorm of ``x`` (+ ``residual``) with this weight and eps: `rms_norm_ref`'s
-    function, where ``new_residual`` (``x``'s shape, contiguous) receives ``x + residual``."""
-
-    weight: torch.Tensor  # [K]
-    eps: float
-    residual: torch.Tensor | None = None  # like x
-    new_residual: torch.Tensor | None = None  # with a residual
-
-
-# (device, dtype, config, bias, input) -> how many programs of that compiled kernel an SM holds at once,
-# learnt at its first launch (which gives every column block a program of its own). A persistent grid asks
-# for no more: programs beyond it would start only as others finish, and run on alone at the end.
+# (device, dtype, config, bias) -> how many programs of that compiled kernel an SM holds at once, learnt at
+# its first launch (which gives every column block a program of its own). A persistent grid asks for no
+# more: programs beyond it would start only as others finish, and run on alone at the end.
 _resident: dict[tuple, int] = {}
 
 
@@ -230,53 +156,28 @@ def linear_triton(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     config: GemmConfig | None = None,
-    *,
-    norm: RMSNormInput | None = None,
-    silu_and_mul: bool = False,
 ) -> torch.Tensor:  # [M, K] (any token stride), [N, K], [N] -> [M, N] contiguous
     """Same function as `linear_ref` in float16/bfloat16 for ``M <= MAX_REDUCE_M`` tokens, in one launch
-    (``config``: `skinny_config`'s when None; its ``block_m`` must cover M).
-
-    The input may be computed as it loads, saving the launch of its own kernel: with ``norm``,
-    ``linear_ref(rms_norm_ref(x, norm.weight, norm.eps, norm.residual)[0], weight, bias)``, the residual
-    sum going to ``norm.new_residual``; with ``silu_and_mul``, ``x`` is ``[M, 2K]`` (gate | up) and the
-    input ``silu_and_mul_ref(x)``. Each rounds as its reference does, so only the order of the float32
-    sum of squares differs from the two kernels run one after the other."""
-    m, k = x.shape[0], x.shape[1] // 2 if silu_and_mul else x.shape[1]
+    (``config``: `skinny_config`'s when None; its ``block_m`` must cover M)."""
+    m, k = x.shape
     n = weight.shape[0]
-    assert m <= MAX_REDUCE_M and weight.shape[1] == k and x.shape[1] in (k, 2 * k)
+    assert m <= MAX_REDUCE_M and weight.shape[1] == k
     assert weight.is_contiguous() and x.stride(1) == 1
     assert x.dtype == weight.dtype and x.dtype in (torch.float16, torch.bfloat16)
     assert bias is None or bias.shape == (n,) and bias.is_contiguous()
-    assert norm is None or not silu_and_mul
-    residual = norm.residual if norm is not None else None
-    if norm is not None:
-        assert norm.weight.shape == (k,) and norm.weight.dtype == x.dtype
-        assert residual is None or (
-            residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(1) == 1
-        )
-        assert (residual is None) == (norm.new_residual is None)
-        assert residual is None or (
-            norm.new_residual.shape == x.shape and norm.new_residual.is_contiguous()
-        )
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
     sms = num_sms(x.device)
     cfg = config or skinny_config(m, n, k, sms)
     assert cfg.block_m >= m
-    kind = (RMS_NORM if norm is not None else SILU_AND_MUL if silu_and_mul else PLAIN).value
-    key = (x.device, x.dtype, cfg, bias is not None, kind, residual is not None)
+    key = (x.device, x.dtype, cfg, bias is not None)
     blocks = triton.cdiv(n, cfg.block_n)
     grid = min(blocks, _resident[key] * sms) if key in _resident else blocks
     compiled = _skinny_gemm_kernel[(grid,)](
-        x, weight, weight if bias is None else bias, out, m, n, k, x.stride(0),
-        x if residual is None else residual, x.stride(0) if residual is None else residual.stride(0),
-        weight if norm is None else norm.weight, x if residual is None else norm.new_residual,
-        0.0 if norm is None else norm.eps,
-        HAS_BIAS=bias is not None, INPUT=kind, HAS_RESIDUAL=residual is not None,
-        ONE_K_TILE=k <= cfg.block_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=1,
-        **launch_options(x.device),
+        x, weight, weight if bias is None else bias, out, m, n, k, x.stride(0), HAS_BIAS=bias is not None,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+        num_stages=1, **launch_options(x.device),
     )  # fmt: skip
     if key not in _resident:
         _resident[key] = resident_programs(x.device, compiled, cfg.num_warps)

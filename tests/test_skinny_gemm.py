@@ -13,70 +13,36 @@ import torch
 import torch.nn.functional as F
 
 from kernels import skinny_gemm
-from kernels.activation import silu_and_mul_ref
-from kernels.rms_norm import rms_norm_ref
 from kernels.skinny_gemm import (
     MAX_REDUCE_M,
     TILE_WEIGHTS,
     GemmConfig,
-    RMSNormInput,
     linear_ref,
     linear_triton,
     skinny_config,
 )
 from radixinfer.models import layers
-from tests.test_fused_ops import rounds_like_torch
 from tests.test_kernels import DEVICE, TOLERANCE, gpu_test, randn, rel_err
 from tests.test_sampling_kernel import compiled_variants
 
 HALF = [torch.float16, torch.bfloat16]
 
 
-INPUTS = ["plain", "rms_norm", "residual_rms_norm", "silu_and_mul"]
-
-
-def check_linear(m, n, k, dtype, bias, seed, config=None, input="plain"):
+def check_linear(m, n, k, dtype, bias, seed, config=None):
     """x as a token-strided view (rows padded, as a fused projection's slice is); the weight scaled
     like a real layer's so outputs are O(1). Two launches: the first of a launch shape gives every
     column block its own program, the next run the persistent grid (fewer programs, several blocks
-    each; one program in Triton's interpreter); both must match the reference, and each other.
-
-    ``input``: the matmul's input is x; RMSNorm of x (of x + a residual, which must come back summed as
-    the reference sums it); or SiLU-and-mul of x's two halves (x then ``[m, 2k]``)."""
+    each; one program in Triton's interpreter); both must match the reference, and each other."""
     gen = torch.Generator(DEVICE).manual_seed(seed)
-    width = 2 * k if input == "silu_and_mul" else k
-    x = randn(m, width + 3, dtype=dtype, gen=gen)[:, :width]
+    x = randn(m, k + 3, dtype=dtype, gen=gen)[:, :k]
     weight = (randn(n, k, dtype=torch.float32, gen=gen) * k**-0.5).to(dtype)
     b = randn(n, dtype=dtype, gen=gen) if bias else None
-    launches = [{}, {}]  # linear_triton's input keywords for each of the two launches
-    summed = []  # with a residual, where each launch stores x + residual
-    if input == "silu_and_mul":
-        launches, ref_input = [{"silu_and_mul": True}] * 2, silu_and_mul_ref(x)
-    elif input in ("rms_norm", "residual_rms_norm"):
-        residual = None
-        if input == "residual_rms_norm":
-            residual = randn(m, k + 5, dtype=dtype, gen=gen)[:, 5:] * 4
-            summed = [
-                torch.full((m, k), float("nan"), dtype=dtype, device=DEVICE) for _ in range(2)
-            ]
-        norm_weight = (randn(k, dtype=torch.float32, gen=gen) * 0.1 + 1).to(dtype)
-        ref_input, ref_summed = rms_norm_ref(x, norm_weight, 1e-6, residual)
-        launches = [
-            {"norm": RMSNormInput(norm_weight, 1e-6, residual, summed[i] if summed else None)}
-            for i in range(2)
-        ]
-    else:
-        ref_input = x
-    ref = linear_ref(ref_input, weight, b)
-    first, persistent = (linear_triton(x, weight, b, config, **kw) for kw in launches)
+    ref = linear_ref(x, weight, b)
+    first, persistent = (linear_triton(x, weight, b, config) for _ in range(2))
     for out in (first, persistent):
         assert out.shape == ref.shape == (m, n) and out.dtype == dtype
         assert rel_err(out, ref) < TOLERANCE[dtype]
     assert torch.equal(first, persistent)  # the same sums in the same order, whichever program
-    for s in summed:  # one program stores it, whole
-        assert rel_err(s, ref_summed) < TOLERANCE[dtype]
-        if rounds_like_torch(dtype):
-            assert torch.equal(s, ref_summed)
 
 
 # tokens -> a launch shape with tiles smaller than N = 40 and K = 100 (neither a multiple of them)
@@ -90,20 +56,9 @@ def test_skinny_gemm_matches_reference(dtype, m, bias):
     check_linear(m, 40, 100, dtype, bias, seed=m, config=TINY_CONFIGS[m])
 
 
-@pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("m", sorted(TINY_CONFIGS))
-@pytest.mark.parametrize("input", INPUTS[1:])
-def test_skinny_gemm_computes_its_input_as_it_loads_it(dtype, m, input):
-    """K of 100 over tiles of 32: the norm's sum of squares spans four K tiles, and so does the residual
-    that program 0 stores."""
-    check_linear(m, 40, 100, dtype, bias=m == 1, seed=m, config=TINY_CONFIGS[m], input=input)
-
-
 @pytest.mark.parametrize("m", [1, 3])
-@pytest.mark.parametrize("input", INPUTS)
-def test_skinny_gemm_default_config_matches_reference(m, input):
-    """The rule's tile holds all of K (96): each program computes its input once, before its steps."""
-    check_linear(m, 72, 96, torch.float16, bias=True, seed=m, input=input)
+def test_skinny_gemm_default_config_matches_reference(m):
+    check_linear(m, 72, 96, torch.float16, bias=True, seed=m)
 
 
 def test_no_tokens():
@@ -116,7 +71,7 @@ def test_a_launch_shape_learns_its_persistent_grid_at_its_first_launch():
     """The first launch of a config gives each column block a program; it leaves the programs an SM holds
     (1 in the interpreter), so the next launches run the persistent grid."""
     config = GemmConfig(1, 4, 64, num_warps=4)
-    key = (torch.device(DEVICE), torch.float16, config, False, skinny_gemm.PLAIN.value, False)
+    key = (torch.device(DEVICE), torch.float16, config, False)
     skinny_gemm._resident.pop(key, None)
     x = torch.randn(1, 64, dtype=torch.float16, device=DEVICE)
     linear_triton(x, torch.randn(24, 64, dtype=torch.float16, device=DEVICE), config=config)
@@ -170,36 +125,6 @@ def test_layers_choose_the_skinny_gemm_for_few_tokens_on_weights_up_to_64_mib(mo
     assert not layers.use_skinny_gemm(half, small)
 
 
-def test_layers_fuse_the_norm_and_the_gate_into_the_skinny_gemm_only(monkeypatch):
-    """`rms_norm_linear` and ``linear(silu_and_mul_input=True)``: on the CPU exactly the norm (or the gate),
-    then F.linear; with the Triton path on, one skinny-GEMM launch at 1-2 tokens (close to that) and the
-    two ops one after the other at 3 (exactly those)."""
-    gen = torch.Generator().manual_seed(0)
-    norm_weight = (torch.randn(32, generator=gen) * 0.1 + 1).half()
-    weight = (torch.randn(24, 32, generator=gen) / 32**0.5).half()
-
-    def both(tokens: int):
-        x, residual = (torch.randn(tokens, 32, generator=gen).half() for _ in range(2))
-        gate_up = torch.randn(tokens, 64, generator=gen).half()
-        normed, summed = layers.rms_norm(x, norm_weight, 1e-6, residual)
-        unfused = (F.linear(normed, weight), summed, F.linear(layers.silu_and_mul(gate_up), weight))
-        out, new_residual = layers.rms_norm_linear(x, residual, norm_weight, 1e-6, weight)
-        return unfused, (out, new_residual, layers.linear(gate_up, weight, silu_and_mul_input=True))
-
-    for unfused, fused in [both(1), both(3)]:
-        assert all(torch.equal(a, b) for a, b in zip(unfused, fused))
-    monkeypatch.setattr(layers, "use_triton", lambda x: True)
-    unfused, fused = both(3)  # cuBLAS
-    assert all(torch.equal(a, b) for a, b in zip(unfused, fused))
-    launches = []
-    monkeypatch.setattr(
-        layers, "linear_triton", lambda *a, **kw: launches.append(kw) or linear_triton(*a, **kw)
-    )
-    unfused, fused = both(1)
-    assert [sorted(kw) for kw in launches] == [["norm"], ["silu_and_mul"]]
-    assert all(rel_err(a, b) < TOLERANCE[torch.float16] for a, b in zip(unfused, fused))
-
-
 # --------------------------------------------------------------------------------------------- GPU sizes
 
 # (N, K) per rank of qwen2.5-0.5b's and llama-3.1-8b's qkv, o_proj, gate_up and down_proj at TP=1 and 2
@@ -215,16 +140,14 @@ LLAMA_TP2_SHAPES = [(3072, 4096), (4096, 2048), (14336, 4096), (4096, 7168)]
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
 @pytest.mark.parametrize("n, k", QWEN_SHAPES + QWEN_TP2_SHAPES)
 def test_skinny_gemm_gpu(dtype, m, n, k):
-    for input in INPUTS:
-        check_linear(m, n, k, dtype, bias=m % 2 == 1, seed=m, input=input)
+    check_linear(m, n, k, dtype, bias=m % 2 == 1, seed=m)
 
 
 @gpu_test
 @pytest.mark.parametrize("m", [1, 2])
 @pytest.mark.parametrize("n, k", LLAMA_SHAPES + LLAMA_TP2_SHAPES)
 def test_skinny_gemm_large_weights_gpu(m, n, k):
-    for input in INPUTS:
-        check_linear(m, n, k, torch.bfloat16, bias=False, seed=m, input=input)
+    check_linear(m, n, k, torch.bfloat16, bias=False, seed=m)
 
 
 @gpu_test

@@ -11,8 +11,7 @@ The element-wise steps between the matmuls (residual add + RMSNorm, SwiGLU's gat
 into the attention backend's KV store instead (`radixinfer.attention.backend.AttentionBackend.store_kv`),
 which the device chooses the same way. The linear layers run ``F.linear`` (cuBLAS) except for
 half-precision batches of 1-2 tokens on weights of up to 64 MiB on CUDA, which take the skinny GEMM
-(`use_skinny_gemm`). That kernel also computes a norm before it (`rms_norm_linear`) or SwiGLU's gate
-(`linear`'s ``silu_and_mul_input``) as it loads its input, so at batch 1 a decoder layer launches neither.
+(`use_skinny_gemm`).
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from torch import nn
 
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from kernels.rms_norm import rms_norm_ref, rms_norm_triton
-from kernels.skinny_gemm import RMSNormInput, linear_triton
+from kernels.skinny_gemm import linear_triton
 
 Op = TypeVar("Op", bound=Callable)
 
@@ -89,37 +88,10 @@ def skinny_gemm_suits(num_tokens: int, weight_bytes: int) -> bool:
 
 
 def linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    silu_and_mul_input: bool = False,
-) -> torch.Tensor:  # [T, in] (or [T, 2 * in]), [out, in], [out] -> [T, out]
-    """``F.linear``, through the skinny GEMM where `use_skinny_gemm` says. With ``silu_and_mul_input``,
-    ``x`` is ``[T, 2 * in]`` (gate | up) and the layer's input is `silu_and_mul` of it: computed as the
-    skinny GEMM loads it, or by its own kernel before cuBLAS."""
-    if use_skinny_gemm(x, weight):
-        return linear_triton(x, weight, bias, silu_and_mul=silu_and_mul_input)
-    return F.linear(silu_and_mul(x) if silu_and_mul_input else x, weight, bias)
-
-
-def rms_norm_linear(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:  # [T, in], like x, [in], -, [out, in], [out]
-    """``(linear(norm(x + residual)), x + residual)``, with no residual ``(linear(norm(x)), x)``: where
-    `use_skinny_gemm` says, one launch that normalises the input as it loads it (a decode step at batch 1
-    saves the norm's launch twice a layer); elsewhere `rms_norm`, then `linear`."""
-    if not use_skinny_gemm(x, weight):
-        normed, new_residual = rms_norm(x, norm_weight, eps, residual)
-        return linear(normed, weight, bias), new_residual
-    new_residual = x if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    norm = RMSNormInput(norm_weight, eps, residual, None if residual is None else new_residual)
-    return linear_triton(x, weight, bias, norm=norm), new_residual
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:  # [T, in], [out, in], [out] -> [T, out]
+    """``F.linear``, through the skinny GEMM where `use_skinny_gemm` says."""
+    return (linear_triton if use_skinny_gemm(x, weight) else F.linear)(x, weight, bias)
 
 
 class CheckpointTensor:
@@ -197,11 +169,3 @@ class RMSNorm(nn.Module):
         ``(norm(x + residual), x + residual)``."""
         out, new_residual = rms_norm(x, self.weight, self.eps, residual)
         return out if residual is None else (out, new_residual)
-
-    def project(
-        self, x: torch.Tensor, residual: torch.Tensor | None, proj: nn.Module
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(proj(norm(x + residual)), x + residual)``, with no residual ``(proj(norm(x)), x)``, as one
-        launch where it can be (`rms_norm_linear`). ``proj`` is a linear layer without communication
-        (its ``weight`` and ``bias``: a column-parallel layer)."""
-        return rms_norm_linear(x, residual, self.weight, self.eps, proj.weight, proj.bias)

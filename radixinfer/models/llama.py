@@ -23,7 +23,7 @@ from transformers.activations import ACT2FN
 from radixinfer.attention import ForwardContext
 from radixinfer.distributed.group import TensorParallel
 from radixinfer.models.base import AttentionLayer, PagedCausalLM
-from radixinfer.models.layers import RMSNorm
+from radixinfer.models.layers import RMSNorm, silu_and_mul
 from radixinfer.models.parallel import (
     AttentionShards,
     ColumnParallelLinear,
@@ -60,11 +60,9 @@ class LlamaAttention(AttentionLayer):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if has_qk_norm else None
 
     def forward(
-        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:  # [T, local q + 2 * local kv] -> [T, hidden]
-        """Attention from ``qkv_proj``'s output (the decoder layer computes it, fused with the norm
-        before it)."""
-        q, k, v = self.qkv_proj.split(qkv)
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -90,11 +88,10 @@ class LlamaMLP(nn.Module):
         )
         self.act = None if config.hidden_act == "silu" else ACT2FN[config.hidden_act]
 
-    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2 * local inter] -> [T, hidden]
-        """The MLP from ``gate_up_proj``'s output (the decoder layer computes it, fused with the norm
-        before it); SiLU-and-mul is fused into ``down_proj`` where it can be."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
         if self.act is None:
-            return self.down_proj(gate_up, silu_and_mul_input=True)
+            return self.down_proj(silu_and_mul(gate_up))
         gate, up = self.gate_up_proj.split(gate_up)
         return self.down_proj(self.act(gate) * up)
 
@@ -121,16 +118,16 @@ class LlamaDecoderLayer(nn.Module):
         sin: torch.Tensor,
         ctx: ForwardContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The residual stream is carried unsummed, vLLM-style, so each add fuses into the norm after it, and
-        each norm into the projection after it (`RMSNorm.project`):
+        """The residual stream is carried unsummed, vLLM-style, so each add fuses into the norm after it:
         ``h`` is the previous layer's MLP output (the embeddings for the first layer, with ``residual`` None)
         and ``residual`` the stream before it. Returns this layer's ``(mlp output, residual)`` likewise."""
-        qkv, residual = self.input_layernorm.project(h, residual, self.self_attn.qkv_proj)
-        h = self.self_attn(qkv, cos, sin, ctx)
-        gate_up, residual = self.post_attention_layernorm.project(
-            h, residual, self.mlp.gate_up_proj
-        )
-        return self.mlp(gate_up), residual
+        if residual is None:
+            h, residual = self.input_layernorm(h), h
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(h, cos, sin, ctx)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):

@@ -173,14 +173,10 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, self.input_shard.local_size))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
-    def forward(
-        self, x: torch.Tensor, silu_and_mul_input: bool = False
-    ) -> torch.Tensor:  # [T, local in] (or [T, 2 * local in]) -> [T, out]
-        """With ``silu_and_mul_input``, ``x`` is this rank's gate | up and the input their SiLU-and-mul
-        (`linear`)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, local in] -> [T, out]
         if self.tp.size == 1:
-            return linear(x, self.weight, self.bias, silu_and_mul_input=silu_and_mul_input)
-        y = self.tp.all_reduce(linear(x, self.weight, silu_and_mul_input=silu_and_mul_input))
+            return linear(x, self.weight, self.bias)
+        y = self.tp.all_reduce(linear(x, self.weight))
         return y if self.bias is None else y.add_(self.bias)
 
     def weight_loader(
