@@ -15,7 +15,8 @@ the vocabulary-parallel lm_head halve N, row-parallel o_proj and down_proj halve
   every time).
 
 ``rule``: which of the two the engine's layers run there (`radixinfer.models.layers.skinny_gemm_suits`:
-at most 2 tokens on at most 64 MiB of weight; ``RADIXINFER_SKINNY_GEMM=0`` makes it cuBLAS everywhere).
+at most 2 tokens, on at most 64 MiB of weight, or 128 MiB whose rows fit one weight tile;
+``RADIXINFER_SKINNY_GEMM=0`` makes it cuBLAS everywhere).
 The engine computes the output projection with ``torch.mm`` (cuBLAS) whatever the rule says: its row is
 for comparison.
 
@@ -94,7 +95,7 @@ def rule_runs_skinny(shape: Shape, m: int) -> bool:
     return (
         shape.layer != "lm_head"
         and layers.SKINNY_GEMM
-        and layers.skinny_gemm_suits(m, shape.weight_bytes)
+        and layers.skinny_gemm_suits(m, shape.k, shape.weight_bytes)
     )
 
 

@@ -43,6 +43,7 @@ from kernels.pdl import launch_options, let_next_kernel_start, wait_for_inputs
 
 MAX_REDUCE_M = 4  # the most tokens a launch takes (one token block: 1, 2 or 4 rows)
 TILE_WEIGHTS = 8192  # a program's weight tile (block_n x block_k): 64 weights a thread on 4 warps
+ROW_K = 4096  # the most K a weight tile spans at one token (at M tokens, ROW_K / next_pow2(M))
 NUM_WARPS = 4
 
 
@@ -60,7 +61,7 @@ def skinny_config(m: int, n: int, k: int, sms: int) -> GemmConfig:
     """The launch shape for ``[m, k] @ [n, k]^T``, ``1 <= m <= MAX_REDUCE_M``, on a device of ``sms`` SMs.
 
     - ``block_m``: ``next_pow2(m)`` (1, 2 or 4).
-    - ``block_k``: all of K up to ``4096 / block_m`` (at one token llama-3.1-8b's K of 4,096 in one tile).
+    - ``block_k``: all of K up to ``ROW_K / block_m`` (at one token llama-3.1-8b's K of 4,096 in one tile).
     - ``block_n``: the rest of a `TILE_WEIGHTS` tile (at most 16), halved while there are fewer than two
       column blocks per SM (qwen2.5-0.5b's 896 and 1,152 columns).
     - `NUM_WARPS` warps.
@@ -72,7 +73,7 @@ def skinny_config(m: int, n: int, k: int, sms: int) -> GemmConfig:
     """
     assert 1 <= m <= MAX_REDUCE_M, m
     block_m = triton.next_power_of_2(m)
-    block_k = min(4096 // block_m, max(16, triton.next_power_of_2(k)))
+    block_k = min(ROW_K // block_m, max(16, triton.next_power_of_2(k)))
     block_n = min(16, TILE_WEIGHTS // block_k)
     while block_n > 1 and triton.cdiv(n, block_n) < 2 * sms:
         block_n //= 2

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from kernels import skinny_gemm
 from kernels.skinny_gemm import (
     MAX_REDUCE_M,
+    ROW_K,
     TILE_WEIGHTS,
     GemmConfig,
     linear_ref,
@@ -103,10 +104,14 @@ def test_token_counts_of_one_block_share_a_config():
     assert skinny_config(3, 1152, 896, 132) == skinny_config(4, 1152, 896, 132)
 
 
-def test_layers_choose_the_skinny_gemm_for_few_tokens_on_weights_up_to_64_mib(monkeypatch):
+def test_layers_choose_the_skinny_gemm_for_few_tokens_up_to_64_mib_or_128_mib_of_one_tile_rows(
+    monkeypatch,
+):
     """On the CPU the layers compute F.linear exactly as before; with the Triton path on, the rule takes
     a half-precision batch of at most SKINNY_MAX_TOKENS (2) tokens on a weight of at most
-    SKINNY_MAX_WEIGHT_BYTES, and ``SKINNY_GEMM`` off (``RADIXINFER_SKINNY_GEMM=0``) turns it off."""
+    SKINNY_MAX_WEIGHT_BYTES, or of at most SKINNY_MAX_ONE_TILE_WEIGHT_BYTES whose rows fit one tile at that
+    token count (ROW_K at one token, half at two); ``SKINNY_GEMM`` off (``RADIXINFER_SKINNY_GEMM=0``)
+    turns it off."""
     x = torch.randn(layers.SKINNY_MAX_TOKENS, 32)
     weight = torch.randn(48, 32)
     assert torch.equal(layers.linear(x, weight), F.linear(x, weight))
@@ -116,11 +121,15 @@ def test_layers_choose_the_skinny_gemm_for_few_tokens_on_weights_up_to_64_mib(mo
     assert not layers.use_skinny_gemm(x, weight)  # float32: cuBLAS
     three = torch.zeros(layers.SKINNY_MAX_TOKENS + 1, 32, dtype=torch.float16)
     assert not layers.use_skinny_gemm(three, small)
-    one = torch.zeros(1, 1024, dtype=torch.float16)
-    largest = torch.empty(layers.SKINNY_MAX_WEIGHT_BYTES // 2 // 1024, 1024, dtype=torch.float16)
-    assert layers.use_skinny_gemm(one, largest)
-    too_large = torch.empty(largest.shape[0] + 1, 1024, dtype=torch.float16)
-    assert not layers.use_skinny_gemm(one, too_large)
+    suits, limit = layers.skinny_gemm_suits, layers.SKINNY_MAX_WEIGHT_BYTES
+    one_tile_limit = layers.SKINNY_MAX_ONE_TILE_WEIGHT_BYTES
+    assert suits(2, 14336, limit) and not suits(2, 14336, limit + 1)
+    assert suits(1, ROW_K, one_tile_limit)  # llama-3.1-8b's TP=2 gate_up: 117 MB, K 4,096
+    assert not suits(1, ROW_K, one_tile_limit + 1)  # its TP=1 gate_up: 235 MB
+    assert not suits(1, ROW_K + 1, limit + 1)  # its TP=1 down_proj: 117 MB, K 14,336
+    assert not suits(2, ROW_K, limit + 1)  # two tokens: two K tiles of 2,048
+    assert suits(2, ROW_K // 2, one_tile_limit)
+    assert not suits(layers.SKINNY_MAX_TOKENS + 1, 32, 3072)
     monkeypatch.setattr(layers, "SKINNY_GEMM", False)
     assert not layers.use_skinny_gemm(half, small)
 

@@ -10,8 +10,8 @@ The element-wise steps between the matmuls (residual add + RMSNorm, SwiGLU's gat
 (on the CPU the models then compute exactly what transformers' models compute). Rotary embedding is fused
 into the attention backend's KV store instead (`radixinfer.attention.backend.AttentionBackend.store_kv`),
 which the device chooses the same way. The linear layers run ``F.linear`` (cuBLAS) except for
-half-precision batches of 1-2 tokens on weights of up to 64 MiB on CUDA, which take the skinny GEMM
-(`use_skinny_gemm`).
+half-precision batches of 1-2 tokens on weights of up to 64 MiB (128 MiB where a row fits one weight
+tile) on CUDA, which take the skinny GEMM (`use_skinny_gemm`).
 """
 
 from __future__ import annotations
@@ -22,11 +22,12 @@ from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
+import triton
 from torch import nn
 
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from kernels.rms_norm import rms_norm_ref, rms_norm_triton
-from kernels.skinny_gemm import linear_triton
+from kernels.skinny_gemm import ROW_K, linear_triton
 
 Op = TypeVar("Op", bound=Callable)
 
@@ -54,13 +55,15 @@ SKINNY_GEMM = os.environ.get("RADIXINFER_SKINNY_GEMM", "1") != "0"
 # The most tokens the skinny GEMM takes (the kernel takes up to `kernels.skinny_gemm.MAX_REDUCE_M`, 4); three
 # and four tokens run its four-row kernel, which the rule has not been measured for.
 SKINNY_MAX_TOKENS = 2
-# The largest weight it takes. Alone (benchmarks/bench_skinny_gemm.py, H200) it beats cuBLAS at one token on
-# every weight of qwen2.5-0.5b and llama-3.1-8b at TP 1 and 2 but llama-3.1-8b's 117 MB down_proj (37.5 vs
-# 37.2 us): cuBLAS costs ~7 us a call beyond the weight's bytes, the persistent grid ~3. In the decode step,
-# though, llama-3.1-8b at TP=1 went 4% slower with its 235 MB gate_up and 117 MB down_proj on it too (4,567
-# against 4,392 us) and 1% faster with them on cuBLAS (4,349 against 4,397); at TP=2 (117 and 59 MB) 9% and
-# 5% faster (docs/kernels.md). The larger weights stay on cuBLAS until the step says otherwise.
+# The largest weights it takes: up to 64 MiB, or up to 128 MiB where a row fits one weight tile at the token
+# count (`ROW_K / next_pow2(tokens)`: 4,096 at one token). Alone (benchmarks/bench_skinny_gemm.py, H200) it
+# beats cuBLAS at one token on every weight of qwen2.5-0.5b and llama-3.1-8b at TP 1 and 2 but llama-3.1-8b's
+# 117 MB down_proj (K = 14,336: 37.5 vs 37.2 us); cuBLAS costs ~7 us a call beyond the weight's bytes, the
+# persistent grid ~3. In llama-3.1-8b's decode step (docs/kernels.md) the kernel gains on TP=2's 117 MB
+# gate_up at one token (3,136 against 3,265 us) and loses on TP=1's 235 MB gate_up (4,384 against 4,358 us;
+# at two tokens, two K tiles a row, 4,838 against 4,528) and 117 MB down_proj (4,419 against 4,376 us).
 SKINNY_MAX_WEIGHT_BYTES = 64 * 2**20
+SKINNY_MAX_ONE_TILE_WEIGHT_BYTES = 128 * 2**20
 
 
 def use_skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -68,7 +71,7 @@ def use_skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
     - fused ops on Triton (CUDA) and the switch on (`SKINNY_GEMM`);
     - a float16/bfloat16 ``x``, 2-D with unit stride along ``in``;
-    - at most `SKINNY_MAX_TOKENS` (2) tokens, on a weight of at most `SKINNY_MAX_WEIGHT_BYTES`.
+    - the shape `skinny_gemm_suits`.
 
     Everything else runs ``F.linear`` (cuBLAS), and so does everything on the CPU, bit for bit as before."""
     return (
@@ -77,14 +80,19 @@ def use_skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and x.dtype in (torch.float16, torch.bfloat16)
         and x.dim() == 2
         and x.stride(1) == 1
-        and skinny_gemm_suits(x.shape[0], weight.numel() * weight.element_size())
+        and skinny_gemm_suits(x.shape[0], weight.shape[1], weight.numel() * weight.element_size())
     )
 
 
-def skinny_gemm_suits(num_tokens: int, weight_bytes: int) -> bool:
-    """`use_skinny_gemm`'s shape test: at most `SKINNY_MAX_TOKENS` tokens, at most `SKINNY_MAX_WEIGHT_BYTES`
-    of weight (``benchmarks/bench_skinny_gemm.py`` applies it to shapes without tensors)."""
-    return num_tokens <= SKINNY_MAX_TOKENS and weight_bytes <= SKINNY_MAX_WEIGHT_BYTES
+def skinny_gemm_suits(num_tokens: int, in_features: int, weight_bytes: int) -> bool:
+    """`use_skinny_gemm`'s shape test: at most `SKINNY_MAX_TOKENS` tokens, on at most
+    `SKINNY_MAX_WEIGHT_BYTES` of weight, or at most `SKINNY_MAX_ONE_TILE_WEIGHT_BYTES` where ``in_features``
+    fits one weight tile (``benchmarks/bench_skinny_gemm.py`` applies it to shapes without tensors)."""
+    if num_tokens > SKINNY_MAX_TOKENS:
+        return False
+    one_tile = in_features <= ROW_K // triton.next_power_of_2(max(num_tokens, 1))
+    limit = SKINNY_MAX_ONE_TILE_WEIGHT_BYTES if one_tile else SKINNY_MAX_WEIGHT_BYTES
+    return weight_bytes <= limit
 
 
 def linear(
