@@ -60,7 +60,7 @@ SKINNY_MAX_TOKENS = 2
 # beats cuBLAS at one token on every weight of qwen2.5-0.5b and llama-3.1-8b at TP 1 and 2 but llama-3.1-8b's
 # 117 MB down_proj (K = 14,336: 37.5 vs 37.2 us); cuBLAS costs ~7 us a call beyond the weight's bytes, the
 # persistent grid ~3. In llama-3.1-8b's decode step (docs/kernels.md) the kernel gains on TP=2's 117 MB
-# gate_up at one token (3,136 against 3,265 us) and loses on TP=1's 235 MB gate_up (4,384 against 4,358 us;
+# gate_up at one token (3,117 against 3,248 us) and loses on TP=1's 235 MB gate_up (4,384 against 4,358 us;
 # at two tokens, two K tiles a row, 4,838 against 4,528) and 117 MB down_proj (4,419 against 4,376 us).
 SKINNY_MAX_WEIGHT_BYTES = 64 * 2**20
 SKINNY_MAX_ONE_TILE_WEIGHT_BYTES = 128 * 2**20
