@@ -32,10 +32,12 @@ Cases (block_size 16, every time a median over many repetitions, `time.perf_coun
 
 With ``--model NAME`` on CUDA the same decode batches run on a real model (`api.LLM`, distinct random prompts
 of 600 tokens) and the GPU time of each step's decode graph replay and `sample` call is taken with CUDA events;
-``host_us`` = step - those two, i.e. the host time not hidden behind the GPU (host work between the replay and
-the ``.tolist()`` sync overlaps it). The decode floor is (weight bytes + KV bytes the step reads) /
-``--hbm-tbps`` (measured by `bench_kernels.ceilings` when not given), the weights those a step reads
-whole (`radixinfer.engine.decode_bytes`: an untied input embedding is only looked up, not counted);
+``host_us`` = the step with events - those two, i.e. the host time not hidden behind the GPU (host work
+between the replay and the ``.tolist()`` sync overlaps it); all three from the same steps, which come after
+the clean ones (``step_us``) and read ``--model-steps`` more positions each. The decode floor is (weight
+bytes + KV bytes the step reads) / ``--hbm-tbps`` (measured by `bench_kernels.ceilings` when not given),
+the weights those a step reads whole (`radixinfer.engine.decode_bytes`: an untied input embedding is only
+looked up, not counted);
 with ``--tensor-parallel-size N`` the model is sharded over N GPUs, the times are rank 0's (its graph
 holds the all-reduces) and the weights and KV are rank 0's shard: the floor per GPU. The fraction
 achieved is that floor over the graph's GPU time and over the whole step.
@@ -437,6 +439,7 @@ def bench_model_decode(
     floor_us = floor_bytes / (hbm_tbps * 1e12) * 1e6
     step_us = median_us(clean)
     gpu_us, sample_us = timer.median_us("forward"), timer.median_us("sample")
+    evented_us = median_us(evented)  # later steps than the clean ones: contexts `steps` longer
     return {
         "batch": batch,
         "sampling": "greedy" if params.temperature == 0 else "random",
@@ -445,10 +448,10 @@ def bench_model_decode(
         "mean_context": float(mean_context),
         "step_us": step_us,
         "per_seq_us": step_us / batch,
-        "step_us_with_events": median_us(evented),
+        "step_us_with_events": evented_us,
         "gpu_forward_us": gpu_us,
         "gpu_sample_us": sample_us,
-        "host_us": step_us - gpu_us - sample_us,
+        "host_us": evented_us - gpu_us - sample_us,  # all three from the same steps
         "floor_MB": floor_bytes / 1e6,
         "floor_us": floor_us,
         "floor_fraction_of_gpu_forward": floor_us / gpu_us,
