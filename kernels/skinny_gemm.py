@@ -57,11 +57,18 @@ class GemmConfig(NamedTuple):
     num_warps: int
 
 
+def tile_k(m: int, k: int) -> int:
+    """A weight tile's K at ``m`` tokens: all of K up to ``ROW_K / next_pow2(m)`` (a power of two, at
+    least 16). Rows of ``k <= tile_k(m, k)`` are one tile."""
+    return min(ROW_K // triton.next_power_of_2(max(m, 1)), max(16, triton.next_power_of_2(k)))
+
+
 def skinny_config(m: int, n: int, k: int, sms: int) -> GemmConfig:
     """The launch shape for ``[m, k] @ [n, k]^T``, ``1 <= m <= MAX_REDUCE_M``, on a device of ``sms`` SMs.
 
     - ``block_m``: ``next_pow2(m)`` (1, 2 or 4).
-    - ``block_k``: all of K up to ``ROW_K / block_m`` (at one token llama-3.1-8b's K of 4,096 in one tile).
+    - ``block_k``: `tile_k`, all of K up to ``ROW_K / block_m`` (at one token llama-3.1-8b's K of 4,096 in
+      one tile).
     - ``block_n``: the rest of a `TILE_WEIGHTS` tile (at most 16), halved while there are fewer than two
       column blocks per SM (qwen2.5-0.5b's 896 and 1,152 columns).
     - `NUM_WARPS` warps.
@@ -73,7 +80,7 @@ def skinny_config(m: int, n: int, k: int, sms: int) -> GemmConfig:
     """
     assert 1 <= m <= MAX_REDUCE_M, m
     block_m = triton.next_power_of_2(m)
-    block_k = min(ROW_K // block_m, max(16, triton.next_power_of_2(k)))
+    block_k = tile_k(m, k)
     block_n = min(16, TILE_WEIGHTS // block_k)
     while block_n > 1 and triton.cdiv(n, block_n) < 2 * sms:
         block_n //= 2

@@ -91,9 +91,9 @@ def test_config_covers_the_tokens_and_fills_the_device(sms, m, n, k):
     for size in (cfg.block_m, cfg.block_n, cfg.block_k):
         assert size & (size - 1) == 0
     assert cfg.block_n * cfg.block_k <= TILE_WEIGHTS  # the weight tile's registers
-    # all of K in one tile up to 4,096 / block_m
-    assert cfg.block_k >= min(k, 4096 // cfg.block_m) and cfg.block_k <= max(
-        4096 // cfg.block_m, 16
+    # all of K in one tile up to ROW_K / block_m
+    assert cfg.block_k >= min(k, ROW_K // cfg.block_m) and cfg.block_k <= max(
+        ROW_K // cfg.block_m, 16
     )
     # two column blocks per SM, or one column a block
     assert -(-n // cfg.block_n) >= 2 * sms or cfg.block_n == 1
@@ -137,7 +137,7 @@ def test_layers_choose_the_skinny_gemm_for_few_tokens_up_to_64_mib_or_128_mib_of
 # --------------------------------------------------------------------------------------------- GPU sizes
 
 # (N, K) per rank of qwen2.5-0.5b's and llama-3.1-8b's qkv, o_proj, gate_up and down_proj at TP=1 and 2
-# (the layers send llama-3.1-8b's weights above 64 MiB to cuBLAS; the kernel takes any, up to 235 MB here)
+# (the layers send llama-3.1-8b's TP=1 gate_up and down_proj to cuBLAS; the kernel takes any, up to 235 MB here)
 QWEN_SHAPES = [(1152, 896), (896, 896), (9728, 896), (896, 4864)]
 QWEN_TP2_SHAPES = [(576, 896), (896, 448), (4864, 896), (896, 2432)]
 LLAMA_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]

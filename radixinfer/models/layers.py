@@ -22,12 +22,11 @@ from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
-import triton
 from torch import nn
 
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from kernels.rms_norm import rms_norm_ref, rms_norm_triton
-from kernels.skinny_gemm import ROW_K, linear_triton
+from kernels.skinny_gemm import linear_triton, tile_k
 
 Op = TypeVar("Op", bound=Callable)
 
@@ -56,7 +55,7 @@ SKINNY_GEMM = os.environ.get("RADIXINFER_SKINNY_GEMM", "1") != "0"
 # and four tokens run its four-row kernel, which the rule has not been measured for.
 SKINNY_MAX_TOKENS = 2
 # The largest weights it takes: up to 64 MiB, or up to 128 MiB where a row fits one weight tile at the token
-# count (`ROW_K / next_pow2(tokens)`: 4,096 at one token). Alone (benchmarks/bench_skinny_gemm.py, H200) it
+# count (`kernels.skinny_gemm.tile_k`: 4,096 at one token). Alone (benchmarks/bench_skinny_gemm.py, H200) it
 # beats cuBLAS at one token on every weight of qwen2.5-0.5b and llama-3.1-8b at TP 1 and 2 but llama-3.1-8b's
 # 117 MB down_proj (K = 14,336: 37.5 vs 37.2 us); cuBLAS costs ~7 us a call beyond the weight's bytes, the
 # persistent grid ~3. In llama-3.1-8b's decode step (docs/kernels.md) the kernel gains on TP=2's 117 MB
@@ -90,7 +89,7 @@ def skinny_gemm_suits(num_tokens: int, in_features: int, weight_bytes: int) -> b
     fits one weight tile (``benchmarks/bench_skinny_gemm.py`` applies it to shapes without tensors)."""
     if num_tokens > SKINNY_MAX_TOKENS:
         return False
-    one_tile = in_features <= ROW_K // triton.next_power_of_2(max(num_tokens, 1))
+    one_tile = in_features <= tile_k(num_tokens, in_features)
     limit = SKINNY_MAX_ONE_TILE_WEIGHT_BYTES if one_tile else SKINNY_MAX_WEIGHT_BYTES
     return weight_bytes <= limit
 
