@@ -13,12 +13,15 @@ import torch
 import torch.nn.functional as F
 
 from kernels import skinny_gemm
+from kernels.activation import silu_and_mul_triton
 from kernels.skinny_gemm import (
     MAX_REDUCE_M,
     ROW_K,
     TILE_WEIGHTS,
     GemmConfig,
     linear_ref,
+    linear_silu_and_mul_ref,
+    linear_silu_and_mul_triton,
     linear_triton,
     skinny_config,
 )
@@ -29,17 +32,28 @@ from tests.test_sampling_kernel import compiled_variants
 HALF = [torch.float16, torch.bfloat16]
 
 
-def check_linear(m, n, k, dtype, bias, seed, config=None):
+def check_linear(m, n, k, dtype, bias, seed, config=None, gated=False):
     """x as a token-strided view (rows padded, as a fused projection's slice is); the weight scaled
     like a real layer's so outputs are O(1). Two launches: the first of a launch shape gives every
     column block its own program, the next run the persistent grid (fewer programs, several blocks
-    each; one program in Triton's interpreter); both must match the reference, and each other."""
+    each; one program in Triton's interpreter); both must match the reference, and each other.
+    ``gated``: SiLU-and-mul over a ``[2 n, k]`` gate/up weight (`linear_silu_and_mul_triton`), against the
+    two launches it replaces (the plain kernel, then `silu_and_mul_triton`: the same roundings; Triton's
+    interpreter rounds bfloat16 toward zero, so three roundings in a row drift from the reference by about
+    the tolerance) and, in float16, against the reference too."""
     gen = torch.Generator(DEVICE).manual_seed(seed)
+    rows = 2 * n if gated else n
     x = randn(m, k + 3, dtype=dtype, gen=gen)[:, :k]
-    weight = (randn(n, k, dtype=torch.float32, gen=gen) * k**-0.5).to(dtype)
-    b = randn(n, dtype=dtype, gen=gen) if bias else None
+    weight = (randn(rows, k, dtype=torch.float32, gen=gen) * k**-0.5).to(dtype)
+    b = randn(rows, dtype=dtype, gen=gen) if bias else None
+    fn = linear_silu_and_mul_triton if gated else linear_triton
     ref = linear_ref(x, weight, b)
-    first, persistent = (linear_triton(x, weight, b, config) for _ in range(2))
+    if gated:
+        if dtype == torch.float16:
+            reference = linear_silu_and_mul_ref(x, weight, b)
+            assert rel_err(fn(x, weight, b, config), reference) < TOLERANCE[dtype]
+        ref = silu_and_mul_triton(linear_triton(x, weight, b))
+    first, persistent = (fn(x, weight, b, config) for _ in range(2))
     for out in (first, persistent):
         assert out.shape == ref.shape == (m, n) and out.dtype == dtype
         assert rel_err(out, ref) < TOLERANCE[dtype]
@@ -62,6 +76,17 @@ def test_skinny_gemm_default_config_matches_reference(m):
     check_linear(m, 72, 96, torch.float16, bias=True, seed=m)
 
 
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("m", sorted(TINY_CONFIGS))
+@pytest.mark.parametrize("bias", [False, True])
+def test_silu_and_mul_epilogue_matches_reference(dtype, m, bias):
+    """SwiGLU's gate/up projection and SiLU-and-mul in one launch: each column block pairs the gate and
+    up rows of its columns (tiles of half the rows of each), 40 output columns from 80 weight rows."""
+    config = TINY_CONFIGS[m]._replace(block_n=TINY_CONFIGS[m].block_n // 2)
+    check_linear(m, 40, 100, dtype, bias, seed=m, config=config, gated=True)
+    check_linear(m, 40, 100, dtype, bias, seed=m + 10, gated=True)  # skinny_config(gated=True)
+
+
 def test_no_tokens():
     x = torch.zeros(0, 32, dtype=torch.float16, device=DEVICE)
     weight = torch.zeros(16, 32, dtype=torch.float16, device=DEVICE)
@@ -72,7 +97,7 @@ def test_a_launch_shape_learns_its_persistent_grid_at_its_first_launch():
     """The first launch of a config gives each column block a program; it leaves the programs an SM holds
     (1 in the interpreter), so the next launches run the persistent grid."""
     config = GemmConfig(1, 4, 64, num_warps=4)
-    key = (torch.device(DEVICE), torch.float16, config, False)
+    key = (torch.device(DEVICE), torch.float16, config, False, False)
     skinny_gemm._resident.pop(key, None)
     x = torch.randn(1, 64, dtype=torch.float16, device=DEVICE)
     linear_triton(x, torch.randn(24, 64, dtype=torch.float16, device=DEVICE), config=config)
@@ -97,6 +122,9 @@ def test_config_covers_the_tokens_and_fills_the_device(sms, m, n, k):
     )
     # two column blocks per SM, or one column a block
     assert -(-n // cfg.block_n) >= 2 * sms or cfg.block_n == 1
+    # SiLU-and-mul over n rows of gate and up: a tile of half as many columns, half gate, half up
+    gated = skinny_config(m, n, k, sms, gated=True)
+    assert gated == cfg._replace(block_n=max(1, cfg.block_n // 2))
 
 
 def test_token_counts_of_one_block_share_a_config():
@@ -157,6 +185,14 @@ def test_skinny_gemm_gpu(dtype, m, n, k):
 @pytest.mark.parametrize("n, k", LLAMA_SHAPES + LLAMA_TP2_SHAPES)
 def test_skinny_gemm_large_weights_gpu(m, n, k):
     check_linear(m, n, k, torch.bfloat16, bias=False, seed=m)
+
+
+@gpu_test
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("n, k", [(4864, 896), (2432, 896), (14336, 4096), (7168, 4096)])
+def test_silu_and_mul_epilogue_gpu(m, n, k):
+    """qwen2.5-0.5b's and llama-3.1-8b's gate/up projections (TP 1 and 2) with SiLU-and-mul fused."""
+    check_linear(m, n, k, torch.bfloat16, bias=m == 2, seed=m, gated=True)
 
 
 @gpu_test

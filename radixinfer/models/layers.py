@@ -11,7 +11,8 @@ The element-wise steps between the matmuls (residual add + RMSNorm, SwiGLU's gat
 into the attention backend's KV store instead (`radixinfer.attention.backend.AttentionBackend.store_kv`),
 which the device chooses the same way. The linear layers run ``F.linear`` (cuBLAS) except for
 half-precision batches of 1-2 tokens on weights of up to 64 MiB (128 MiB where a row fits one weight
-tile) on CUDA, which take the skinny GEMM (`use_skinny_gemm`).
+tile) on CUDA, which take the skinny GEMM (`use_skinny_gemm`); SwiGLU's gate/up projection then computes
+SiLU-and-mul as it stores (`linear_silu_and_mul`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from torch import nn
 
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from kernels.rms_norm import rms_norm_ref, rms_norm_triton
-from kernels.skinny_gemm import linear_triton, tile_k
+from kernels.skinny_gemm import linear_silu_and_mul_triton, linear_triton, tile_k
 
 Op = TypeVar("Op", bound=Callable)
 
@@ -99,6 +100,17 @@ def linear(
 ) -> torch.Tensor:  # [T, in], [out, in], [out] -> [T, out]
     """``F.linear``, through the skinny GEMM where `use_skinny_gemm` says."""
     return (linear_triton if use_skinny_gemm(x, weight) else F.linear)(x, weight, bias)
+
+
+def linear_silu_and_mul(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:  # [T, in], [2 I, in] (gate | up), [2 I] -> [T, I]
+    """SwiGLU's gate over the fused gate/up projection, ``silu(x W_gate^T + b_gate) * (x W_up^T + b_up)``:
+    where `use_skinny_gemm` takes the projection, one launch (the skinny GEMM with SiLU-and-mul as it
+    stores); else the projection, then `silu_and_mul` (on the CPU, the references)."""
+    if use_skinny_gemm(x, weight):
+        return linear_silu_and_mul_triton(x, weight, bias)
+    return silu_and_mul(F.linear(x, weight, bias))
 
 
 class CheckpointTensor:

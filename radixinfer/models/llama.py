@@ -23,7 +23,7 @@ from transformers.activations import ACT2FN
 from radixinfer.attention import ForwardContext
 from radixinfer.distributed.group import TensorParallel
 from radixinfer.models.base import AttentionLayer, PagedCausalLM
-from radixinfer.models.layers import RMSNorm, silu_and_mul
+from radixinfer.models.layers import RMSNorm, linear_silu_and_mul
 from radixinfer.models.parallel import (
     AttentionShards,
     ColumnParallelLinear,
@@ -73,8 +73,9 @@ class LlamaAttention(AttentionLayer):
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU: ``down(act(gate(x)) * up(x))`` with gate and up as one matmul; ``act * up`` is one fused op
-    for SiLU (every model of the family), two eager ones for any other activation."""
+    """SwiGLU: ``down(act(gate(x)) * up(x))`` with gate and up as one matmul; for SiLU (every model of the
+    family) ``act * up`` is fused into it (`linear_silu_and_mul`), for any other activation two eager ops
+    after it."""
 
     def __init__(self, config: PretrainedConfig, tp: TensorParallel) -> None:
         super().__init__()
@@ -89,10 +90,10 @@ class LlamaMLP(nn.Module):
         self.act = None if config.hidden_act == "silu" else ACT2FN[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
         if self.act is None:
-            return self.down_proj(silu_and_mul(gate_up))
-        gate, up = self.gate_up_proj.split(gate_up)
+            proj = self.gate_up_proj
+            return self.down_proj(linear_silu_and_mul(x, proj.weight, proj.bias))
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))  # [T, intermediate] each
         return self.down_proj(self.act(gate) * up)
 
 
