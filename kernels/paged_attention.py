@@ -11,7 +11,11 @@ work):
 - **decode** (every ``query_len == 1``): program (seq, kv_head, split) runs the ``num_heads // num_kv_heads``
   query heads of one KV head together as the rows of one tile, so each K/V tile is loaded once per group.
   Each sequence's context is cut into ``num_splits`` equal ranges (flash-decoding); a second launch merges
-  the partial results by log-sum-exp. The grid depends only on host ints, never on ``context_lens``::
+  the partial results by log-sum-exp. The grid depends only on host ints, never on ``context_lens``.
+  Given the step's new K/V (`NewKV`; not with shared-prefix tiles) the split kernel also does the store
+  step, so the store kernel (`kernels/store_kv.py`) does not run: each program rotates its q rows in
+  registers, and the split whose range ends at the new position writes that KV head's new K (rotated)
+  and V into the token's slot before it reads the range::
 
       positions  0 ........ chunk ........ 2*chunk ...... context_len
       split      |    0     |      1       |      2       |  3.. empty (lse = -inf)
@@ -59,6 +63,8 @@ import triton.language as tl
 
 from kernels.device import num_sms
 from kernels.pdl import launch_options, let_next_kernel_start, wait_for_inputs
+from kernels.rotary import load_rotated_rows
+from kernels.store_kv import store_kv_rows
 
 
 def paged_attention_ref(
@@ -236,10 +242,20 @@ def _decode_split_kernel(
     kv_starts_ptr,  # [num_seqs] int32: first position this kernel covers (read only with SHARED_CHUNKS)
     part_out_ptr,  # [num_seqs, num_heads, num_slots, head_dim]; f32 workspace, or the output if 1 split
     part_lse_ptr,  # [num_seqs, num_heads, num_slots] f32, contiguous
+    k_ptr,  # the new tokens' k and v, [num_seqs, num_kv_heads, head_dim] (read only with STORE_KV)
+    v_ptr,
+    cos_ptr,  # [num_seqs, head_dim // 2] (read only with ROTARY)
+    sin_ptr,
+    slot_mapping_ptr,  # [num_seqs] int64; -1 = store nothing (read only with STORE_KV)
     qk_scale,
     num_splits,
     stride_qt,
     stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ct,
     stride_cb,
     stride_cs,
     stride_ch,
@@ -253,14 +269,27 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SHARED_CHUNKS: tl.constexpr,  # 0: no shared-prefix tiles; else the tile kernel's chunks per prefix
+    STORE_KV: tl.constexpr,  # store each sequence's new K/V first (the store step's work, fused)
+    ROTARY: tl.constexpr,  # rotate q (in registers) and k (on its way to the cache) first
     USE_PDL: tl.constexpr,
 ):
     """Program (seq, kv_head, split): partial ``split`` of ``[kv_start, context_len)``. With shared-prefix
     tiles the partials have SHARED_CHUNKS slots more (after the splits), the tile kernel's; split 0 of a
-    sequence that no tile covers (kv_start 0) marks those slots empty (lse = -inf)."""
+    sequence that no tile covers (kv_start 0) marks those slots empty (lse = -inf).
+
+    With STORE_KV (never with SHARED_CHUNKS: the tile kernel reads the other sequences' rows of q and
+    the positions this kernel would store) the store step happens here: every program rotates its q
+    rows with ROTARY, and the one split whose range ends at the new position ``context_len - 1``
+    writes its KV head's new K and V into slot ``slot_mapping[seq]`` (`store_kv_rows`, as the store
+    kernel does), then reads them back from the cache as any other position. No other program reads
+    that position: at decode no sequence's context holds another's new slot (slots are write-once),
+    so a barrier within the program is the only ordering needed. A sequence with context_len 0
+    (padding) has no such split and stores nothing."""
     let_next_kernel_start(USE_PDL)
+    # before any load, and before the store (which could land under the previous kernel's readers)
     wait_for_inputs(USE_PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -280,11 +309,40 @@ def _decode_split_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     heads = kv_head * GROUP + offs_g  # [G]
     q_mask = (offs_g[:, None] < GROUP) & (offs_d[None, :] < HEAD_DIM)
-    q = tl.load(
-        q_ptr + seq * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=q_mask,
-        other=0.0,
-    )
+    q_rows = q_ptr + seq * stride_qt + heads[:, None] * stride_qh  # [G, 1]
+    cos_row = cos_ptr + seq * stride_ct
+    sin_row = sin_ptr + seq * stride_ct
+    if ROTARY:  # rounded to q's dtype, as the store kernel's store of q rounds it
+        q = load_rotated_rows(q_rows, cos_row, sin_row, q_mask, HEAD_DIM // 2, BLOCK_D)
+        q = q.to(q_ptr.dtype.element_ty)
+    else:
+        q = tl.load(q_rows + offs_d[None, :], mask=q_mask, other=0.0)
+    if STORE_KV:
+        if (hi > lo) & (hi == context_len):  # the split that holds the new position
+            slot = tl.load(slot_mapping_ptr + seq).to(tl.int64)
+            dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
+            dst += kv_head * stride_ch
+            cos, sin = None, None  # read only with ROTARY
+            if ROTARY:
+                half = tl.arange(0, BLOCK_HALF)[None, :]
+                cos = tl.load(cos_row + half, mask=half < HEAD_DIM // 2).to(tl.float32)
+                sin = tl.load(sin_row + half, mask=half < HEAD_DIM // 2).to(tl.float32)
+            store_kv_rows(
+                k_ptr + seq * stride_kt + kv_head * stride_kh,
+                v_ptr + seq * stride_vt + kv_head * stride_vh,
+                k_cache_ptr + dst,
+                v_cache_ptr + dst,
+                tl.zeros([1, 1], tl.int64) + slot >= 0,  # a [1, 1] mask; slot -1 stores nothing
+                cos,
+                sin,
+                HEAD_DIM,
+                BLOCK_D,
+                BLOCK_HALF,
+                ROTARY,
+            )
+            # every thread of the program reads the new position below: CUDA makes a block's global
+            # writes before a barrier visible to the whole block after it
+            tl.debug_barrier()
 
     row_limit = tl.zeros([BLOCK_G], tl.int32) + hi - 1  # decode's only mask: the range's tail
     acc, row_max, row_sum = _attend_kv_span(
@@ -662,6 +720,22 @@ class SharedPrefixTiles(NamedTuple):
     kv_starts: torch.Tensor  # [num_seqs] int32
 
 
+class NewKV(NamedTuple):
+    """A decode step's new K/V, for the split kernel to store before it attends (`store_kv_triton`'s
+    arguments, q aside): row ``b`` is sequence ``b``'s one new token, at position ``context_len - 1``.
+    Given ``cos``/``sin``, q and k are rotated first: q in registers (q in memory is left as it is),
+    k on its way into the cache. ``k`` and ``v`` are only read; q, k and v may be views into one fused
+    qkv projection."""
+
+    # [num_seqs, num_kv_heads, head_dim]; any token/head strides, last dim contiguous
+    k: torch.Tensor
+    v: torch.Tensor
+    slot_mapping: torch.Tensor  # [num_seqs] int64; -1 = store nothing
+    # [num_seqs, head_dim // 2], last dim contiguous; None: no rotary
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+
+
 def paged_decode_attention_triton(
     q: torch.Tensor,  # [num_seqs, num_heads, head_dim]: one new token per sequence
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -675,13 +749,34 @@ def paged_decode_attention_triton(
     shared: SharedPrefixTiles
     | None = None,  # read each tile's shared prefix once for all its sequences
     shared_chunks: int | None = None,  # 1, 2 or 4; None: shared_prefix_chunks(...)
+    new_kv: NewKV | None = None,  # stored (and rotated) by the split kernel; not with ``shared``
 ) -> torch.Tensor:
     """Flash-decoding over the paged cache. No host sync and a grid fixed by (num_seqs, num_kv_heads,
     num_splits) and the number of shared-prefix tiles, so it is CUDA-graph capturable; results do not
-    depend on num_splits, ``shared`` or ``shared_chunks`` beyond rounding."""
+    depend on num_splits, ``shared`` or ``shared_chunks`` beyond rounding.
+
+    Given ``new_kv``, computes what `store_kv_triton` then this function compute (the same float32
+    operations and roundings), in one launch fewer, except that q in memory is left unrotated. Must
+    hold then: no sequence's context holds another sequence's new slot (the engine's decode steps
+    write each new token into a slot nobody else reads), as each sequence's store is ordered before
+    its own reads only."""
     _check_layouts(q, k_cache, v_cache, block_tables)
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
+    store_kv = new_kv is not None
+    if store_kv:
+        assert shared is None, "the tile kernel reads q and the cache: store in a launch of its own"
+        k, v, slot_mapping, cos, sin = new_kv
+        assert k.shape == v.shape == (num_seqs, num_kv_heads, head_dim)
+        assert k.stride(2) == 1 and v.stride(2) == 1 and slot_mapping.shape == (num_seqs,)
+    else:  # nothing reads them: q and context_lens stand in
+        k, v, slot_mapping, cos, sin = q, q, context_lens, None, None
+    rotary = cos is not None
+    if rotary:
+        assert head_dim % 2 == 0 and cos.shape == sin.shape == (num_seqs, head_dim // 2)
+        assert cos.stride() == sin.stride() and cos.stride(1) == 1
+    else:  # nothing reads cos or sin: q stands in for them
+        cos = sin = q
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_splits is None:
@@ -723,10 +818,20 @@ def paged_decode_attention_triton(
         context_lens if shared is None else shared.kv_starts,
         parts,
         lse,
+        k,
+        v,
+        cos,
+        sin,
+        slot_mapping.contiguous(),
         qk_scale,
         num_splits,
         q.stride(0),
         q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        cos.stride(0),
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
@@ -739,8 +844,11 @@ def paged_decode_attention_triton(
         BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
+        BLOCK_HALF=triton.next_power_of_2(max(head_dim // 2, 1)),
         DOT_PRECISION=_dot_precision(q.dtype),
         SHARED_CHUNKS=shared_chunks,
+        STORE_KV=store_kv,
+        ROTARY=rotary,
         **_decode_config(block_d, q.dtype),
         **launch_options(q.device),
     )

@@ -6,6 +6,10 @@ cache (`kernels/rotary.py`), in the same launch that stores K and V: at decode's
 element-wise launch costs about as much as the work in it, and this one replaces two. ``k`` and ``v``
 themselves are only read: attention reads K and V from the cache, never from the projections. Without
 one (GPT-2: learned positions) it is a plain store.
+
+At decode without shared-prefix tiles this launch does not run: the decode attention's split kernel
+stores each sequence's new K and V itself (`kernels/paged_attention.py`), through the same helper,
+`store_kv_rows`, as this kernel.
 """
 
 from __future__ import annotations
@@ -34,6 +38,40 @@ def store_kv_ref(
     slots = slot_mapping[keep]
     k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)
     v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
+
+
+@triton.jit
+def store_kv_rows(
+    k_row,
+    v_row,
+    k_dst,
+    v_dst,
+    mask,
+    cos,
+    sin,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    ROTARY: tl.constexpr,
+):
+    """One token's K and V rows into its cache slot, the heads ``mask`` holds: ``k_row``/``v_row``
+    point at each head's row of k and v, ``k_dst``/``v_dst`` at its row of the caches (``[heads, 1]``
+    pointers and mask, or one head's scalar pointers and a ``[1, 1]`` mask). With ROTARY k is rotated on the
+    way by ``cos``/``sin`` (``[1, BLOCK_HALF]`` float32), rounded to k's dtype as q is, then by the
+    store to the cache's; otherwise, and for v, the store casts. ``k`` and ``v`` are only read."""
+    dims = tl.arange(0, BLOCK_D)[None, :]
+    row_mask = mask & (dims < HEAD_DIM)
+    if ROTARY:
+        HALF: tl.constexpr = HEAD_DIM // 2
+        half = tl.arange(0, BLOCK_HALF)[None, :]
+        k_mask = mask & (half < HALF)
+        k1, k2 = load_rotated(k_row + half, cos, sin, k_mask, HALF)
+        k_dtype = k_row.dtype.element_ty
+        tl.store(k_dst + half, k1.to(k_dtype), mask=k_mask)
+        tl.store(k_dst + HALF + half, k2.to(k_dtype), mask=k_mask)
+    else:
+        tl.store(k_dst + dims, tl.load(k_row + dims, mask=row_mask), mask=row_mask)
+    tl.store(v_dst + dims, tl.load(v_row + dims, mask=row_mask), mask=row_mask)
 
 
 @triton.jit
@@ -75,11 +113,7 @@ def _store_kv_kernel(
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)[:, None]
-    kv_mask = heads < tl.where(slot >= 0, NUM_KV_HEADS, 0)  # no head of a slot -1 row
-    dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + heads * stride_ch
-    k_row = k_ptr + token * stride_kt + heads * stride_kh
-    dims = tl.arange(0, BLOCK_D)[None, :]
-    mask = kv_mask & (dims < HEAD_DIM)
+    cos, sin = None, None  # read only with ROTARY
     if ROTARY:
         HALF: tl.constexpr = HEAD_DIM // 2
         half = tl.arange(0, BLOCK_HALF)[None, :]
@@ -91,17 +125,20 @@ def _store_kv_kernel(
         q1, q2 = load_rotated(q_first, cos, sin, q_mask, HALF)
         tl.store(q_first, q1, mask=q_mask)  # the store rounds to q's dtype
         tl.store(q_first + HALF, q2, mask=q_mask)
-        k_mask = kv_mask & (half < HALF)
-        k1, k2 = load_rotated(k_row + half, cos, sin, k_mask, HALF)
-        # rounded to the model dtype, as q is, then by the store to the cache's
-        k_dtype = k_ptr.dtype.element_ty
-        tl.store(k_cache_ptr + dst + half, k1.to(k_dtype), mask=k_mask)
-        tl.store(k_cache_ptr + dst + HALF + half, k2.to(k_dtype), mask=k_mask)
-    else:
-        k = tl.load(k_row + dims, mask=mask)
-        tl.store(k_cache_ptr + dst + dims, k, mask=mask)  # the store casts to the cache dtype
-    v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
-    tl.store(v_cache_ptr + dst + dims, v, mask=mask)
+    dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + heads * stride_ch
+    store_kv_rows(
+        k_ptr + token * stride_kt + heads * stride_kh,
+        v_ptr + token * stride_vt + heads * stride_vh,
+        k_cache_ptr + dst,
+        v_cache_ptr + dst,
+        heads < tl.where(slot >= 0, NUM_KV_HEADS, 0),  # no head of a slot -1 row
+        cos,
+        sin,
+        HEAD_DIM,
+        BLOCK_D,
+        BLOCK_HALF,
+        ROTARY,
+    )
 
 
 def store_kv_triton(

@@ -14,6 +14,7 @@ import torch
 
 from kernels.block_copy import copy_blocks_ref, copy_blocks_triton
 from kernels.paged_attention import (
+    NewKV,
     SharedPrefixTiles,
     extend_block_m,
     paged_attention_ref,
@@ -464,6 +465,150 @@ def test_copy_blocks_matches_reference(dtype):
     )
 
 
+# ------------------------------------------------------------------------------------- decode store fused
+
+
+class DecodeStep(NamedTuple):
+    """A decode step's attention inputs as a model produces them: q, k and v strided views into one
+    fused projection, cos/sin (None: no rotary), and the metadata with each new token's slot."""
+
+    q: torch.Tensor  # [num_seqs, num_heads, head_dim]
+    k: torch.Tensor  # [num_seqs, num_kv_heads, head_dim]
+    v: torch.Tensor
+    cos: torch.Tensor | None  # [num_seqs, head_dim // 2]
+    sin: torch.Tensor | None
+    k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor
+    meta: AttentionMetadata
+
+
+def make_decode_step(
+    context_lens, no_slot, *, heads, head_dim, block_size, dtype, rotary, seed
+) -> DecodeStep:
+    """Sequence ``b``'s new token at position ``context_lens[b] - 1``, stored into its slot there,
+    except the rows ``no_slot`` (slot -1: store nothing, read what the cache holds). A context_len
+    of 0 is a CUDA-graph padding row (slot -1)."""
+    num_heads, num_kv_heads = heads
+    batch = make_batch(
+        [max(c - 1, 0) for c in context_lens],
+        [1] * len(context_lens),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        seed=seed,
+    )
+    gen = torch.Generator(DEVICE).manual_seed(seed + 1)
+    n, q_size, kv_size = len(context_lens), num_heads * head_dim, num_kv_heads * head_dim
+    qkv = randn(n, q_size + 2 * kv_size + 3, dtype=dtype, gen=gen)[:, 3:]
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    angles = torch.rand(n, head_dim // 2, generator=gen, device=DEVICE) * 100
+    cos, sin = (angles.cos().to(dtype), angles.sin().to(dtype)) if rotary else (None, None)
+    tables = batch.meta.block_tables
+    slots = [
+        tables[b, (c - 1) // block_size].item() * block_size + (c - 1) % block_size
+        if c > 0 and b not in no_slot
+        else -1
+        for b, c in enumerate(context_lens)
+    ]
+    meta = dataclasses.replace(
+        batch.meta,
+        slot_mapping=torch.tensor(slots, device=DEVICE),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=DEVICE),
+    )
+    return DecodeStep(
+        q.view(n, num_heads, head_dim),
+        k.view(n, num_kv_heads, head_dim),
+        v.view(n, num_kv_heads, head_dim),
+        cos,
+        sin,
+        batch.k_cache,
+        batch.v_cache,
+        meta,
+    )
+
+
+def check_decode_store(step: DecodeStep, dtype, num_splits: int | None):
+    """The split kernel storing the step's new K/V itself (`NewKV`) against the two launches it
+    replaces, `store_kv_triton` then the decode kernel: the same output and caches bit for bit, and
+    q, k and v left as they were. Against the references (`store_kv_ref`, `paged_attention_ref`,
+    which round after every rotary step): the same output and K within tolerance, V exactly, every
+    slot but the new tokens' keeps its bits, padding rows (context_len 0) give zeros."""
+    m, scale = step.meta, step.q.shape[-1] ** -0.5
+    rotary = step.cos is not None
+    inputs = step.q.clone(), step.k.clone(), step.v.clone()
+
+    def decode(q, k_cache, v_cache, new_kv=None):
+        out = nan_like(q)
+        paged_decode_attention_triton(
+            q, k_cache, v_cache, m.block_tables, m.context_lens, m.max_context_len, scale,
+            num_splits=num_splits, out=out, new_kv=new_kv,
+        )  # fmt: skip
+        return out
+
+    k_cache, v_cache = step.k_cache.clone(), step.v_cache.clone()
+    new_kv = NewKV(step.k, step.v, m.slot_mapping, step.cos, step.sin)
+    out = decode(step.q, k_cache, v_cache, new_kv)
+    assert all(torch.equal(a, b) for a, b in zip((step.q, step.k, step.v), inputs))
+
+    two_k, two_v, two_q = step.k_cache.clone(), step.v_cache.clone(), step.q.clone()
+    rotation = Rotary(two_q, step.cos, step.sin) if rotary else None
+    store_kv_triton(two_k, two_v, step.k, step.v, m.slot_mapping, rotation)
+    assert torch.equal(decode(two_q, two_k, two_v), out)
+    assert torch.equal(k_cache, two_k) and torch.equal(v_cache, two_v)
+
+    ref_k, ref_v, ref_q = step.k_cache.clone(), step.v_cache.clone(), step.q.clone()
+    rotation = Rotary(ref_q, step.cos, step.sin) if rotary else None
+    store_kv_ref(ref_k, ref_v, step.k, step.v, m.slot_mapping, rotation)
+    ref = paged_attention_ref(
+        ref_q, ref_k, ref_v, m.block_tables, m.context_lens, m.query_start_loc, 1,
+        m.max_context_len, scale,
+    )  # fmt: skip
+    attends = m.context_lens > 0
+    assert rel_err(out[attends], ref[attends]) < TOLERANCE[dtype]
+    assert torch.equal(out[~attends], torch.zeros_like(out[~attends]))
+    num_kv_heads, head_dim = k_cache.shape[2:]
+    stored = m.slot_mapping[m.slot_mapping >= 0]
+    untouched = torch.ones(k_cache.shape[0] * k_cache.shape[1], dtype=torch.bool, device=DEVICE)
+    untouched[stored] = False
+    k_cache, v_cache, ref_k, ref_v, before_k, before_v = (
+        t.view(-1, num_kv_heads, head_dim)
+        for t in (k_cache, v_cache, ref_k, ref_v, step.k_cache, step.v_cache)
+    )
+    assert torch.equal(k_cache[untouched], before_k[untouched])
+    assert torch.equal(v_cache[untouched], before_v[untouched])
+    assert torch.equal(v_cache[stored], ref_v[stored])
+    if rotary:  # the kernel rounds once, the reference after every step
+        assert rel_err(k_cache[stored], ref_k[stored]) < TOLERANCE[dtype]
+        assert not torch.equal(k_cache[stored], before_k[stored])
+    else:
+        assert torch.equal(k_cache[stored], ref_k[stored])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rotary", [True, False], ids=["rotary", "plain"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_stores_new_kv_in_the_split_kernel(dtype, rotary, num_splits):
+    """GQA (groups of 3), head_dim 24 (its half not a power of 2), blocks of 3 positions. In three
+    splits of 32-position (fp32) or 64-position (fp16) tiles the new position falls in the middle
+    split (100, 40 in fp32, 33 in fp32), the last one (150) or the first (40 and 33 in fp16), and the
+    later splits of a sequence are empty; row 3 is padding (context_len 0, slot -1) and row 4 stores
+    nothing (slot -1) but attends, reading what its slot holds."""
+    skip_bf16_dot_in_interpreter(dtype)
+    step = make_decode_step(
+        [100, 150, 40, 0, 33],
+        no_slot={4},
+        heads=(6, 2),
+        head_dim=24,
+        block_size=3,
+        dtype=dtype,
+        rotary=rotary,
+        seed=13,
+    )
+    check_decode_store(step, dtype, num_splits)
+
+
 # ----------------------------------------------------------------------------------------------- backend
 
 
@@ -511,6 +656,43 @@ def test_backend_stores_then_attends_like_the_reference_backend(rotary):
     else:
         assert torch.equal(out_q, batch.q) and torch.equal(out_k, ref_k)
     assert rel_err(out, ref) < TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("rotary", [True, False], ids=["rotary", "plain"])
+def test_triton_backend_stores_in_the_decode_kernel_like_the_reference_backend(rotary, monkeypatch):
+    """Through ForwardContext at decode (no shared-prefix tiles): the Triton backend launches no store
+    of its own, and gives the reference backend's output and caches (V and unrotated K exactly);
+    a padding row and a slot -1 row among them."""
+    step = make_decode_step(
+        [30, 0, 17, 9],
+        no_slot={3},
+        heads=(4, 2),
+        head_dim=16,
+        block_size=4,
+        dtype=torch.float32,
+        rotary=rotary,
+        seed=21,
+    )
+    stores = []
+    monkeypatch.setattr(
+        TritonAttentionBackend, "store", staticmethod(lambda *args: stores.append(args))
+    )
+    outs = []
+    for backend in (TorchAttentionBackend(), TritonAttentionBackend()):
+        pool_k, pool_v = step.k_cache.clone()[None], step.v_cache.clone()[None]  # one layer
+        ctx = ForwardContext(meta=step.meta, k_cache=pool_k, v_cache=pool_v, backend=backend)
+        q = step.q.clone()
+        out = ctx.attention(0, q, step.k, step.v, scale=0.25, cos=step.cos, sin=step.sin)
+        outs.append((out, pool_k, pool_v))
+    assert not stores
+    (ref, ref_k, ref_v), (out, out_k, out_v) = outs
+    attends = step.meta.context_lens > 0
+    assert rel_err(out[attends], ref[attends]) < TOLERANCE[torch.float32]
+    assert torch.equal(out_v, ref_v)
+    if rotary:  # the kernel rounds once, the reference after every step
+        assert rel_err(out_k, ref_k) < TOLERANCE[torch.float32]
+    else:
+        assert torch.equal(out_k, ref_k)
 
 
 # --------------------------------------------------------------------------------------------- GPU sizes
@@ -635,9 +817,33 @@ def test_store_and_copy_gpu(dtype):
 
 
 @gpu_test
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rotary", [True, False], ids=["rotary", "plain"])
+def test_decode_store_gpu(dtype, rotary):
+    """The split kernel storing the new K/V itself at batch 300, llama's heads, long and short
+    contexts, a few padding rows and slot -1 rows, with the splits the grid picks and with 7."""
+    context_lens = random_lengths(300, 1, 2000, seed=17)
+    context_lens[::50] = [0] * 6
+    step = make_decode_step(
+        context_lens,
+        no_slot=set(range(7, 300, 40)),
+        heads=(32, 8),
+        head_dim=128,
+        block_size=16,
+        dtype=dtype,
+        rotary=rotary,
+        seed=17,
+    )
+    for num_splits in (None, 7):
+        poison_allocator()
+        check_decode_store(step, dtype, num_splits)
+
+
+@gpu_test
 def test_decode_step_replays_in_a_cuda_graph():
-    """Capture rotary + store + attend once, then change lengths, tables and inputs in place and replay: the
-    graph must compute the new step exactly like the reference (no host sync, no length-dependent grid)."""
+    """Capture rotary + store + attend once (one launch fewer: the decode kernel stores), then change
+    lengths, tables and inputs in place and replay: the graph must compute the new step exactly like
+    the reference (no host sync, no length-dependent grid)."""
     batch_size, heads, head_dim, block_size, max_len = 64, (32, 8), 128, 16, 4096
     num_blocks = batch_size * max_len // block_size
     gen = torch.Generator("cuda").manual_seed(9)
@@ -714,8 +920,8 @@ def test_decode_step_replays_in_a_cuda_graph():
         )
         graph.replay()
         torch.cuda.synchronize()
-        # rotated k and q: the kernel rounds once, the reference after every step (an ulp apart)
+        # rotated k: the kernel rounds once, the reference after every step (an ulp apart); q is
+        # rotated in the decode kernel's registers, not in memory
         assert torch.allclose(k_pool.float(), k_ref.float(), rtol=2e-2, atol=2e-2)
-        assert torch.allclose(q.float(), q_ref.float(), rtol=2e-2, atol=2e-2)
         assert torch.equal(v_pool, v_ref)
         assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]

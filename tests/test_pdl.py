@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from kernels import pdl
 from kernels.activation import silu_and_mul_triton
 from kernels.argmax import argmax_triton
-from kernels.paged_attention import paged_decode_attention_triton
+from kernels.paged_attention import NewKV, paged_decode_attention_triton
 from kernels.rms_norm import rms_norm_triton
 from kernels.rotary import Rotary
 from kernels.skinny_gemm import linear_triton
@@ -47,23 +47,21 @@ def test_on_from_hopper_unless_switched_off(monkeypatch):
 
 def decode_layers(x, weights, k_cache, v_cache, tables, lens, slots, cos, sin):
     """``LAYERS`` pre-norm decoder layers for one token, then the argmax over a vocabulary: each
-    Triton kernel a decode step launches, with a cuBLAS matmul (no PDL) between them."""
+    Triton kernel a decode step launches, with a cuBLAS matmul (no PDL) between them. Even layers
+    store K/V in the decode kernel (the engine's decode), odd ones in the store kernel before it
+    (its decode with shared-prefix tiles)."""
     residual = None
-    for w in weights:
+    for layer, w in enumerate(weights):
         h, residual = rms_norm_triton(x, w["norm"], 1e-6, residual)
         qkv = linear_triton(h, w["qkv"])
         q, k, v = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=1)
         q = q.view(-1, HEADS, HEAD_DIM)
-        store_kv_triton(
-            k_cache,
-            v_cache,
-            k.view(-1, KV_HEADS, HEAD_DIM),
-            v.view(-1, KV_HEADS, HEAD_DIM),
-            slots,
-            Rotary(q, cos, sin),
-        )
+        k, v = k.view(-1, KV_HEADS, HEAD_DIM), v.view(-1, KV_HEADS, HEAD_DIM)
+        new_kv = NewKV(k, v, slots, cos, sin) if layer % 2 == 0 else None
+        if new_kv is None:
+            store_kv_triton(k_cache, v_cache, k, v, slots, Rotary(q, cos, sin))
         attn = paged_decode_attention_triton(
-            q, k_cache, v_cache, tables, lens, CONTEXT, HEAD_DIM**-0.5, num_splits=4
+            q, k_cache, v_cache, tables, lens, CONTEXT, HEAD_DIM**-0.5, num_splits=4, new_kv=new_kv
         )
         x = linear_triton(attn.view(-1, HEADS * HEAD_DIM), w["o"])
         h, residual = rms_norm_triton(x, w["norm"], 1e-6, residual)

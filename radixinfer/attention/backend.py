@@ -66,7 +66,7 @@ class AttentionBackend(Protocol):
     """Stores new K/V into paged slots and computes attention of the new tokens over the cache.
 
     ``k_cache``/``v_cache`` are one layer's pages: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
-    `planner` gives the host-side planner of the metadata this backend's `attend` reads beyond the
+    `planner` gives the host-side planner of the metadata this backend's attention reads beyond the
     block tables, for one model's head layout; the runner asks it every step.
     """
 
@@ -74,34 +74,38 @@ class AttentionBackend(Protocol):
         self, block_size: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype
     ) -> AttentionPlanner: ...
 
-    def store_kv(
+    def store_and_attend(
         self,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
-        rotary: Rotary | None,
-    ) -> None:
-        """Write K and V into their slots; given a `Rotary`, rotary embedding first: its q rotated
-        in place (every row), k rotated on its way to the cache (``k`` itself only read)."""
-        ...
-
-    def attend(
-        self,
-        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
-    ) -> torch.Tensor: ...  # [num_tokens, num_heads, head_dim]
+        cos: torch.Tensor | None = None,  # [num_tokens, head_dim // 2]
+        sin: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Write K and V into their slots (``meta.slot_mapping``, -1 = skip), then attend every new
+        token over the cache: the result of storing the whole batch before any token attends. At
+        decode a backend may instead store each sequence's K/V right before that sequence attends
+        (the Triton backend does, in one launch): no decode sequence reads a slot another one
+        writes in the same step (slots are write-once, docs/invariants.md).
+
+        Given ``cos``/``sin``, rotary embedding first: q and k rotated (k on its way to the cache).
+        ``k`` and ``v`` are only read; q, k and v may be views into one fused qkv projection. q's
+        contents afterwards are unspecified (rotated in place, or left as they were): nothing may
+        read q after this."""
+        ...
 
 
 class KernelBackend:
     """An `AttentionBackend` made of two functions of `kernels/`: `store` (`store_kv_ref`'s
     arguments: rotary and the store in one call) and `attention` (`paged_attention_ref`'s
-    arguments, read from the metadata, then the keyword arguments `attention_options` gives).
-    Subclasses set `name` and both functions (as static methods), and write `planner`."""
+    arguments, read from the metadata, then the keyword arguments `attention_options` gives),
+    which `store_and_attend` runs one after the other. Subclasses set `name` and both functions
+    (as static methods), and write `planner`; one that can fuse the two overrides
+    `store_and_attend`."""
 
     name: ClassVar[str]
     store: Callable[..., None]
@@ -116,16 +120,22 @@ class KernelBackend:
         """What `attention` reads of the metadata beyond the reference's arguments: nothing here."""
         return {}
 
-    def store_kv(
+    def store_and_attend(
         self,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
+        q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        rotary: Rotary | None,
-    ) -> None:
-        self.store(k_cache, v_cache, k, v, slot_mapping, rotary)
+        meta: AttentionMetadata,
+        scale: float,
+        cos: torch.Tensor | None = None,
+        sin: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`store` for the whole batch (q rotated in place), then `attend`."""
+        rotary = Rotary(q, cos, sin) if cos is not None else None
+        self.store(k_cache, v_cache, k, v, meta.slot_mapping, rotary)
+        return self.attend(q, k_cache, v_cache, meta, scale)
 
     def attend(
         self,
@@ -171,14 +181,14 @@ class ForwardContext:
         cos: torch.Tensor | None = None,
         sin: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Store this layer's new K/V, then attend over the cache. Returns ``[num_tokens, num_heads, head_dim]``.
-        Given ``cos``/``sin`` (``[num_tokens, head_dim // 2]``), q and k are rotated first, in the
-        store's launch (`AttentionBackend.store_kv`); q is rotated in place.
+        """Store this layer's new K/V, then attend over the cache (`AttentionBackend.store_and_attend`).
+        Returns ``[num_tokens, num_heads, head_dim]``. Given ``cos``/``sin`` (``[num_tokens, head_dim //
+        2]``), q and k are rotated first, in the store's launch or, at decode on the Triton backend, in
+        the attention's; q must not be read afterwards (it may or may not be rotated in place).
 
-        Storing for the whole batch before attending is what lets a request read, in the same forward,
-        prefix K/V that another request of the batch is computing (in-batch prefix sharing).
+        The result is that of storing for the whole batch before attending, which is what lets a request
+        read, in the same forward, prefix K/V that another request of the batch is computing (in-batch
+        prefix sharing, at prefill).
         """
         k_layer, v_layer = self.k_cache[layer], self.v_cache[layer]
-        rotary = Rotary(q, cos, sin) if cos is not None else None
-        self.backend.store_kv(k_layer, v_layer, k, v, self.meta.slot_mapping, rotary)
-        return self.backend.attend(q, k_layer, v_layer, self.meta, scale)
+        return self.backend.store_and_attend(k_layer, v_layer, q, k, v, self.meta, scale, cos, sin)

@@ -4,8 +4,10 @@ CUDA-graph capture (decode): every launch here has a grid fixed by host ints and
 captured batch size keep fixed: ``num_tokens == num_seqs``, the block-table width and ``max_context_len``
 (it picks the decode split count; capture with the largest context the graph will serve — correctness
 never depends on it, only the split count does). Pad unused rows with slot -1 and context_len 0 (they
-store nothing and attend to nothing). The decode workspace (``[num_seqs, num_heads, num_splits, head_dim]``
-f32 when more than one split) is allocated per call, from the graph's pool when capturing.
+store nothing and attend to nothing). Without shared-prefix tiles the decode split kernel stores the new
+K/V itself (`TritonAttentionBackend.store_and_attend`), under the same rules. The decode workspace
+(``[num_seqs, num_heads, num_splits, head_dim]`` f32 when more than one split) is allocated per call,
+from the graph's pool when capturing.
 
 CUDA-graph capture (prefill): the extend grid is the work list's capacity, so a captured token bucket keeps
 fixed the token count, the sequence count (padding sequences have query length 0 and context length 0),
@@ -21,8 +23,10 @@ import numpy as np
 import torch
 
 from kernels.paged_attention import (
+    NewKV,
     extend_block_m,
     paged_attention_triton,
+    paged_decode_attention_triton,
     plan_extend_work,
     shared_prefix_seqs_per_tile,
 )
@@ -90,3 +94,32 @@ class TritonAttentionBackend(KernelBackend):
         """The decode kernel runs when ``meta.is_decode`` (with ``meta.shared_prefix``'s tiles when
         set), the extend kernel over ``meta.extend_work`` otherwise."""
         return {"shared": meta.shared_prefix, "extend_work": meta.extend_work}
+
+    def store_and_attend(
+        self,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        cos: torch.Tensor | None = None,
+        sin: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """At decode without shared-prefix tiles, one launch fewer: the decode split kernel stores
+        the new K/V (rotating q in registers, k on its way) before it attends (`NewKV`). Otherwise
+        the store's launch, then attention: the shared-prefix tile kernel reads rotated q from memory
+        and other sequences' positions, and an extend token reads its batch's other new tokens."""
+        if not meta.is_decode or meta.shared_prefix is not None:
+            return super().store_and_attend(k_cache, v_cache, q, k, v, meta, scale, cos, sin)
+        return paged_decode_attention_triton(
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.context_lens,
+            meta.max_context_len,
+            scale,
+            new_kv=NewKV(k, v, meta.slot_mapping, cos, sin),
+        )

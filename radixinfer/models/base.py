@@ -53,8 +53,8 @@ class AttentionLayer(nn.Module):
         """Store this layer's new K/V and attend over the cache (`ForwardContext.attention`):
         ``q [T, num_heads, head_dim]``, ``k``, ``v [T, num_kv_heads, head_dim]`` ->
         ``[T, num_heads * head_dim]``, the heads side by side as the output projection reads them.
-        With ``cos``/``sin`` ``[T, head_dim // 2]``, rotary embedding of q (in place) and k comes
-        first, in the same launch as the store."""
+        With ``cos``/``sin`` ``[T, head_dim // 2]``, rotary embedding of q and k comes first, in
+        the same launch as the store; q must not be read afterwards."""
         return ctx.attention(self.layer_idx, q, k, v, self.scale, cos, sin).flatten(1)
 
 

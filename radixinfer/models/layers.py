@@ -8,7 +8,7 @@ parameters, as a `CheckpointTensor` it reads only the needed part of. Modules wi
 The element-wise steps between the matmuls (residual add + RMSNorm, SwiGLU's gate) are fused ops from
 ``kernels/``, chosen per call by `by_device`: their Triton kernels on CUDA, their PyTorch references elsewhere
 (on the CPU the models then compute exactly what transformers' models compute). Rotary embedding is fused
-into the attention backend's KV store instead (`radixinfer.attention.backend.AttentionBackend.store_kv`),
+into the attention backend's KV store instead (`radixinfer.attention.backend.AttentionBackend.store_and_attend`),
 which the device chooses the same way. The linear layers run ``F.linear`` (cuBLAS) except for
 half-precision batches of 1-2 tokens on weights of up to 64 MiB (128 MiB where a row fits one weight
 tile) on CUDA, which take the skinny GEMM (`use_skinny_gemm`); SwiGLU's gate/up projection then computes

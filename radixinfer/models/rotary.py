@@ -5,7 +5,7 @@ Supported ``rope_type``: ``default``, ``linear`` and ``llama3``; read from ``rop
 
 This module makes the cos/sin tables; the rotation is applied by each attention layer's KV store
 (``attend(..., cos, sin)``, `kernels/store_kv.py`), which rotates q and k in the launch that stores
-K and V.
+K and V (at decode without shared-prefix tiles, the decode attention's launch, which stores them).
 """
 
 from __future__ import annotations
