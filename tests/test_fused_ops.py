@@ -135,25 +135,29 @@ def test_argmax_matches_reference_first_index_of_ties(dtype, vocab, chunks):
 # ------------------------------------------------------------------------------------------------- models
 
 
-def model_logits(model, dtype, use_triton, monkeypatch) -> torch.Tensor:
+def model_logits(model, dtype, use_triton, monkeypatch, decode=False) -> torch.Tensor:
     """A ragged prefill of two prompts (5 and 11 tokens, block size 4) with the fused ops' and the
     attention backend's Triton kernels (``use_triton``: in the interpreter without CUDA) or their
-    references; logits of every token."""
+    references; logits of every token. ``decode``: then one decode step of both sequences (a token
+    each, at positions 5 and 11), and its logits: on the Triton path the step that stores K/V in the
+    decode kernel and, in half precision, takes the skinny GEMM (SiLU-and-mul in its epilogue)."""
     monkeypatch.setattr(layers, "use_triton", lambda x: use_triton)
     backend = TritonAttentionBackend() if use_triton else TorchAttentionBackend()
     gen = torch.Generator().manual_seed(0)
     lens, block_size = [5, 11], 4
     tables = [[0, 1], [2, 3, 4]]
+    block_tables = torch.tensor(
+        [t + [0] * (3 - len(t)) for t in tables], dtype=torch.int32, device=DEVICE
+    )
+
+    def slot(seq, pos):
+        return tables[seq][pos // block_size] * block_size + pos % block_size
+
     positions = [p for n in lens for p in range(n)]
     seq_of = [s for s, n in enumerate(lens) for _ in range(n)]
-    slots = [
-        tables[s][p // block_size] * block_size + p % block_size for s, p in zip(seq_of, positions)
-    ]
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, device=DEVICE),
-        block_tables=torch.tensor(
-            [t + [0] * (3 - len(t)) for t in tables], dtype=torch.int32, device=DEVICE
-        ),
+        slot_mapping=torch.tensor([slot(s, p) for s, p in zip(seq_of, positions)], device=DEVICE),
+        block_tables=block_tables,
         context_lens=torch.tensor(lens, dtype=torch.int32, device=DEVICE),
         query_start_loc=torch.tensor([0, 5, 16], dtype=torch.int32, device=DEVICE),
         max_query_len=11,
@@ -167,21 +171,37 @@ def model_logits(model, dtype, use_triton, monkeypatch) -> torch.Tensor:
         planner.plan_extend_work(np.array(lens), np.array(lens), work)
         meta = dataclasses.replace(meta, extend_work=torch.from_numpy(work).to(DEVICE))
     ctx = ForwardContext(meta, k_cache, v_cache, backend)
-    input_ids = torch.randint(256, (sum(lens),), generator=gen).to(DEVICE)
+    input_ids = torch.randint(256, (sum(lens) + len(lens),), generator=gen).to(DEVICE)
     with torch.inference_mode():
-        return model.compute_logits(model(input_ids, torch.tensor(positions, device=DEVICE), ctx))
+        logits = model.compute_logits(
+            model(input_ids[: sum(lens)], torch.tensor(positions, device=DEVICE), ctx)
+        )
+        if not decode:
+            return logits
+        step = AttentionMetadata(
+            slot_mapping=torch.tensor([slot(s, n) for s, n in enumerate(lens)], device=DEVICE),
+            block_tables=block_tables,
+            context_lens=torch.tensor([n + 1 for n in lens], dtype=torch.int32, device=DEVICE),
+            query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE),
+            max_query_len=1,
+            max_context_len=max(lens) + 1,
+        )
+        ctx = ForwardContext(step, k_cache, v_cache, backend)
+        new_positions = torch.tensor(lens, device=DEVICE)
+        return model.compute_logits(model(input_ids[sum(lens) :], new_positions, ctx))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("arch", ["llama3", "qwen3"])  # qwen3: the per-head q/k norms
-def test_llama_family_forward_through_kernels_matches_references(arch, dtype, monkeypatch):
+@pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
+def test_llama_family_forward_through_kernels_matches_references(arch, dtype, decode, monkeypatch):
     if not rounds_like_torch(dtype):
         pytest.skip(
             "the interpreter's truncation to bf16 drifts over a whole model; bf16 is checked per kernel"
         )
     model = load_model(ARCHS[arch][1], DEVICE, dtype, seed=1).model
-    ref = model_logits(model, dtype, use_triton=False, monkeypatch=monkeypatch)
-    out = model_logits(model, dtype, use_triton=True, monkeypatch=monkeypatch)
+    ref = model_logits(model, dtype, False, monkeypatch, decode)
+    out = model_logits(model, dtype, True, monkeypatch, decode)
     # large random weights amplify each rounding difference (rotary rounds once) through the layers: fp16 drifts
     # by ~1e-3, bf16 (3 mantissa bits fewer) by ~1e-2; a wrong kernel is off by O(1)
     assert (
