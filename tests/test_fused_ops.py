@@ -185,6 +185,7 @@ def model_logits(model, dtype, use_triton, monkeypatch, decode=False) -> torch.T
             query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE),
             max_query_len=1,
             max_context_len=max(lens) + 1,
+            new_slots_private=True,
         )
         ctx = ForwardContext(step, k_cache, v_cache, backend)
         new_positions = torch.tensor(lens, device=DEVICE)

@@ -516,6 +516,7 @@ def make_decode_step(
         batch.meta,
         slot_mapping=torch.tensor(slots, device=DEVICE),
         context_lens=torch.tensor(context_lens, dtype=torch.int32, device=DEVICE),
+        new_slots_private=True,  # every sequence in its own blocks, as a decode step is
     )
     return DecodeStep(
         q.view(n, num_heads, head_dim),
@@ -695,6 +696,35 @@ def test_triton_backend_stores_in_the_decode_kernel_like_the_reference_backend(r
         assert torch.equal(out_k, ref_k)
 
 
+@pytest.mark.parametrize("rotary", [True, False], ids=["rotary", "plain"])
+def test_a_prefill_pass_of_one_token_a_sequence_stores_the_whole_batch_first(rotary):
+    """In-batch dedup: sequence 1 computes position 7 of a prompt; sequence 0, the same prompt and one
+    token more, reads that position from sequence 1's block while computing position 8, in the same
+    pass. One new token each is the decode kernel's shape, but the pass is not a decode step
+    (``new_slots_private`` False): the Triton backend must store every new K/V before anyone attends.
+    Sequence 0 comes first so that Triton's interpreter, running programs in order, would have it read
+    the slot before sequence 1's program wrote it, were the store fused."""
+    step = make_decode_step(
+        [9, 8],
+        no_slot=set(),
+        heads=(4, 2),
+        head_dim=16,
+        block_size=4,
+        dtype=torch.float32,
+        rotary=rotary,
+        seed=5,
+    )
+    tables = step.meta.block_tables.clone()
+    tables[0, :2] = tables[1, :2]  # sequence 0's positions 0-7 are sequence 1's (its new one too)
+    meta = dataclasses.replace(step.meta, block_tables=tables, new_slots_private=False)
+    outs = []
+    for backend in (TorchAttentionBackend(), TritonAttentionBackend()):
+        pool_k, pool_v = step.k_cache.clone()[None], step.v_cache.clone()[None]  # one layer
+        ctx = ForwardContext(meta=meta, k_cache=pool_k, v_cache=pool_v, backend=backend)
+        outs.append(ctx.attention(0, step.q.clone(), step.k, step.v, 0.25, step.cos, step.sin))
+    assert rel_err(outs[1], outs[0]) < TOLERANCE[torch.float32]
+
+
 # --------------------------------------------------------------------------------------------- GPU sizes
 
 
@@ -870,6 +900,7 @@ def test_decode_step_replays_in_a_cuda_graph():
         query_start_loc=torch.arange(batch_size + 1, dtype=torch.int32, device="cuda"),
         max_query_len=1,
         max_context_len=max_len,
+        new_slots_private=True,
     )
     ctx = ForwardContext(
         meta=meta, k_cache=k_pool, v_cache=v_pool, backend=TritonAttentionBackend()

@@ -87,10 +87,11 @@ class AttentionBackend(Protocol):
         sin: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Write K and V into their slots (``meta.slot_mapping``, -1 = skip), then attend every new
-        token over the cache: the result of storing the whole batch before any token attends. At
-        decode a backend may instead store each sequence's K/V right before that sequence attends
-        (the Triton backend does, in one launch): no decode sequence reads a slot another one
-        writes in the same step (slots are write-once, docs/invariants.md).
+        token over the cache: the result of storing the whole batch before any token attends. Where
+        ``meta.new_slots_private`` (the engine's decode steps: no sequence reads a slot another one
+        writes in the same step) a backend may instead store each sequence's K/V right before that
+        sequence attends (the Triton backend does, in one launch). A prefill pass never allows it,
+        even at one new token a sequence: in-batch dedup reads the pass's other new tokens.
 
         Given ``cos``/``sin``, rotary embedding first: q and k rotated (k on its way to the cache).
         ``k`` and ``v`` are only read; q, k and v may be views into one fused qkv projection. q's
@@ -183,7 +184,7 @@ class ForwardContext:
     ) -> torch.Tensor:
         """Store this layer's new K/V, then attend over the cache (`AttentionBackend.store_and_attend`).
         Returns ``[num_tokens, num_heads, head_dim]``. Given ``cos``/``sin`` (``[num_tokens, head_dim //
-        2]``), q and k are rotated first, in the store's launch or, at decode on the Triton backend, in
+        2]``), q and k are rotated first, in the store's launch or, at a decode step on the Triton backend, in
         the attention's; q must not be read afterwards (it may or may not be rotated in place).
 
         The result is that of storing for the whole batch before attending, which is what lets a request

@@ -52,6 +52,12 @@ class AttentionMetadata:
     # prefill on the Triton backend: the extend kernel's work items, [2, capacity] int32 from
     # `plan_extend_work` (its capacity, not the batch's split, sets the grid; other backends ignore it)
     extend_work: torch.Tensor | None = None
+    # True for the engine's decode steps: no sequence reads another's new slot in this forward (a new
+    # token's slot is in its sequence's own block; copy-on-write ran before). Then a backend may store each
+    # sequence's K/V just before that sequence attends instead of the whole batch's first (the Triton
+    # decode kernel does). False for prefill passes, even with one new token a sequence: in-batch dedup
+    # lets a sequence read positions another sequence of the pass is computing.
+    new_slots_private: bool = False
 
     @property
     def num_seqs(self) -> int:

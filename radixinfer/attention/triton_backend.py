@@ -107,11 +107,12 @@ class TritonAttentionBackend(KernelBackend):
         cos: torch.Tensor | None = None,
         sin: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """At decode without shared-prefix tiles, one launch fewer: the decode split kernel stores
-        the new K/V (rotating q in registers, k on its way) before it attends (`NewKV`). Otherwise
-        the store's launch, then attention: the shared-prefix tile kernel reads rotated q from memory
-        and other sequences' positions, and an extend token reads its batch's other new tokens."""
-        if not meta.is_decode or meta.shared_prefix is not None:
+        """At a decode step without shared-prefix tiles, one launch fewer: the decode split kernel
+        stores the new K/V (rotating q in registers, k on its way) before it attends (`NewKV`), which
+        needs ``meta.new_slots_private``. Otherwise the store's launch, then attention: the
+        shared-prefix tile kernel reads rotated q from memory and other sequences' positions, and a
+        prefill token (the decode kernel's shape or not) may read new tokens of other sequences."""
+        if not (meta.is_decode and meta.new_slots_private) or meta.shared_prefix is not None:
             return super().store_and_attend(k_cache, v_cache, q, k, v, meta, scale, cos, sin)
         return paged_decode_attention_triton(
             q,

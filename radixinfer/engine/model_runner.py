@@ -308,7 +308,9 @@ class ModelRunner:
         allocated)."""
         buf = self._decode_buffers
         num_tiles = self._planner.max_shared_prefix_tiles(num_seqs) if shared else 0
-        meta = buf.metadata(num_seqs, num_seqs, 1, max_context_len, num_tiles)
+        meta = buf.metadata(
+            num_seqs, num_seqs, 1, max_context_len, num_tiles, new_slots_private=True
+        )
         return self.model.compute_logits(self._forward(buf, num_seqs, meta), out=logits)
 
     def _forward(self, buf: StepBuffers, num_tokens: int, meta: AttentionMetadata) -> torch.Tensor:

@@ -287,10 +287,12 @@ class StepBuffers:
         max_context_len: int,
         num_tiles: int = 0,
         num_work: int = 0,
+        new_slots_private: bool = False,
     ) -> AttentionMetadata:
         """``num_tiles`` > 0: decode reads shared prefixes through the first ``num_tiles`` tiles (the grid;
         tiles past what the planner filled have length 0). ``num_work``: the extend kernel's grid, the first
-        ``num_work`` items of the work list (items past the plan are idle)."""
+        ``num_work`` items of the work list (items past the plan are idle). ``new_slots_private``: a
+        decode step's (`AttentionMetadata.new_slots_private`)."""
         shared = None
         if num_tiles:
             shared = SharedPrefixTiles(
@@ -309,4 +311,5 @@ class StepBuffers:
             extend_work=self._dev("work").view(2, self.max_work)[:, :num_work]
             if num_work
             else None,
+            new_slots_private=new_slots_private,
         )
