@@ -149,12 +149,12 @@ def _skinny_gemm_kernel(
     num_steps = tl.cdiv(tl.cdiv(N, BLOCK_N) - first, programs) * k_tiles
     rows, offs_n, offs_k = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_K)
     row_mask = rows < M
-    up_ptr = w_ptr + N.to(tl.int64) * K  # GATED: the up rows
     # the first tile's weight, before the wait: nothing in the step writes it
     w = _weight_tile(
         w_ptr, 0, first, programs, k_tiles, num_steps, N, K, offs_n, offs_k, BLOCK_N, BLOCK_K
     )
     if GATED:
+        up_ptr = w_ptr + N.to(tl.int64) * K  # the up rows
         w_up = _weight_tile(
             up_ptr, 0, first, programs, k_tiles, num_steps, N, K, offs_n, offs_k, BLOCK_N, BLOCK_K
         )
@@ -236,6 +236,7 @@ def _launch(
     config: GemmConfig | None,
     gated: bool,
 ) -> torch.Tensor:
+    """One launch of the kernel: `linear_triton`'s, or with ``gated`` `linear_silu_and_mul_triton`'s."""
     m, k = x.shape
     rows = weight.shape[0]
     n = rows // 2 if gated else rows  # output columns
