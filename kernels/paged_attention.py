@@ -63,8 +63,8 @@ import triton.language as tl
 
 from kernels.device import num_sms
 from kernels.pdl import launch_options, let_next_kernel_start, wait_for_inputs
-from kernels.rotary import load_rotated_rows
-from kernels.store_kv import store_kv_rows
+from kernels.rotary import load_cos_sin, load_rotated_rows
+from kernels.store_kv import slot_offset, store_kv_rows
 
 
 def paged_attention_ref(
@@ -320,13 +320,10 @@ def _decode_split_kernel(
     if STORE_KV:
         if (hi > lo) & (hi == context_len):  # the split that holds the new position
             slot = tl.load(slot_mapping_ptr + seq).to(tl.int64)
-            dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
-            dst += kv_head * stride_ch
+            dst = slot_offset(slot, BLOCK_SIZE, stride_cb, stride_cs) + kv_head * stride_ch
             cos, sin = None, None  # read only with ROTARY
             if ROTARY:
-                half = tl.arange(0, BLOCK_HALF)[None, :]
-                cos = tl.load(cos_row + half, mask=half < HEAD_DIM // 2).to(tl.float32)
-                sin = tl.load(sin_row + half, mask=half < HEAD_DIM // 2).to(tl.float32)
+                cos, sin = load_cos_sin(cos_row, sin_row, HEAD_DIM // 2, BLOCK_HALF)
             store_kv_rows(
                 k_ptr + seq * stride_kt + kv_head * stride_kh,
                 v_ptr + seq * stride_vt + kv_head * stride_vh,

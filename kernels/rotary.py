@@ -5,7 +5,7 @@ No kernel of its own: the attention layer's store step applies it on the way (`k
 rotates q in place and k into the cache in the launch that stores K and V; at decode without
 shared-prefix tiles the decode attention's split kernel stores K and V itself and rotates q in
 registers, `kernels/paged_attention.py`). Here are `rotated`, the PyTorch reference; the Triton helpers
-those kernels inline: `load_rotated` (a row's two halves apart) and `load_rotated_rows` (whole rows,
+those kernels inline: `load_cos_sin` (a token's cos/sin rows), `load_rotated` (a row's two halves apart) and `load_rotated_rows` (whole rows,
 from `load_rotated`, so both give the same bits); and `Rotary`, what the store step is given to
 rotate.
 
@@ -46,6 +46,16 @@ def rotated(
     x1, x2 = x.chunk(2, dim=-1)
     cos, sin = cos[:, None], sin[:, None]  # [T, 1, head_dim // 2]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+@triton.jit
+def load_cos_sin(cos_row, sin_row, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """A token's cos and sin rows (pointers to their first element), ``[1, BLOCK_HALF]`` float32, as
+    `load_rotated` takes them."""
+    half = tl.arange(0, BLOCK_HALF)[None, :]
+    cos = tl.load(cos_row + half, mask=half < HALF).to(tl.float32)
+    sin = tl.load(sin_row + half, mask=half < HALF).to(tl.float32)
+    return cos, sin
 
 
 @triton.jit

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from kernels.pdl import launch_options, let_next_kernel_start, wait_for_inputs
-from kernels.rotary import Rotary, load_rotated, rotated
+from kernels.rotary import Rotary, load_cos_sin, load_rotated, rotated
 
 
 def store_kv_ref(
@@ -38,6 +38,13 @@ def store_kv_ref(
     slots = slot_mapping[keep]
     k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)
     v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
+
+
+@triton.jit
+def slot_offset(slot, BLOCK_SIZE: tl.constexpr, stride_cb, stride_cs):
+    """Where slot ``slot`` (int64) starts in a cache ``[num_blocks, BLOCK_SIZE, heads, head_dim]`` of
+    block and position strides ``stride_cb``/``stride_cs``, in elements (its head 0)."""
+    return (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
 
 
 @triton.jit
@@ -117,15 +124,16 @@ def _store_kv_kernel(
     if ROTARY:
         HALF: tl.constexpr = HEAD_DIM // 2
         half = tl.arange(0, BLOCK_HALF)[None, :]
-        cos = tl.load(cos_ptr + token * stride_ct + half, mask=half < HALF).to(tl.float32)
-        sin = tl.load(sin_ptr + token * stride_ct + half, mask=half < HALF).to(tl.float32)
+        cos, sin = load_cos_sin(
+            cos_ptr + token * stride_ct, sin_ptr + token * stride_ct, HALF, BLOCK_HALF
+        )
         q_heads = tl.arange(0, BLOCK_QH)[:, None]
         q_mask = (q_heads < NUM_Q_HEADS) & (half < HALF)
         q_first = q_ptr + token * stride_qt + q_heads * stride_qh + half
         q1, q2 = load_rotated(q_first, cos, sin, q_mask, HALF)
         tl.store(q_first, q1, mask=q_mask)  # the store rounds to q's dtype
         tl.store(q_first + HALF, q2, mask=q_mask)
-    dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + heads * stride_ch
+    dst = slot_offset(slot, BLOCK_SIZE, stride_cb, stride_cs) + heads * stride_ch
     store_kv_rows(
         k_ptr + token * stride_kt + heads * stride_kh,
         v_ptr + token * stride_vt + heads * stride_vh,
