@@ -5,9 +5,9 @@ No kernel of its own: the attention layer's store step applies it on the way (`k
 rotates q in place and k into the cache in the launch that stores K and V; at decode without
 shared-prefix tiles the decode attention's split kernel stores K and V itself and rotates q in
 registers, `kernels/paged_attention.py`). Here are `rotated`, the PyTorch reference; the Triton helpers
-those kernels inline: `load_cos_sin` (a token's cos/sin rows), `load_rotated` (a row's two halves apart) and `load_rotated_rows` (whole rows,
-from `load_rotated`, so both give the same bits); and `Rotary`, what the store step is given to
-rotate.
+those kernels inline: `load_cos_sin` (a token's cos/sin rows), `load_rotated` (a row's two halves apart)
+and `load_rotated_rows` (whole rows, from `load_rotated`, so both give the same bits); and `Rotary`, what
+the store step is given to rotate.
 
 Eagerly ``rotate_half`` costs about seven element-wise kernels per tensor (chunk, four products, a sum, a
 difference, a cat) and a copy. The store kernel rotates in float32 and rounds once; the reference rounds after
