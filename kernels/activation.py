@@ -21,6 +21,16 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:  # [T, 2 * I] (gate | up)
 
 
 @triton.jit
+def silu_times(gate, up, DTYPE: tl.constexpr):
+    """``silu(gate) * up`` in float32 with the eager model's roundings: SiLU rounded to ``DTYPE`` before
+    the product, which the caller's store rounds. ``gate`` and ``up``: float32 holding ``DTYPE`` values
+    (the projection's output as the eager model would have stored it). The fused gate/up projection's
+    epilogue (`kernels/skinny_gemm.py`) computes it too."""
+    act = (gate / (1.0 + tl.exp(-gate))).to(DTYPE).to(tl.float32)
+    return act * up
+
+
+@triton.jit
 def _silu_and_mul_kernel(
     x_ptr, out_ptr, stride_xt, INTER: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
 ):
@@ -32,10 +42,8 @@ def _silu_and_mul_kernel(
     mask = cols < INTER
     gate = tl.load(x_ptr + token * stride_xt + cols, mask=mask).to(tl.float32)
     up = tl.load(x_ptr + token * stride_xt + INTER + cols, mask=mask).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(
-        out_ptr + token * INTER + cols, act * up, mask=mask
-    )  # the store rounds to the model dtype
+    out = silu_times(gate, up, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + token * INTER + cols, out, mask=mask)  # the store rounds to the model dtype
 
 
 def silu_and_mul_triton(

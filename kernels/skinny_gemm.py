@@ -44,7 +44,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.activation import silu_and_mul_ref
+from kernels.activation import silu_and_mul_ref, silu_times
 from kernels.device import num_sms
 from kernels.pdl import launch_options, let_next_kernel_start, wait_for_inputs
 
@@ -186,9 +186,9 @@ def _skinny_gemm_kernel(
                     acc_up += up_bias.to(tl.float32)[None, :]
             if GATED:
                 dtype = out_ptr.dtype.element_ty
-                gate = acc.to(dtype).to(tl.float32)
-                act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-                acc = act * acc_up.to(dtype).to(tl.float32)
+                gate = acc.to(dtype).to(tl.float32)  # rounded as the projection would store it
+                up = acc_up.to(dtype).to(tl.float32)
+                acc = silu_times(gate, up, dtype)
             out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
             out_mask = row_mask[:, None] & col_mask[None, :]
             tl.store(out_ptrs, acc, mask=out_mask)  # rounds to the dtype
